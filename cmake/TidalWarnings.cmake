@@ -1,0 +1,16 @@
+include_guard(GLOBAL)
+include(GNUInstallDirs)
+
+# Applies tidal's warning flags (and TIDAL_WERROR / TIDAL_SANITIZE) to one
+# target, PRIVATE so they never leak into a host project.
+function(tidal_set_warnings target)
+  target_compile_options(${target} PRIVATE
+    -Wall -Wextra -Wpedantic -Wshadow -Wconversion -Wsign-conversion -Wnon-virtual-dtor)
+  if(TIDAL_WERROR)
+    target_compile_options(${target} PRIVATE -Werror)
+  endif()
+  if(TIDAL_SANITIZE)
+    target_compile_options(${target} PRIVATE -fsanitize=${TIDAL_SANITIZE} -fno-omit-frame-pointer -fno-sanitize-recover=all)
+    target_link_options(${target} PRIVATE -fsanitize=${TIDAL_SANITIZE})
+  endif()
+endfunction()

@@ -1,0 +1,206 @@
+// tidal: an embeddable personalization database.
+//
+// #include <tidal/db.h> is all a host needs. A Db lives in one local
+// directory (a RocksDB database). Signals update the user's personal layer
+// and fan out to shared cohort and community aggregates; a user can leave
+// the community layer, after which none of their signals reach a shared
+// aggregate until they rejoin (the "leave gate"). See SPEC.md §3 for the
+// guarantees G1-G8.
+//
+// Durability: community memberships, leaves and rejoins are written to the
+// RocksDB write-ahead log (fsynced when Options::sync_writes) before the call
+// returns and are never lost. Aggregate scores (personal, cohort, community)
+// live in memory and are persisted by flush() and close(): a crash loses the
+// aggregate updates made since the last flush, and nothing else.
+//
+// Thread safety: every Db method may be called from any number of threads.
+#ifndef TIDAL_DB_H_
+#define TIDAL_DB_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tidal/status.h"
+
+namespace tidal {
+
+enum class MembershipStatus : std::uint8_t { Active = 0, Left = 1 };
+
+// A user's state in the community layer. Absent from the Db means Active
+// with no leave time.
+struct CommunityMembership {
+  std::uint64_t user_id = 0;
+  MembershipStatus status = MembershipStatus::Active;
+  std::optional<std::uint64_t> left_at_ns;  // ns since Unix epoch of the last leave
+};
+
+// One entry of a user's leave history: Left = a leave, Active = a rejoin.
+struct MembershipEvent {
+  MembershipStatus status;
+  std::uint64_t at_ns;
+};
+
+struct Signal {
+  std::uint64_t user_id = 0;
+  std::uint64_t item_id = 0;
+  double weight = 1.0;
+};
+
+// The cohorts the host attributes a signal to.
+struct SignalContext {
+  std::vector<std::uint64_t> cohort_ids;
+};
+
+struct SignalOutcome {
+  bool personal_applied = false;           // the user's own layer was updated
+  std::size_t cohorts_attributed = 0;      // cohort aggregates that received the signal
+  std::size_t communities_forwarded = 0;   // community aggregates that received the signal
+  bool gated = false;                      // true when the leave gate held the signal back
+};
+
+enum class ContributionTarget : std::uint8_t { Cohort, Community };
+
+// One addition of a user's signal to a shared aggregate.
+struct Contribution {
+  std::uint64_t user_id;
+  ContributionTarget target;
+  std::uint64_t target_id;
+  std::uint64_t item_id;
+  double weight;
+  std::uint64_t forwarded_at_ns;  // from the Db clock; < left_at_ns of any later leave
+};
+
+// Optional observer of every fan-out. Called synchronously on the signaling
+// thread, possibly from several threads at once. It must not call
+// leave_community_layer (that returns Busy from inside a callback).
+class ContributionSink {
+ public:
+  virtual ~ContributionSink() = default;
+  virtual void on_contribution(const Contribution& c) = 0;
+};
+
+enum class CorruptRecordPolicy {
+  Fail,         // open fails with Corruption naming the user
+  TreatAsLeft,  // the user is gated as Left (no leave time) and counted in Stats
+};
+
+struct Options {
+  // Create the directory and database if missing. Default: true.
+  bool create_if_missing = true;
+  // fsync the WAL before a membership write (join/exit/leave/rejoin) returns. Default: true.
+  bool sync_writes = true;
+  // What open does with an undecodable 0x11 record. Default: Fail.
+  CorruptRecordPolicy corrupt_record_policy = CorruptRecordPolicy::Fail;
+  // Observer of every cohort/community contribution. Default: none.
+  std::shared_ptr<ContributionSink> contribution_sink;
+  // Open without writing anything, even while another process holds the Db;
+  // every write call returns InvalidArgument. Default: false.
+  bool read_only = false;
+  // Wall-clock source in ns since the Unix epoch (for tests). The Db makes
+  // its readings strictly increasing. Default (empty): the system clock.
+  std::function<std::uint64_t()> clock;
+};
+
+// Counters a host would export. Each is a sum since open except users_left,
+// which is the current number of Left users.
+struct Stats {
+  std::uint64_t signals = 0;                  // accepted signal_with_context calls
+  std::uint64_t personal_updates = 0;
+  std::uint64_t cohort_attributions = 0;      // cohort additions
+  std::uint64_t community_forwards = 0;       // community additions
+  std::uint64_t gated_cohort = 0;             // signals the gate held back from cohorts
+  std::uint64_t gated_community = 0;          // signals the gate held back from communities
+  std::uint64_t leaves = 0;                   // leaves that changed state
+  std::uint64_t rejoins = 0;                  // rejoins that changed state
+  std::uint64_t users_left = 0;               // users currently Left
+  std::uint64_t corrupt_records_treated_as_left = 0;  // found at open, TreatAsLeft
+};
+
+// What the gate held back for one user since their last leave (in memory only).
+struct GateActivity {
+  std::uint64_t held_back_signals = 0;
+  std::optional<std::uint64_t> last_held_back_ns;
+};
+
+// The outcome of Db::verify().
+struct VerifyReport {
+  std::uint64_t records_checked = 0;
+  std::vector<std::string> problems;  // one line per problem, naming the key in hex
+  bool ok() const { return problems.empty(); }
+};
+
+class Db {
+ public:
+  // Opens (or creates) the Db in directory `path`. Fails with a Status naming
+  // the path and the cause when the path is held by another handle, is a
+  // file, or is not writable (G8); with Corruption when a leave record does
+  // not decode (under CorruptRecordPolicy::Fail). Every Left user is gated
+  // before open returns (G5).
+  static Result<std::unique_ptr<Db>> open(const std::string& path, const Options& options = {});
+
+  ~Db();
+  Db(const Db&) = delete;
+  Db& operator=(const Db&) = delete;
+
+  // Persists the aggregates, flushes memtables and closes. Idempotent; after
+  // it every call returns Closed (scores return 0).
+  Status close();
+
+  // Persists the aggregates and flushes memtables, keeping the Db open.
+  Status flush();
+
+  // Joins/exits a community. Durable before returning; joining twice or
+  // exiting a community one is not in returns OK and changes nothing.
+  Status join_community(std::uint64_t user_id, std::uint64_t community_id);
+  Status exit_community(std::uint64_t user_id, std::uint64_t community_id);
+  // The user's communities in ascending order (empty when none).
+  Result<std::vector<std::uint64_t>> communities_of(std::uint64_t user_id) const;
+
+  // Applies a signal (SPEC §2). InvalidArgument for a non-finite weight,
+  // with nothing changed.
+  Result<SignalOutcome> signal_with_context(const Signal& signal, const SignalContext& context);
+  // Sums of weights; 0 for what was never touched or on a closed Db.
+  double personal_score(std::uint64_t user_id, std::uint64_t item_id) const;
+  double cohort_score(std::uint64_t cohort_id, std::uint64_t item_id) const;
+  double community_score(std::uint64_t community_id, std::uint64_t item_id) const;
+
+  // Leaves the community layer: durable (G1) and effective (G2) on return,
+  // with left_at_ns above every earlier contribution's forwarded_at_ns (G3).
+  // OK and no change when already Left (G7). On a storage error the error is
+  // returned and the gate stays closed for the user (G6).
+  Status leave_community_layer(std::uint64_t user_id);
+  // Resumes forwarding; keeps left_at_ns and the history (G4). OK and no
+  // change when already Active. On error the gate stays closed.
+  Status rejoin_community_layer(std::uint64_t user_id);
+  // The durable state; a user never seen is Active with no leave time.
+  Result<CommunityMembership> community_layer_status(std::uint64_t user_id) const;
+  // Every leave and rejoin of the user, oldest first.
+  Result<std::vector<MembershipEvent>> community_layer_history(std::uint64_t user_id) const;
+  // Signals the gate held back for the user since the last leave.
+  Result<GateActivity> gate_activity(std::uint64_t user_id) const;
+
+  // Calls `fn` for every user whose state is Left, in ascending user order,
+  // streaming from storage; stops early when `fn` returns false.
+  Status for_each_left(const std::function<bool(const CommunityMembership&)>& fn) const;
+
+  // Decodes every record and cross-checks the leave records against their
+  // index. A non-OK Status only when verification itself could not run.
+  Result<VerifyReport> verify() const;
+
+  Stats stats() const;
+
+  class Impl;
+
+ private:
+  explicit Db(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tidal
+
+#endif  // TIDAL_DB_H_

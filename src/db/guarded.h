@@ -1,0 +1,28 @@
+// Keeps exceptions (std::bad_alloc, libcuckoo's) from crossing the public API.
+#ifndef TIDAL_DB_GUARDED_H_
+#define TIDAL_DB_GUARDED_H_
+
+#include <exception>
+#include <string>
+
+#include "tidal/status.h"
+
+namespace tidal {
+
+// Runs `fn`; an exception becomes an IOError Status naming `what`.
+template <class F>
+auto guarded(const char* what, F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return Status::IOError(std::string(what) + " failed: " + e.what());
+  } catch (...) {
+    return Status::IOError(std::string(what) + " failed: unknown exception");
+  }
+}
+
+inline Status closed_status(const char* what) { return Status::Closed(std::string(what) + " on a closed Db"); }
+
+}  // namespace tidal
+
+#endif  // TIDAL_DB_GUARDED_H_

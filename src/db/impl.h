@@ -1,0 +1,126 @@
+// Db::Impl: the state behind the tidal::Db facade. Internal; tests include
+// it to inject a fault-injecting RocksDB Env (Db::Impl::open).
+#ifndef TIDAL_DB_IMPL_H_
+#define TIDAL_DB_IMPL_H_
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include <libcuckoo/cuckoohash_map.hh>
+#include <rocksdb/env.h>
+
+#include "db/clock.h"
+#include "db/leave_gate.h"
+#include "storage/storage.h"
+#include "tidal/db.h"
+
+namespace tidal {
+
+// Key of an aggregate: (user|cohort|community id, item id).
+struct AggregateKey {
+  std::uint64_t owner;
+  std::uint64_t item;
+  bool operator==(const AggregateKey&) const = default;
+};
+struct AggregateKeyHash {
+  std::size_t operator()(const AggregateKey& k) const noexcept {
+    return std::hash<std::uint64_t>()(k.owner * 0x9e3779b97f4a7c15ULL ^ k.item);
+  }
+};
+using AggregateMap = libcuckoo::cuckoohash_map<AggregateKey, double, AggregateKeyHash>;
+using CommunitiesMap = libcuckoo::cuckoohash_map<std::uint64_t, std::vector<std::uint64_t>>;  // sorted ids
+using LeaveStatusMap = libcuckoo::cuckoohash_map<std::uint64_t, CommunityMembership>;      // absent = Active
+
+enum class AggregateKind : std::uint8_t { Personal = 1, Cohort = 2, Community = 3 };
+
+// Hot-path counters, striped by thread so signaling threads do not share a
+// cache line. Relaxed; summed by stats().
+struct alignas(64) CounterStripe {
+  std::atomic<std::uint64_t> signals{0};
+  std::atomic<std::uint64_t> personal_updates{0};
+  std::atomic<std::uint64_t> cohort_attributions{0};
+  std::atomic<std::uint64_t> community_forwards{0};
+  std::atomic<std::uint64_t> gated_cohort{0};
+  std::atomic<std::uint64_t> gated_community{0};
+};
+
+class Db::Impl {
+ public:
+  // Db::open with an optional RocksDB Env (fault injection in tests).
+  static Result<std::unique_ptr<Db>> open(const std::string& path, const Options& options, rocksdb::Env* env);
+
+  Impl(const Options& options, std::unique_ptr<Storage> storage);
+
+  Status close();
+  Status flush();
+
+  Status join_community(std::uint64_t user_id, std::uint64_t community_id);
+  Status exit_community(std::uint64_t user_id, std::uint64_t community_id);
+  Result<std::vector<std::uint64_t>> communities_of(std::uint64_t user_id) const;
+
+  Result<SignalOutcome> signal_with_context(const Signal& signal, const SignalContext& context);
+  double score(const AggregateMap& map, AggregateKey key) const;
+
+  Status leave_community_layer(std::uint64_t user_id);
+  Status rejoin_community_layer(std::uint64_t user_id);
+  Result<CommunityMembership> community_layer_status(std::uint64_t user_id) const;
+  Result<std::vector<MembershipEvent>> community_layer_history(std::uint64_t user_id) const;
+  Result<GateActivity> gate_activity(std::uint64_t user_id) const;
+  Status for_each_left(const std::function<bool(const CommunityMembership&)>& fn) const;
+  Result<VerifyReport> verify() const;
+  Stats stats() const;
+
+  // The leave gate, as the signal path checks it (exposed for benchmarks).
+  bool gate_closed_for(std::uint64_t user_id) const noexcept { return gate_.closed_for(user_id); }
+
+  AggregateMap personal_, cohort_, community_;
+
+ private:
+  // The two fan-out paths of SPEC §2; each begins with the leave gate.
+  void try_cohort_attribution(const Signal& signal, const SignalContext& context, SignalOutcome* outcome,
+                              std::uint64_t* stamp, CounterStripe* counters);
+  void try_community_forwarding(const Signal& signal, SignalOutcome* outcome, std::uint64_t* stamp,
+                                CounterStripe* counters);
+  void report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, std::uint64_t* stamp);
+
+  // Checks that apply to every write: open, writable, not inside a sink callback.
+  Status check_writable(const char* what) const;
+  std::mutex& user_lock(std::uint64_t user_id) { return user_locks_[user_id % user_locks_.size()]; }
+  // Appends the clock floor record of the user's lock stripe to `batch`.
+  void put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts);
+  Status write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns, const char* what);
+  Status persist_aggregates();
+  CounterStripe& counters();
+
+  const Options options_;
+  std::unique_ptr<Storage> storage_;
+  Clock clock_;
+  std::atomic<bool> closed_{false};
+  // Writers (membership changes, flush, close) hold it shared; close holds it
+  // exclusively. The signal path never takes it: close waits it out with a
+  // grace period instead.
+  mutable std::shared_mutex lifecycle_;
+  std::array<std::mutex, 64> user_locks_;  // serializes membership changes of one user
+
+  CommunitiesMap communities_;
+  LeaveStatusMap leave_status_;
+  libcuckoo::cuckoohash_map<std::uint64_t, GateActivity> held_back_;
+  LeaveGate gate_;
+
+  std::array<CounterStripe, 16> stripes_;
+  std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};
+};
+
+// Meta keys in the default column family.
+inline constexpr char kIndexVersionKey[] = "index_version";
+inline constexpr char kClockFloorPrefix[] = "clock_floor/";
+
+}  // namespace tidal
+
+#endif  // TIDAL_DB_IMPL_H_

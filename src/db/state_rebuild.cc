@@ -1,0 +1,159 @@
+#include "db/state_rebuild.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "entities/community.h"
+
+namespace tidal {
+namespace {
+
+constexpr char kIndexVersion[] = "1";
+constexpr std::size_t kBackfillBatch = 10000;
+
+rocksdb::Slice slice(std::string_view s) { return {s.data(), s.size()}; }
+std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
+
+Status iterator_status(const rocksdb::Iterator& it, const Storage& storage, const char* what) {
+  return from_rocksdb(it.status(), std::string(what) + " of '" + storage.path() + "'");
+}
+
+}  // namespace
+
+bool is_indexed(Tag tag) { return tag == Tag::CommunityMember || tag == Tag::CommunityLeave; }
+
+Status ensure_index(Storage& storage) {
+  if (storage.read_only()) return Status::OK();
+  std::string version;
+  Status s = storage.get(storage.meta(), kIndexVersionKey, &version);
+  if (s.ok()) return Status::OK();
+  if (s.code() != StatusCode::NotFound) return s;
+
+  rocksdb::WriteBatch batch;
+  auto it = storage.iterator(storage.users());
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    auto key = decode_key(view(it->key()));
+    if (!key || !is_indexed(static_cast<Tag>(key->tag))) continue;
+    batch.Put(storage.by_tag(), slice(encode_index_key(EntityId(key->user_id), static_cast<Tag>(key->tag), key->suffix)),
+              it->value());
+    if (static_cast<std::size_t>(batch.Count()) >= kBackfillBatch) {
+      if (s = storage.write(&batch, false, "index backfill"); !s.ok()) return s;
+      batch.Clear();
+    }
+  }
+  if (s = iterator_status(*it, storage, "index backfill scan"); !s.ok()) return s;
+  batch.Put(storage.meta(), kIndexVersionKey, kIndexVersion);
+  return storage.write(&batch, true, "index backfill");
+}
+
+Status scan_tag(const Storage& storage, Tag tag,
+                const std::function<Status(std::uint64_t, std::string_view, std::string_view)>& fn) {
+  std::string version;
+  Status s = storage.get(storage.meta(), kIndexVersionKey, &version);
+  if (!s.ok() && s.code() != StatusCode::NotFound) return s;
+  const bool indexed = s.ok() && is_indexed(tag);
+
+  if (indexed) {
+    const char prefix = static_cast<char>(tag);
+    auto it = storage.iterator(storage.by_tag());
+    for (it->Seek(rocksdb::Slice(&prefix, 1)); it->Valid() && it->key()[0] == prefix; it->Next()) {
+      auto key = decode_index_key(view(it->key()));
+      if (!key) return Status::Corruption("index key " + hex(view(it->key())) + " is shorter than 9 bytes");
+      if (s = fn(key->user_id, key->suffix, view(it->value())); !s.ok()) return s;
+    }
+    return iterator_status(*it, storage, "index scan");
+  }
+  auto it = storage.iterator(storage.users());
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    auto key = decode_key(view(it->key()));
+    if (!key || key->tag != static_cast<std::uint8_t>(tag)) continue;  // unknown or other tags: skipped
+    if (s = fn(key->user_id, key->suffix, view(it->value())); !s.ok()) return s;
+  }
+  return iterator_status(*it, storage, "users scan");
+}
+
+Status rebuild_community_memberships(const Storage& storage, CommunitiesMap* communities) {
+  return scan_tag(storage, Tag::CommunityMember,
+                  [&](std::uint64_t user, std::string_view suffix, std::string_view) -> Status {
+                    if (suffix.size() != 8) {
+                      return Status::Corruption("community membership record of user " + std::to_string(user) +
+                                                " has a " + std::to_string(suffix.size()) +
+                                                "-byte suffix; expected an 8-byte community id");
+                    }
+                    const std::uint64_t community = get_u64_be(suffix.data());
+                    // Records arrive in key order, so each user's list stays sorted.
+                    communities->upsert(
+                        user, [&](std::vector<std::uint64_t>& ids) { ids.push_back(community); },
+                        std::vector<std::uint64_t>{community});
+                    return Status::OK();
+                  });
+}
+
+Status rebuild_community_leave_status(const Storage& storage, CorruptRecordPolicy policy, LeaveStatusMap* status,
+                                      LeaveGate* gate, LeaveRebuildResult* result) {
+  return scan_tag(storage, Tag::CommunityLeave,
+                  [&](std::uint64_t user, std::string_view, std::string_view value) -> Status {
+                    std::optional<CommunityMembership> m = deserialize_membership(user, value);
+                    if (!m) {
+                      if (policy == CorruptRecordPolicy::Fail) {
+                        return Status::Corruption("community leave record (0x11) of user " + std::to_string(user) +
+                                                  " does not decode: value " + hex(value) + " (" +
+                                                  std::to_string(value.size()) +
+                                                  " bytes); open with CorruptRecordPolicy::TreatAsLeft to gate the "
+                                                  "user instead");
+                      }
+                      m = CommunityMembership{user, MembershipStatus::Left, std::nullopt};
+                      ++result->corrupt_treated_as_left;
+                    }
+                    if (m->left_at_ns) result->max_timestamp = std::max(result->max_timestamp, *m->left_at_ns);
+                    if (m->status == MembershipStatus::Left) gate->close(user);
+                    status->insert_or_assign(user, *m);
+                    return Status::OK();
+                  });
+}
+
+std::string encode_aggregate_key(AggregateKind kind, AggregateKey key) {
+  std::string out;
+  out.reserve(17);
+  out.push_back(static_cast<char>(kind));
+  put_u64_be(&out, key.owner);
+  put_u64_be(&out, key.item);
+  return out;
+}
+
+Status restore_aggregates(const Storage& storage, AggregateMap* personal, AggregateMap* cohort,
+                          AggregateMap* community) {
+  auto it = storage.iterator(storage.aggregates());
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const rocksdb::Slice k = it->key();
+    const rocksdb::Slice v = it->value();
+    if (k.size() != 17 || v.size() != 8 || k[0] < 1 || k[0] > 3) {
+      return Status::Corruption("aggregate record " + hex(view(k)) + " of '" + storage.path() + "' is malformed");
+    }
+    const std::uint64_t bits = get_u64_le(v.data());
+    double score;
+    std::memcpy(&score, &bits, sizeof score);
+    const AggregateKey key{get_u64_be(k.data() + 1), get_u64_be(k.data() + 9)};
+    AggregateMap* map = k[0] == 1 ? personal : k[0] == 2 ? cohort : community;
+    map->insert_or_assign(key, score);
+  }
+  return iterator_status(*it, storage, "aggregate restore");
+}
+
+Result<std::uint64_t> read_clock_floor(const Storage& storage) {
+  std::uint64_t floor = 0;
+  const std::string_view prefix = kClockFloorPrefix;
+  auto it = storage.iterator(storage.meta());
+  for (it->Seek(slice(prefix)); it->Valid() && it->key().starts_with(slice(prefix)); it->Next()) {
+    if (it->value().size() != 8) {
+      return Status::Corruption("clock floor record " + hex(view(it->key())) + " of '" + storage.path() +
+                                "' is not 8 bytes");
+    }
+    floor = std::max(floor, get_u64_le(it->value().data()));
+  }
+  if (Status s = iterator_status(*it, storage, "clock floor read"); !s.ok()) return s;
+  return floor;
+}
+
+}  // namespace tidal

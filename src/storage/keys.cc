@@ -1,0 +1,70 @@
+#include "storage/keys.h"
+
+namespace tidal {
+
+void put_u64_be(std::string* out, std::uint64_t v) {
+  for (int shift = 56; shift >= 0; shift -= 8) out->push_back(static_cast<char>((v >> shift) & 0xff));
+}
+
+void put_u64_le(std::string* out, std::uint64_t v) {
+  for (int shift = 0; shift < 64; shift += 8) out->push_back(static_cast<char>((v >> shift) & 0xff));
+}
+
+std::uint64_t get_u64_be(const char* p) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<unsigned char>(p[i]);
+  return v;
+}
+
+std::uint64_t get_u64_le(const char* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
+  return v;
+}
+
+std::string encode_key(EntityId id, Tag tag, std::string_view suffix) {
+  std::string key = encode_key_prefix(id, tag);
+  key.append(suffix);
+  return key;
+}
+
+std::string encode_key_prefix(EntityId id, Tag tag) {
+  std::string key;
+  key.reserve(9 + 8);
+  put_u64_be(&key, id.value);
+  key.push_back(static_cast<char>(tag));
+  return key;
+}
+
+std::optional<DecodedKey> decode_key(std::string_view key) {
+  if (key.size() < 9) return std::nullopt;
+  return DecodedKey{get_u64_be(key.data()), static_cast<std::uint8_t>(key[8]), key.substr(9)};
+}
+
+std::string encode_index_key(EntityId id, Tag tag, std::string_view suffix) {
+  std::string key;
+  key.reserve(9 + suffix.size());
+  key.push_back(static_cast<char>(tag));
+  put_u64_be(&key, id.value);
+  key.append(suffix);
+  return key;
+}
+
+std::optional<DecodedKey> decode_index_key(std::string_view key) {
+  if (key.size() < 9) return std::nullopt;
+  return DecodedKey{get_u64_be(key.data() + 1), static_cast<std::uint8_t>(key[0]), key.substr(9)};
+}
+
+std::string hex(std::string_view bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (char c : bytes) {
+    auto b = static_cast<unsigned char>(c);
+    out.push_back(kDigits[b >> 4]);
+    out.push_back(kDigits[b & 0xf]);
+  }
+  return out;
+}
+
+}  // namespace tidal

@@ -1,0 +1,54 @@
+// Keys of the users partition: [user_id: 8 bytes BE][tag: 1 byte][suffix].
+// All of a user's records are contiguous and sorted by tag; users sort
+// numerically.
+#ifndef TIDAL_STORAGE_KEYS_H_
+#define TIDAL_STORAGE_KEYS_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace tidal {
+
+enum class Tag : std::uint8_t {
+  CommunityMember = 0x01,        // suffix: community id (8 bytes BE); value empty
+  PurgeManifest = 0x10,          // reserved for the retroactive purge
+  CommunityLeave = 0x11,         // no suffix; value: 9-byte CommunityMembership
+  CommunityLeaveHistory = 0x12,  // suffix: at_ns (8 bytes BE); value: 1 status byte
+};
+
+struct EntityId {
+  explicit EntityId(std::uint64_t v) : value(v) {}
+  std::uint64_t value;
+};
+
+struct DecodedKey {
+  std::uint64_t user_id;
+  std::uint8_t tag;  // raw byte: the partition may hold tags this version does not know
+  std::string_view suffix;
+};
+
+void put_u64_be(std::string* out, std::uint64_t v);
+void put_u64_le(std::string* out, std::uint64_t v);
+std::uint64_t get_u64_be(const char* p);
+std::uint64_t get_u64_le(const char* p);
+
+std::string encode_key(EntityId id, Tag tag, std::string_view suffix = {});
+// The 9-byte prefix shared by every key of `id` with `tag`.
+std::string encode_key_prefix(EntityId id, Tag tag);
+// Empty optional when `key` is shorter than 9 bytes.
+std::optional<DecodedKey> decode_key(std::string_view key);
+
+// Index keys (the "by_tag" column family) put the tag first, so all records of
+// one tag can be read without touching the rest of the users partition:
+// [tag: 1 byte][user_id: 8 bytes BE][suffix].
+std::string encode_index_key(EntityId id, Tag tag, std::string_view suffix = {});
+std::optional<DecodedKey> decode_index_key(std::string_view key);
+
+// "0000000000002a11" style hex of a key, for messages.
+std::string hex(std::string_view bytes);
+
+}  // namespace tidal
+
+#endif  // TIDAL_STORAGE_KEYS_H_

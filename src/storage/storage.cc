@@ -1,0 +1,150 @@
+#include "storage/storage.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+
+namespace tidal {
+namespace {
+
+const char* const kColumnFamilies[] = {"default", "users", "by_tag", "aggregates"};
+
+bool is_lock_error(const rocksdb::Status& s) {
+  const std::string text = s.ToString();
+  return s.IsIOError() && (text.find("/LOCK") != std::string::npos || text.find("lock hold") != std::string::npos);
+}
+
+// G8: refuse what RocksDB would fail on or misreport, before touching disk.
+Status check_path(const std::string& path, const Storage::Config& config) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory) {
+    return Status::IOError("cannot open tidal Db at '" + path + "': " + ec.message());
+  }
+  if (!fs::exists(st)) {
+    if (!config.create_if_missing || config.read_only) {
+      return Status::NotFound("cannot open tidal Db at '" + path + "': no such directory" +
+                              (config.read_only ? " (read-only open never creates one)" : ""));
+    }
+    return Status::OK();
+  }
+  if (!fs::is_directory(st)) {
+    return Status::InvalidArgument("cannot open tidal Db at '" + path + "': it is a " +
+                                   (fs::is_regular_file(st) ? "regular file" : "non-directory file") +
+                                   ", not a directory");
+  }
+  if (!config.read_only && ::access(path.c_str(), W_OK | X_OK) != 0) {
+    return Status::IOError("cannot open tidal Db at '" + path + "': directory is not writable (" +
+                           std::strerror(errno) + ")");
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status from_rocksdb(const rocksdb::Status& s, std::string_view what) {
+  if (s.ok()) return Status::OK();
+  std::string msg = std::string(what) + ": " + s.ToString();
+  if (s.IsNotFound()) return Status::NotFound(std::move(msg));
+  if (s.IsCorruption()) return Status::Corruption(std::move(msg));
+  if (s.IsInvalidArgument() || s.IsNotSupported()) return Status::InvalidArgument(std::move(msg));
+  if (s.IsBusy() || s.IsTryAgain()) return Status::Busy(std::move(msg));
+  return Status::IOError(std::move(msg));
+}
+
+Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const Storage::Config& config) {
+  if (Status s = check_path(path, config); !s.ok()) return s;
+
+  rocksdb::Options options;
+  options.create_if_missing = config.create_if_missing;
+  options.create_missing_column_families = true;
+  options.paranoid_checks = true;
+  options.avoid_flush_during_shutdown = false;
+  if (config.env != nullptr) options.env = config.env;
+
+  std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
+  for (const char* name : kColumnFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+
+  auto storage = std::unique_ptr<Storage>(new Storage());
+  storage->path_ = path;
+  storage->read_only_ = config.read_only;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s;
+  if (config.read_only) {
+    // A Db written by an older layout may lack a column family: open those that exist.
+    std::vector<std::string> existing;
+    s = rocksdb::DB::ListColumnFamilies(options, path, &existing);
+    if (!s.ok()) return from_rocksdb(s, "cannot open tidal Db at '" + path + "' read-only");
+    std::vector<rocksdb::ColumnFamilyDescriptor> present;
+    for (auto& d : descriptors) {
+      for (auto& e : existing) {
+        if (e == d.name) present.push_back(d);
+      }
+    }
+    if (present.size() != descriptors.size()) {
+      return Status::InvalidArgument("cannot open tidal Db at '" + path +
+                                     "' read-only: it lacks tidal's column families (not a tidal Db, or never opened "
+                                     "for writing)");
+    }
+    s = rocksdb::DB::OpenForReadOnly(options, path, present, &storage->handles_, &raw);
+  } else {
+    s = rocksdb::DB::Open(options, path, descriptors, &storage->handles_, &raw);
+  }
+  if (!s.ok()) {
+    if (is_lock_error(s)) {
+      return Status::Busy("cannot open tidal Db at '" + path +
+                          "': it is already open by another handle (this process or another one): " + s.ToString());
+    }
+    return from_rocksdb(s, "cannot open tidal Db at '" + path + "'");
+  }
+  storage->db_.reset(raw);
+  return storage;
+}
+
+Storage::~Storage() {
+  if (db_ != nullptr) (void)close();
+}
+
+Status Storage::write(rocksdb::WriteBatch* batch, bool sync, std::string_view what) {
+  if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
+  rocksdb::WriteOptions wo;
+  wo.sync = sync;
+  return from_rocksdb(db_->Write(wo, batch), what);
+}
+
+Status Storage::get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value) const {
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), cf, rocksdb::Slice(key.data(), key.size()), value);
+  if (s.IsNotFound()) return Status::NotFound("no record");
+  return from_rocksdb(s, "read from '" + path_ + "'");
+}
+
+std::unique_ptr<rocksdb::Iterator> Storage::iterator(rocksdb::ColumnFamilyHandle* cf) const {
+  return std::unique_ptr<rocksdb::Iterator>(db_->NewIterator(rocksdb::ReadOptions(), cf));
+}
+
+Status Storage::flush() {
+  if (read_only_) return Status::OK();
+  rocksdb::FlushOptions fo;
+  fo.wait = true;
+  return from_rocksdb(db_->Flush(fo, handles_), "flush of '" + path_ + "'");
+}
+
+Status Storage::close() {
+  if (db_ == nullptr) return Status::OK();
+  Status result = flush();
+  for (auto* h : handles_) {
+    if (Status s = from_rocksdb(db_->DestroyColumnFamilyHandle(h), "close of '" + path_ + "'"); !s.ok() && result.ok()) {
+      result = s;
+    }
+  }
+  handles_.clear();
+  if (Status s = from_rocksdb(db_->Close(), "close of '" + path_ + "'"); !s.ok() && result.ok()) result = s;
+  db_.reset();
+  return result;
+}
+
+}  // namespace tidal

@@ -1,0 +1,65 @@
+// The RocksDB database behind one Db and its column families:
+//   default     meta records (index state, clock floor)
+//   users       the users partition (SPEC §4)
+//   by_tag      the index: a copy of the users records of the indexed tags,
+//               keyed tag-first, written in the same WriteBatch
+//   aggregates  persisted personal/cohort/community scores
+#ifndef TIDAL_STORAGE_STORAGE_H_
+#define TIDAL_STORAGE_STORAGE_H_
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <rocksdb/db.h>
+#include <rocksdb/env.h>
+#include <rocksdb/write_batch.h>
+
+#include "tidal/status.h"
+
+namespace tidal {
+
+// Converts a RocksDB status into a tidal Status whose message starts with `what`.
+Status from_rocksdb(const rocksdb::Status& s, std::string_view what);
+
+class Storage {
+ public:
+  struct Config {
+    bool create_if_missing = true;
+    bool read_only = false;
+    rocksdb::Env* env = nullptr;  // for fault injection in tests; null = default
+  };
+
+  static Result<std::unique_ptr<Storage>> open(const std::string& path, const Config& config);
+  ~Storage();
+
+  rocksdb::DB* db() const { return db_.get(); }
+  rocksdb::ColumnFamilyHandle* meta() const { return handles_[0]; }
+  rocksdb::ColumnFamilyHandle* users() const { return handles_[1]; }
+  rocksdb::ColumnFamilyHandle* by_tag() const { return handles_[2]; }
+  rocksdb::ColumnFamilyHandle* aggregates() const { return handles_[3]; }
+  bool read_only() const { return read_only_; }
+  const std::string& path() const { return path_; }
+
+  Status write(rocksdb::WriteBatch* batch, bool sync, std::string_view what);
+  // NotFound when absent.
+  Status get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value) const;
+  std::unique_ptr<rocksdb::Iterator> iterator(rocksdb::ColumnFamilyHandle* cf) const;
+  // Flushes every memtable to SST files and waits, so the next open does not
+  // replay the WAL.
+  Status flush();
+  // Flushes (unless read-only) and closes the database.
+  Status close();
+
+ private:
+  Storage() = default;
+  std::string path_;
+  bool read_only_ = false;
+  std::unique_ptr<rocksdb::DB> db_;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;
+};
+
+}  // namespace tidal
+
+#endif  // TIDAL_STORAGE_STORAGE_H_
