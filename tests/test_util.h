@@ -1,0 +1,63 @@
+// Shared test fixtures: temporary directories and Status assertions.
+#ifndef TIDAL_TESTS_TEST_UTIL_H_
+#define TIDAL_TESTS_TEST_UTIL_H_
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "tidal/db.h"
+
+#define ASSERT_OK(expr)                                              \
+  do {                                                               \
+    const auto& tidal_status_ = (expr);                              \
+    ASSERT_TRUE(tidal_status_.ok()) << #expr << ": " << tidal::testing::describe(tidal_status_); \
+  } while (0)
+#define EXPECT_OK(expr)                                              \
+  do {                                                               \
+    const auto& tidal_status_ = (expr);                              \
+    EXPECT_TRUE(tidal_status_.ok()) << #expr << ": " << tidal::testing::describe(tidal_status_); \
+  } while (0)
+
+namespace tidal::testing {
+
+inline std::string describe(const Status& s) { return s.to_string(); }
+template <class T>
+std::string describe(const Result<T>& r) { return r.status().to_string(); }
+
+// A fresh directory under $TMPDIR, removed with everything in it on destruction.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "tidal-test-XXXXXX").string();
+    if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  // A path inside the directory.
+  std::string sub(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// Opens a Db, failing the test on error.
+inline std::unique_ptr<Db> open_db(const std::string& path, const Options& options = {}) {
+  Result<std::unique_ptr<Db>> db = Db::open(path, options);
+  EXPECT_TRUE(db.ok()) << db.status().to_string();
+  return db.ok() ? std::move(*db) : nullptr;
+}
+
+}  // namespace tidal::testing
+
+#endif  // TIDAL_TESTS_TEST_UTIL_H_
