@@ -1,0 +1,85 @@
+#include "bench_util.h"
+
+#include <stdlib.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <vector>
+
+#include "db/impl.h"
+#include "entities/community.h"
+#include "storage/keys.h"
+#include "storage/storage.h"
+
+namespace tidal::bench {
+namespace {
+
+std::vector<std::string>& dirs() {
+  static std::vector<std::string> d;
+  return d;
+}
+
+void remove_dirs() {
+  for (auto& d : dirs()) std::filesystem::remove_all(d);
+}
+
+void check(const Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "bench: %s\n", s.to_string().c_str());
+    std::abort();
+  }
+}
+
+}  // namespace
+
+std::string scratch_dir(const std::string& name) {
+  const char* base = std::getenv("TIDAL_BENCH_DIR");
+  std::string pattern = (base ? std::filesystem::path(base) : std::filesystem::temp_directory_path()) /
+                        ("tidal-bench-" + name + "-XXXXXX");
+  if (::mkdtemp(pattern.data()) == nullptr) std::abort();
+  if (dirs().empty()) std::atexit(remove_dirs);
+  dirs().push_back(pattern);
+  return pattern;
+}
+
+std::unique_ptr<Db> must_open(const std::string& path, const Options& options) {
+  auto db = Db::open(path, options);
+  check(db.status());
+  return std::move(*db);
+}
+
+void bulk_load(const std::string& path, std::uint64_t leavers, std::uint64_t others) {
+  must_open(path).reset();  // creates the layout and the index marker
+  auto storage = Storage::open(path, Storage::Config{});
+  check(storage.status());
+  Storage& st = **storage;
+  rocksdb::WriteBatch batch;
+  auto flush_batch = [&](bool force) {
+    if (batch.Count() >= 10000 || (force && batch.Count() > 0)) {
+      check(st.write(&batch, false, "bulk load"));
+      batch.Clear();
+    }
+  };
+  const std::uint64_t at = 1'700'000'000'000'000'000ULL;
+  for (std::uint64_t u = 0; u < leavers; ++u) {
+    auto v = serialize_membership({u, MembershipStatus::Left, at + u});
+    const rocksdb::Slice value(v.data(), v.size());
+    std::string ts;
+    put_u64_be(&ts, at + u);
+    const char history = serialize_history_status(MembershipStatus::Left);
+    batch.Put(st.users(), encode_key(EntityId(u), Tag::CommunityLeave), value);
+    batch.Put(st.by_tag(), encode_index_key(EntityId(u), Tag::CommunityLeave), value);
+    batch.Put(st.users(), encode_key(EntityId(u), Tag::CommunityLeaveHistory, ts), rocksdb::Slice(&history, 1));
+    flush_batch(false);
+  }
+  for (std::uint64_t i = 0; i < others; ++i) {
+    std::string suffix;
+    put_u64_be(&suffix, i);
+    batch.Put(st.users(), encode_key(EntityId(i % 1'000'000), static_cast<Tag>(0x05), suffix), "some other record");
+    flush_batch(false);
+  }
+  flush_batch(true);
+  check(st.close());
+}
+
+}  // namespace tidal::bench

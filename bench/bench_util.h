@@ -1,0 +1,26 @@
+// Shared pieces of the benchmarks: scratch directories and bulk loading.
+#ifndef TIDAL_BENCH_BENCH_UTIL_H_
+#define TIDAL_BENCH_BENCH_UTIL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "tidal/db.h"
+
+namespace tidal::bench {
+
+// A fresh directory under $TMPDIR (or $TIDAL_BENCH_DIR), removed at exit.
+std::string scratch_dir(const std::string& name);
+
+// Opens a Db or aborts with the Status.
+std::unique_ptr<Db> must_open(const std::string& path, const Options& options = {});
+
+// Writes `leavers` Left 0x11 records (users 0..leavers-1, with their history
+// entry and index copy, exactly as leave_community_layer does) and `others`
+// records of a tag tidal does not read at start-up, straight into RocksDB.
+void bulk_load(const std::string& path, std::uint64_t leavers, std::uint64_t others);
+
+}  // namespace tidal::bench
+
+#endif  // TIDAL_BENCH_BENCH_UTIL_H_

@@ -1,0 +1,202 @@
+// The leave gate and the leave path, in one binary so ratios come from one run:
+//  - the gate check (LeaveGate::closed_for, what try_cohort_attribution and
+//    try_community_forwarding run first) for a user who has not left, with
+//    0 / 1e4 / 1e6 users Left, and for a Left user; beside libcuckoo find()
+//    and std::unordered_map under std::shared_mutex on the same keys;
+//  - the read section every signal enters (grace::ReadSection);
+//  - the signal path of a not-left user with 1e4 users Left vs none;
+//  - a synced leave vs a bare synced RocksDB put of the same bytes;
+//  - open with 1e4 / 1e5 / 1e6 leavers, with and without 2M other records.
+//
+//   build/test/bench/leave_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <map>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include <libcuckoo/cuckoohash_map.hh>
+#include <rocksdb/db.h>
+
+#include "bench_util.h"
+#include "db/grace.h"
+#include "db/leave_gate.h"
+#include "entities/community.h"
+#include "storage/keys.h"
+
+namespace tidal::bench {
+namespace {
+
+constexpr std::size_t kProbeKeys = 4096;
+
+// Users 0..n-1 are Left; probes use ids far above them.
+std::uint64_t not_left_user(std::size_t i) { return 1'000'000'000ULL + i * 7919; }
+
+struct Population {
+  explicit Population(std::uint64_t left) {
+    for (std::uint64_t u = 0; u < left; ++u) {
+      gate.close(u);
+      CommunityMembership m{u, MembershipStatus::Left, 1 + u};
+      cuckoo.insert(u, m);
+      locked.emplace(u, m);
+    }
+  }
+  LeaveGate gate;
+  libcuckoo::cuckoohash_map<std::uint64_t, CommunityMembership> cuckoo;
+  std::unordered_map<std::uint64_t, CommunityMembership> locked;
+  std::shared_mutex mu;
+};
+
+Population& population(std::uint64_t left) {
+  static std::map<std::uint64_t, std::unique_ptr<Population>> all;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& p = all[left];
+  if (!p) p = std::make_unique<Population>(left);
+  return *p;
+}
+
+template <class Probe>
+void run_probe(benchmark::State& state, Probe probe, bool left_user) {
+  std::size_t i = static_cast<std::size_t>(state.thread_index()) * 977;
+  std::size_t hits = 0;
+  for (auto _ : state) {
+    const std::uint64_t user = left_user ? (i % 8192) : not_left_user(i % kProbeKeys);
+    hits += probe(user);
+    ++i;
+  }
+  benchmark::DoNotOptimize(hits);
+  state.SetItemsProcessed(state.iterations());
+}
+
+void BM_GateNotLeft(benchmark::State& state) {
+  Population& p = population(static_cast<std::uint64_t>(state.range(0)));
+  run_probe(state, [&](std::uint64_t u) { return p.gate.closed_for(u); }, false);
+}
+void BM_GateLeftUser(benchmark::State& state) {
+  Population& p = population(static_cast<std::uint64_t>(state.range(0)));
+  run_probe(state, [&](std::uint64_t u) { return p.gate.closed_for(u); }, true);
+}
+void BM_CuckooFindNotLeft(benchmark::State& state) {
+  Population& p = population(static_cast<std::uint64_t>(state.range(0)));
+  run_probe(state, [&](std::uint64_t u) { return p.cuckoo.contains(u); }, false);
+}
+void BM_SharedMutexMapNotLeft(benchmark::State& state) {
+  Population& p = population(static_cast<std::uint64_t>(state.range(0)));
+  run_probe(state, [&](std::uint64_t u) {
+    std::shared_lock lock(p.mu);
+    return p.locked.count(u) != 0;
+  }, false);
+}
+void BM_ReadSection(benchmark::State& state) {
+  grace::init();
+  for (auto _ : state) {
+    grace::ReadSection section;
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+#define GATE_ARGS ->ArgName("left")->Arg(0)->Arg(10'000)->Arg(1'000'000)->Threads(1)->Threads(2)->UseRealTime()
+BENCHMARK(BM_GateNotLeft) GATE_ARGS;
+BENCHMARK(BM_CuckooFindNotLeft) GATE_ARGS;
+BENCHMARK(BM_SharedMutexMapNotLeft) GATE_ARGS;
+BENCHMARK(BM_GateLeftUser)->ArgName("left")->Arg(10'000)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(BM_ReadSection)->Threads(1)->Threads(2)->UseRealTime();
+
+// ---- the signal path with and without leavers ----
+
+Db& signal_db(std::uint64_t left) {
+  static std::map<std::uint64_t, std::unique_ptr<Db>> dbs;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& db = dbs[left];
+  if (!db) {
+    const std::string dir = scratch_dir("signal-left-" + std::to_string(left));
+    bulk_load(dir, left, 0);
+    Options options;
+    options.sync_writes = false;
+    db = must_open(dir, options);
+    for (std::size_t i = 0; i < kProbeKeys; ++i) {
+      if (!db->join_community(not_left_user(i), 1).ok()) std::abort();
+    }
+  }
+  return *db;
+}
+
+void BM_SignalNotLeftUser(benchmark::State& state) {
+  Db& db = signal_db(static_cast<std::uint64_t>(state.range(0)));
+  const SignalContext context{{7}};
+  std::size_t i = static_cast<std::size_t>(state.thread_index()) * 977;
+  for (auto _ : state) {
+    auto out = db.signal_with_context({not_left_user(i % kProbeKeys), i % 1024, 1.0}, context);
+    benchmark::DoNotOptimize(out);
+    ++i;
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_SignalNotLeftUser)->ArgName("left")->Arg(0)->Arg(10'000)->Threads(1)->Threads(2)->UseRealTime();
+
+// ---- synced leave vs a bare synced put ----
+
+void BM_SyncedLeave(benchmark::State& state) {
+  static std::unique_ptr<Db> db = must_open(scratch_dir("leave"));
+  static std::uint64_t next_user = 0;
+  for (auto _ : state) {
+    if (!db->leave_community_layer(next_user++).ok()) state.SkipWithError("leave failed");
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+void BM_SyncedBarePut(benchmark::State& state) {
+  static rocksdb::DB* raw = [] {
+    rocksdb::Options options;
+    options.create_if_missing = true;
+    rocksdb::DB* db = nullptr;
+    if (!rocksdb::DB::Open(options, scratch_dir("bare-put"), &db).ok()) std::abort();
+    return db;
+  }();
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  std::uint64_t user = 0;
+  for (auto _ : state) {
+    auto value = serialize_membership({user, MembershipStatus::Left, 1 + user});
+    const std::string key = encode_key(EntityId(user++), Tag::CommunityLeave);
+    if (!raw->Put(wo, key, rocksdb::Slice(value.data(), value.size())).ok()) state.SkipWithError("put failed");
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_SyncedLeave)->Iterations(400)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_SyncedBarePut)->Iterations(400)->Unit(benchmark::kMicrosecond);
+
+// ---- open ----
+
+void BM_Open(benchmark::State& state) {
+  const auto leavers = static_cast<std::uint64_t>(state.range(0));
+  const auto others = static_cast<std::uint64_t>(state.range(1));
+  static std::map<std::pair<std::uint64_t, std::uint64_t>, std::string> built;
+  std::string& dir = built[{leavers, others}];
+  if (dir.empty()) {
+    dir = scratch_dir("open");
+    bulk_load(dir, leavers, others);
+  }
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    auto db = must_open(dir);
+    const auto stop = std::chrono::steady_clock::now();
+    state.SetIterationTime(std::chrono::duration<double>(stop - start).count());
+    if (db->stats().users_left != leavers) state.SkipWithError("open restored the wrong number of leavers");
+    if (!db->close().ok()) state.SkipWithError("close failed");
+  }
+  state.counters["leavers"] = static_cast<double>(leavers);
+}
+BENCHMARK(BM_Open)
+    ->ArgNames({"leavers", "others"})
+    ->Args({10'000, 0})->Args({100'000, 0})->Args({1'000'000, 0})
+    ->Args({10'000, 2'000'000})->Args({100'000, 2'000'000})->Args({1'000'000, 2'000'000})
+    ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace tidal::bench
+
+BENCHMARK_MAIN();
