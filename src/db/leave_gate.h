@@ -68,6 +68,15 @@ class LeaveGate {
     }
   }
 
+  // Makes room for `n` users without growing on the way.
+  void reserve(std::size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Table* t = table_.load(std::memory_order_relaxed);
+    std::size_t capacity = t->mask + 1;
+    while (n * 10 >= capacity * 7) capacity *= 2;
+    if (capacity > t->mask + 1) copy_into(t, capacity);
+  }
+
   // Users currently gated.
   std::uint64_t closed_count() const { return closed_count_.load(std::memory_order_relaxed); }
 
@@ -110,7 +119,7 @@ class LeaveGate {
       if (state != kEmpty && e.key.load(std::memory_order_relaxed) == user_id) return e;
       if (state != kEmpty) continue;
       if ((t->used + 1) * 10 > (t->mask + 1) * 7) {  // keep the load factor under 0.7
-        grow(t);
+        copy_into(t, (t->mask + 1) * 2);
         return find_or_insert(user_id);
       }
       e.key.store(user_id, std::memory_order_relaxed);
@@ -120,9 +129,9 @@ class LeaveGate {
     }
   }
 
-  // Requires mu_. Copies every entry into a table twice the size and publishes it.
-  void grow(const Table* old) {
-    Table* bigger = install((old->mask + 1) * 2);
+  // Requires mu_. Copies every entry into a larger table and publishes it.
+  void copy_into(const Table* old, std::size_t capacity) {
+    Table* bigger = install(capacity);
     for (std::size_t j = 0; j <= old->mask; ++j) {
       const std::uint32_t state = old->entries[j].state.load(std::memory_order_relaxed);
       if (state == kEmpty) continue;

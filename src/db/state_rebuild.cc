@@ -31,7 +31,7 @@ Status ensure_index(Storage& storage) {
   if (s.code() != StatusCode::NotFound) return s;
 
   rocksdb::WriteBatch batch;
-  auto it = storage.iterator(storage.users());
+  auto it = storage.iterator(storage.users(), /*bulk=*/true);
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     auto key = decode_key(view(it->key()));
     if (!key || !is_indexed(static_cast<Tag>(key->tag))) continue;
@@ -56,7 +56,7 @@ Status scan_tag(const Storage& storage, Tag tag,
 
   if (indexed) {
     const char prefix = static_cast<char>(tag);
-    auto it = storage.iterator(storage.by_tag());
+    auto it = storage.iterator(storage.by_tag(), /*bulk=*/true);
     for (it->Seek(rocksdb::Slice(&prefix, 1)); it->Valid() && it->key()[0] == prefix; it->Next()) {
       auto key = decode_index_key(view(it->key()));
       if (!key) return Status::Corruption("index key " + hex(view(it->key())) + " is shorter than 9 bytes");
@@ -64,7 +64,7 @@ Status scan_tag(const Storage& storage, Tag tag,
     }
     return iterator_status(*it, storage, "index scan");
   }
-  auto it = storage.iterator(storage.users());
+  auto it = storage.iterator(storage.users(), /*bulk=*/true);
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     auto key = decode_key(view(it->key()));
     if (!key || key->tag != static_cast<std::uint8_t>(tag)) continue;  // unknown or other tags: skipped
@@ -92,6 +92,10 @@ Status rebuild_community_memberships(const Storage& storage, CommunitiesMap* com
 
 Status rebuild_community_leave_status(const Storage& storage, CorruptRecordPolicy policy, LeaveStatusMap* status,
                                       LeaveGate* gate, LeaveRebuildResult* result) {
+  // Size the map and the gate once instead of growing them record by record.
+  const std::uint64_t estimate = storage.estimate_keys(storage.by_tag());
+  status->reserve(estimate);
+  gate->reserve(estimate);
   return scan_tag(storage, Tag::CommunityLeave,
                   [&](std::uint64_t user, std::string_view, std::string_view value) -> Status {
                     std::optional<CommunityMembership> m = deserialize_membership(user, value);
@@ -124,7 +128,7 @@ std::string encode_aggregate_key(AggregateKind kind, AggregateKey key) {
 
 Status restore_aggregates(const Storage& storage, AggregateMap* personal, AggregateMap* cohort,
                           AggregateMap* community) {
-  auto it = storage.iterator(storage.aggregates());
+  auto it = storage.iterator(storage.aggregates(), /*bulk=*/true);
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     const rocksdb::Slice k = it->key();
     const rocksdb::Slice v = it->value();

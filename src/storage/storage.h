@@ -45,7 +45,10 @@ class Storage {
   Status write(rocksdb::WriteBatch* batch, bool sync, std::string_view what);
   // NotFound when absent.
   Status get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value) const;
-  std::unique_ptr<rocksdb::Iterator> iterator(rocksdb::ColumnFamilyHandle* cf) const;
+  // `bulk` for long scans: reads ahead and keeps the block cache for point reads.
+  std::unique_ptr<rocksdb::Iterator> iterator(rocksdb::ColumnFamilyHandle* cf, bool bulk = false) const;
+  // RocksDB's estimate of the number of keys in `cf` (0 when unknown).
+  std::uint64_t estimate_keys(rocksdb::ColumnFamilyHandle* cf) const;
   // Flushes every memtable to SST files and waits, so the next open does not
   // replay the WAL.
   Status flush();
