@@ -373,6 +373,34 @@ TEST(Signals, ConcurrentSignalsSumExactly) {
   EXPECT_EQ(stats.community_forwards, stats.signals / 2 * 3);
 }
 
+TEST(Signals, ASinkMaySignalAnotherDb) {
+  // A sink that mirrors every contribution into a second Db, as a host
+  // replicating aggregates might: the nested signal must not disturb the outer one.
+  struct MirrorSink : ContributionSink {
+    Db* other = nullptr;
+    int nested_ok = 0;
+    void on_contribution(const Contribution& c) override {
+      nested_ok += other->signal_with_context({c.user_id, c.item_id, c.weight}, {}).ok();
+    }
+  };
+  TempDir dir;
+  auto other = open_db(dir.sub("other"));
+  ASSERT_OK(other->join_community(1, 77));
+  ASSERT_OK(other->join_community(1, 78));
+  auto sink = std::make_shared<MirrorSink>();
+  sink->other = other.get();
+  Options options;
+  options.contribution_sink = sink;
+  auto db = open_db(dir.sub("main"), options);
+  for (std::uint64_t c : {10u, 11u, 12u}) ASSERT_OK(db->join_community(1, c));
+  auto out = db->signal_with_context({1, 5, 1.0}, {});
+  ASSERT_OK(out);
+  EXPECT_EQ(out->communities_forwarded, 3u);
+  EXPECT_EQ(sink->nested_ok, 3);
+  for (std::uint64_t c : {10u, 11u, 12u}) EXPECT_EQ(db->community_score(c, 5), 1.0);
+  EXPECT_EQ(other->community_score(77, 5), 3.0);
+}
+
 TEST(Signals, ScoresSurviveFlushAndCloseReopen) {
   TempDir dir;
   {

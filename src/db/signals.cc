@@ -72,17 +72,21 @@ void Db::Impl::try_community_forwarding(const Signal& signal, SignalOutcome* out
     return;
   }
   // Copy the ids out so no bucket lock is held while forwarding or calling
-  // the sink; the buffer is reused, so steady state does not allocate.
-  thread_local std::vector<std::uint64_t> ids;
+  // the sink. The buffer is borrowed from the thread (a nested signal from a
+  // sink callback finds it taken and allocates its own), so steady state
+  // does not allocate.
+  thread_local std::vector<std::uint64_t> spare;
+  std::vector<std::uint64_t> ids = std::move(spare);
   ids.clear();
   communities_.find_fn(signal.user_id,
-                       [](const std::vector<std::uint64_t>& found) { ids.assign(found.begin(), found.end()); });
+                       [&ids](const std::vector<std::uint64_t>& found) { ids.assign(found.begin(), found.end()); });
   for (std::uint64_t community : ids) {
     add(community_, {community, signal.item_id}, signal.weight);
     ++outcome->communities_forwarded;
     report(signal, ContributionTarget::Community, community, stamp);
   }
   counters->community_forwards.fetch_add(outcome->communities_forwarded, std::memory_order_relaxed);
+  spare = std::move(ids);
 }
 
 void Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id,
