@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "test_util.h"
@@ -38,6 +39,13 @@ std::map<std::string, std::uintmax_t> listing(const std::string& dir) {
     files[e.path().string()] = e.is_regular_file() ? e.file_size() : 0;
   }
   return files;
+}
+
+// The names of the files under `dir`.
+std::set<std::string> names(const std::string& dir) {
+  std::set<std::string> out;
+  for (const auto& [path, size] : listing(dir)) out.insert(path);
+  return out;
 }
 
 class RecordingSink : public ContributionSink {
@@ -113,11 +121,13 @@ TEST(DbErrors, SecondOpenInTheSameProcessIsBusyAndNamesThePath) {
   TempDir dir;
   auto db = open_db(dir.path());
   ASSERT_OK(db->leave_community_layer(9));
+  const auto before = names(dir.path());
   auto second = Db::open(dir.path());
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), StatusCode::Busy);
   EXPECT_NE(second.status().message().find(dir.path()), std::string::npos) << second.status().message();
   EXPECT_NE(second.status().message().find("already open"), std::string::npos) << second.status().message();
+  EXPECT_EQ(names(dir.path()), before);  // not even the holder's info LOG was rotated
   auto status = db->community_layer_status(9);  // the first handle is untouched
   ASSERT_OK(status);
   EXPECT_EQ(status->status, MembershipStatus::Left);
@@ -131,7 +141,9 @@ TEST(DbErrors, SecondOpenFromAnotherProcessIsBusyAndNamesThePath) {
   }
   // We hold it; a child process tries.
   auto db = open_db(dir.path());
+  const auto before = names(dir.path());
   auto [rc, out] = run_probe(dir.path());
+  EXPECT_EQ(names(dir.path()), before);
   EXPECT_EQ(rc, 1) << out;
   EXPECT_NE(out.find("Busy"), std::string::npos) << out;
   EXPECT_NE(out.find(dir.path()), std::string::npos) << out;
@@ -209,11 +221,30 @@ TEST(DbErrors, MissingDirectoryWithoutCreateIfMissing) {
   EXPECT_FALSE(std::filesystem::exists(dir.sub("absent")));
 }
 
+TEST(DbErrors, DirectoryWithoutADatabaseIsNotFoundWhenNotCreating) {
+  TempDir dir;
+  Options ro;
+  ro.read_only = true;
+  Options no_create;
+  no_create.create_if_missing = false;
+  for (const Options& options : {ro, no_create}) {
+    auto db = Db::open(dir.path(), options);
+    ASSERT_FALSE(db.ok());
+    EXPECT_EQ(db.status().code(), StatusCode::NotFound);
+    EXPECT_NE(db.status().message().find(dir.path()), std::string::npos);
+    EXPECT_NE(db.status().message().find("no CURRENT file"), std::string::npos) << db.status().message();
+    EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  }
+}
+
 TEST(DbReadOnly, ReadsWhileHeldAndRefusesWrites) {
   TempDir dir;
   auto writer = open_db(dir.path());
   ASSERT_OK(writer->leave_community_layer(5));
   ASSERT_OK(writer->join_community(5, 50));
+  ASSERT_OK(writer->signal_with_context({5, 1, 4.0}, {{9}}));  // user 5 has left: personal only
+  ASSERT_OK(writer->signal_with_context({7, 1, 2.0}, {{9}}));
+  ASSERT_OK(writer->flush());
   Options ro;
   ro.read_only = true;
   auto reader = open_db(dir.path(), ro);
@@ -223,6 +254,12 @@ TEST(DbReadOnly, ReadsWhileHeldAndRefusesWrites) {
   EXPECT_EQ(status->status, MembershipStatus::Left);
   EXPECT_EQ(reader->leave_community_layer(6).code(), StatusCode::InvalidArgument);
   EXPECT_EQ(reader->join_community(6, 1).code(), StatusCode::InvalidArgument);
+  EXPECT_EQ(reader->signal_with_context({6, 1, 1.0}, {}).status().code(), StatusCode::InvalidArgument);
+  EXPECT_EQ(*reader->communities_of(5), std::vector<std::uint64_t>{50});
+  // Scores come from storage: what the writer flushed.
+  EXPECT_EQ(reader->personal_score(5, 1), 4.0);
+  EXPECT_EQ(reader->cohort_score(9, 1), 2.0);
+  EXPECT_EQ(reader->personal_score(6, 1), 0.0);
   ASSERT_OK(reader->close());
 }
 
@@ -408,13 +445,25 @@ TEST(Signals, ScoresSurviveFlushAndCloseReopen) {
     ASSERT_OK(db->join_community(1, 10));
     ASSERT_OK(db->signal_with_context({1, 2, 0.25}, {{3}}));
     ASSERT_OK(db->flush());
-    ASSERT_OK(db->signal_with_context({1, 2, 0.5}, {{3}}));
+    ASSERT_OK(db->signal_with_context({1, 2, 0.5}, {{3}}));   // changes persisted entries
+    ASSERT_OK(db->signal_with_context({1, 9, 1.0}, {{3}}));   // adds new ones
+    ASSERT_OK(db->flush());
+    ASSERT_OK(db->flush());  // nothing changed
+    ASSERT_OK(db->signal_with_context({1, 2, 2.0}, {}));
+    ASSERT_OK(db->close());
+  }
+  {
+    auto db = open_db(dir.path());
+    EXPECT_EQ(db->personal_score(1, 2), 2.75);
+    EXPECT_EQ(db->cohort_score(3, 2), 0.75);
+    EXPECT_EQ(db->community_score(10, 2), 2.75);
+    EXPECT_EQ(db->personal_score(1, 9), 1.0);
+    ASSERT_OK(db->signal_with_context({1, 2, 0.25}, {}));  // a restored entry changes again
     ASSERT_OK(db->close());
   }
   auto db = open_db(dir.path());
-  EXPECT_EQ(db->personal_score(1, 2), 0.75);
-  EXPECT_EQ(db->cohort_score(3, 2), 0.75);
-  EXPECT_EQ(db->community_score(10, 2), 0.75);
+  EXPECT_EQ(db->personal_score(1, 2), 3.0);
+  EXPECT_EQ(db->community_score(10, 9), 1.0);
 }
 
 TEST(Clock, ReadingsIncreaseStrictlyEvenWhenTheWallClockStepsBack) {

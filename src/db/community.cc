@@ -42,7 +42,7 @@ Status Db::Impl::join_community(std::uint64_t user_id, std::uint64_t community_i
     rocksdb::WriteBatch batch;
     batch.Put(storage_->users(), slice(encode_key(EntityId(user_id), Tag::CommunityMember, suffix)), "");
     batch.Put(storage_->by_tag(), slice(encode_index_key(EntityId(user_id), Tag::CommunityMember, suffix)), "");
-    if (Status s = storage_->write(&batch, options_.sync_writes,
+    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
                                    "join_community(" + user_text(user_id) + ", community " +
                                        std::to_string(community_id) + ")");
         !s.ok()) {
@@ -71,7 +71,7 @@ Status Db::Impl::exit_community(std::uint64_t user_id, std::uint64_t community_i
     rocksdb::WriteBatch batch;
     batch.Delete(storage_->users(), slice(encode_key(EntityId(user_id), Tag::CommunityMember, suffix)));
     batch.Delete(storage_->by_tag(), slice(encode_index_key(EntityId(user_id), Tag::CommunityMember, suffix)));
-    if (Status s = storage_->write(&batch, options_.sync_writes,
+    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
                                    "exit_community(" + user_text(user_id) + ", community " +
                                        std::to_string(community_id) + ")");
         !s.ok()) {
@@ -109,7 +109,7 @@ Status Db::Impl::write_membership(std::uint64_t user_id, const CommunityMembersh
   batch.Put(storage_->users(), slice(encode_key(EntityId(user_id), Tag::CommunityLeaveHistory, be64(at_ns))),
             rocksdb::Slice(&history, 1));
   put_clock_floor(&batch, user_id, at_ns);
-  return storage_->write(&batch, options_.sync_writes, std::string(what) + "(" + user_text(user_id) + ")");
+  return storage_->write(&batch, Storage::durable_if(options_.sync_writes), std::string(what) + "(" + user_text(user_id) + ")");
 }
 
 Status Db::Impl::leave_community_layer(std::uint64_t user_id) {

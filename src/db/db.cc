@@ -19,10 +19,7 @@ constexpr std::size_t kInitialMapCapacity = 1 << 14;
 // ---- Db::Impl ----
 
 Db::Impl::Impl(const Options& options, std::unique_ptr<Storage> storage)
-    : personal_(kInitialMapCapacity),
-      cohort_(kInitialMapCapacity),
-      community_(kInitialMapCapacity),
-      options_(options),
+    : options_(options),
       storage_(std::move(storage)),
       clock_(options.clock),
       communities_(kInitialMapCapacity),
@@ -50,7 +47,10 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
       return s;
     }
     impl->corrupt_treated_as_left_.store(leaves.corrupt_treated_as_left, std::memory_order_relaxed);
-    if (Status s = restore_aggregates(st, &impl->personal_, &impl->cohort_, &impl->community_); !s.ok()) return s;
+    // A read-only Db serves scores from storage instead of loading them all.
+    if (!options.read_only) {
+      if (Status s = impl->aggregates_.restore(st); !s.ok()) return s;
+    }
     Result<std::uint64_t> floor = read_clock_floor(st);
     if (!floor.ok()) return floor.status();
     impl->clock_.raise_floor(std::max(*floor, leaves.max_timestamp));
@@ -81,26 +81,12 @@ void Db::Impl::put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id
 
 Status Db::Impl::persist_aggregates() {
   rocksdb::WriteBatch batch;
-  auto dump = [&](AggregateMap& map, AggregateKind kind) {
-    auto locked = map.lock_table();
-    for (const auto& [key, score] : locked) {
-      std::uint64_t bits;
-      std::memcpy(&bits, &score, sizeof bits);
-      std::string value;
-      put_u64_le(&value, bits);
-      batch.Put(storage_->aggregates(), encode_aggregate_key(kind, key), value);
-    }
-  };
-  dump(personal_, AggregateKind::Personal);
-  dump(cohort_, AggregateKind::Cohort);
-  dump(community_, AggregateKind::Community);
   std::string key = kClockFloorPrefix;
   key += "flush";
   std::string value;
   put_u64_le(&value, clock_.last());
   batch.Put(storage_->meta(), key, value);
-  if (Status s = storage_->write(&batch, false, "aggregate flush of '" + storage_->path() + "'"); !s.ok()) return s;
-  return storage_->flush();
+  return aggregates_.persist(*storage_, &batch);
 }
 
 Status Db::Impl::flush() {
@@ -148,12 +134,13 @@ Stats Db::Impl::stats() const {
   return out;
 }
 
-double Db::Impl::score(const AggregateMap& map, AggregateKey key) const {
+double Db::Impl::score(AggregateKind kind, AggregateKey key) const {
   if (closed_.load(std::memory_order_acquire)) return 0.0;
   try {
-    double v = 0.0;
-    map.find(key, v);
-    return v;
+    if (!options_.read_only) return aggregates_.score(kind, key);
+    std::shared_lock lifecycle(lifecycle_);
+    Result<double> stored = Aggregates::read_stored(*storage_, kind, key);
+    return stored.ok() ? *stored : 0.0;
   } catch (...) {
     return 0.0;
   }
@@ -184,13 +171,13 @@ Result<SignalOutcome> Db::signal_with_context(const Signal& signal, const Signal
   return impl_->signal_with_context(signal, context);
 }
 double Db::personal_score(std::uint64_t user_id, std::uint64_t item_id) const {
-  return impl_->score(impl_->personal_, {user_id, item_id});
+  return impl_->score(AggregateKind::Personal, {user_id, item_id});
 }
 double Db::cohort_score(std::uint64_t cohort_id, std::uint64_t item_id) const {
-  return impl_->score(impl_->cohort_, {cohort_id, item_id});
+  return impl_->score(AggregateKind::Cohort, {cohort_id, item_id});
 }
 double Db::community_score(std::uint64_t community_id, std::uint64_t item_id) const {
-  return impl_->score(impl_->community_, {community_id, item_id});
+  return impl_->score(AggregateKind::Community, {community_id, item_id});
 }
 Status Db::leave_community_layer(std::uint64_t user_id) { return impl_->leave_community_layer(user_id); }
 Status Db::rejoin_community_layer(std::uint64_t user_id) { return impl_->rejoin_community_layer(user_id); }

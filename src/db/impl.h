@@ -15,6 +15,7 @@
 #include <libcuckoo/cuckoohash_map.hh>
 #include <rocksdb/env.h>
 
+#include "db/aggregates.h"
 #include "db/clock.h"
 #include "db/leave_gate.h"
 #include "storage/storage.h"
@@ -22,22 +23,8 @@
 
 namespace tidal {
 
-// Key of an aggregate: (user|cohort|community id, item id).
-struct AggregateKey {
-  std::uint64_t owner;
-  std::uint64_t item;
-  bool operator==(const AggregateKey&) const = default;
-};
-struct AggregateKeyHash {
-  std::size_t operator()(const AggregateKey& k) const noexcept {
-    return std::hash<std::uint64_t>()(k.owner * 0x9e3779b97f4a7c15ULL ^ k.item);
-  }
-};
-using AggregateMap = libcuckoo::cuckoohash_map<AggregateKey, double, AggregateKeyHash>;
 using CommunitiesMap = libcuckoo::cuckoohash_map<std::uint64_t, std::vector<std::uint64_t>>;  // sorted ids
 using LeaveStatusMap = libcuckoo::cuckoohash_map<std::uint64_t, CommunityMembership>;      // absent = Active
-
-enum class AggregateKind : std::uint8_t { Personal = 1, Cohort = 2, Community = 3 };
 
 // Hot-path counters, striped by thread so signaling threads do not share a
 // cache line. Relaxed; summed by stats().
@@ -65,7 +52,8 @@ class Db::Impl {
   Result<std::vector<std::uint64_t>> communities_of(std::uint64_t user_id) const;
 
   Result<SignalOutcome> signal_with_context(const Signal& signal, const SignalContext& context);
-  double score(const AggregateMap& map, AggregateKey key) const;
+  // 0 for what was never touched; read from storage on a read-only Db.
+  double score(AggregateKind kind, AggregateKey key) const;
 
   Status leave_community_layer(std::uint64_t user_id);
   Status rejoin_community_layer(std::uint64_t user_id);
@@ -78,8 +66,6 @@ class Db::Impl {
 
   // The leave gate, as the signal path checks it (exposed for benchmarks).
   bool gate_closed_for(std::uint64_t user_id) const noexcept { return gate_.closed_for(user_id); }
-
-  AggregateMap personal_, cohort_, community_;
 
  private:
   // The two fan-out paths of SPEC §2; each begins with the leave gate.
@@ -112,6 +98,7 @@ class Db::Impl {
   LeaveStatusMap leave_status_;
   libcuckoo::cuckoohash_map<std::uint64_t, GateActivity> held_back_;
   LeaveGate gate_;
+  Aggregates aggregates_;
 
   std::array<CounterStripe, 16> stripes_;
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};

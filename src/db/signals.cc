@@ -6,13 +6,6 @@
 #include "db/impl.h"
 
 namespace tidal {
-namespace {
-
-void add(AggregateMap& map, AggregateKey key, double weight) {
-  map.upsert(key, [weight](double& v) { v += weight; }, weight);
-}
-
-}  // namespace
 
 Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const SignalContext& context) {
   if (!std::isfinite(signal.weight)) {
@@ -25,9 +18,12 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
     // leave (and close) waits out after closing the gate.
     grace::ReadSection section;
     if (closed_.load(std::memory_order_relaxed)) return closed_status("signal_with_context");
+    if (options_.read_only) {
+      return Status::InvalidArgument("signal_with_context: the Db at '" + storage_->path() + "' is open read-only");
+    }
     CounterStripe& c = counters();
     SignalOutcome outcome;
-    add(personal_, {signal.user_id, signal.item_id}, signal.weight);  // user-owned: never gated
+    aggregates_.add(AggregateKind::Personal, {signal.user_id, signal.item_id}, signal.weight);  // user-owned: never gated
     outcome.personal_applied = true;
     c.personal_updates.fetch_add(1, std::memory_order_relaxed);
 
@@ -57,7 +53,7 @@ void Db::Impl::try_cohort_attribution(const Signal& signal, const SignalContext&
     return;
   }
   for (std::uint64_t cohort : context.cohort_ids) {
-    add(cohort_, {cohort, signal.item_id}, signal.weight);
+    aggregates_.add(AggregateKind::Cohort, {cohort, signal.item_id}, signal.weight);
     ++outcome->cohorts_attributed;
     report(signal, ContributionTarget::Cohort, cohort, stamp);
   }
@@ -81,7 +77,7 @@ void Db::Impl::try_community_forwarding(const Signal& signal, SignalOutcome* out
   communities_.find_fn(signal.user_id,
                        [&ids](const std::vector<std::uint64_t>& found) { ids.assign(found.begin(), found.end()); });
   for (std::uint64_t community : ids) {
-    add(community_, {community, signal.item_id}, signal.weight);
+    aggregates_.add(AggregateKind::Community, {community, signal.item_id}, signal.weight);
     ++outcome->communities_forwarded;
     report(signal, ContributionTarget::Community, community, stamp);
   }

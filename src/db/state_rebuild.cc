@@ -1,7 +1,6 @@
 #include "db/state_rebuild.h"
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 
 #include "entities/community.h"
@@ -38,13 +37,13 @@ Status ensure_index(Storage& storage) {
     batch.Put(storage.by_tag(), slice(encode_index_key(EntityId(key->user_id), static_cast<Tag>(key->tag), key->suffix)),
               it->value());
     if (static_cast<std::size_t>(batch.Count()) >= kBackfillBatch) {
-      if (s = storage.write(&batch, false, "index backfill"); !s.ok()) return s;
+      if (s = storage.write(&batch, Storage::WriteMode::Async, "index backfill"); !s.ok()) return s;
       batch.Clear();
     }
   }
   if (s = iterator_status(*it, storage, "index backfill scan"); !s.ok()) return s;
   batch.Put(storage.meta(), kIndexVersionKey, kIndexVersion);
-  return storage.write(&batch, true, "index backfill");
+  return storage.write(&batch, Storage::WriteMode::Sync, "index backfill");
 }
 
 Status scan_tag(const Storage& storage, Tag tag,
@@ -115,34 +114,6 @@ Status rebuild_community_leave_status(const Storage& storage, CorruptRecordPolic
                     status->insert_or_assign(user, *m);
                     return Status::OK();
                   });
-}
-
-std::string encode_aggregate_key(AggregateKind kind, AggregateKey key) {
-  std::string out;
-  out.reserve(17);
-  out.push_back(static_cast<char>(kind));
-  put_u64_be(&out, key.owner);
-  put_u64_be(&out, key.item);
-  return out;
-}
-
-Status restore_aggregates(const Storage& storage, AggregateMap* personal, AggregateMap* cohort,
-                          AggregateMap* community) {
-  auto it = storage.iterator(storage.aggregates(), /*bulk=*/true);
-  for (it->SeekToFirst(); it->Valid(); it->Next()) {
-    const rocksdb::Slice k = it->key();
-    const rocksdb::Slice v = it->value();
-    if (k.size() != 17 || v.size() != 8 || k[0] < 1 || k[0] > 3) {
-      return Status::Corruption("aggregate record " + hex(view(k)) + " of '" + storage.path() + "' is malformed");
-    }
-    const std::uint64_t bits = get_u64_le(v.data());
-    double score;
-    std::memcpy(&score, &bits, sizeof score);
-    const AggregateKey key{get_u64_be(k.data() + 1), get_u64_be(k.data() + 9)};
-    AggregateMap* map = k[0] == 1 ? personal : k[0] == 2 ? cohort : community;
-    map->insert_or_assign(key, score);
-  }
-  return iterator_status(*it, storage, "aggregate restore");
 }
 
 Result<std::uint64_t> read_clock_floor(const Storage& storage) {

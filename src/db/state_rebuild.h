@@ -44,14 +44,8 @@ struct LeaveRebuildResult {
 Status rebuild_community_leave_status(const Storage& storage, CorruptRecordPolicy policy, LeaveStatusMap* status,
                                       LeaveGate* gate, LeaveRebuildResult* result);
 
-Status restore_aggregates(const Storage& storage, AggregateMap* personal, AggregateMap* cohort,
-                          AggregateMap* community);
-
 // The largest timestamp recorded in the meta clock-floor records.
 Result<std::uint64_t> read_clock_floor(const Storage& storage);
-
-// Key of an aggregate record: [kind: 1][owner: 8 BE][item: 8 BE].
-std::string encode_aggregate_key(AggregateKind kind, AggregateKey key);
 
 }  // namespace tidal
 

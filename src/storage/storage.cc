@@ -1,10 +1,13 @@
 #include "storage/storage.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
+#include <set>
 #include <system_error>
 
 namespace tidal {
@@ -15,6 +18,34 @@ const char* const kColumnFamilies[] = {"default", "users", "by_tag", "aggregates
 bool is_lock_error(const rocksdb::Status& s) {
   const std::string text = s.ToString();
   return s.IsIOError() && (text.find("/LOCK") != std::string::npos || text.find("lock hold") != std::string::npos);
+}
+
+// Directories this process has open for writing. RocksDB refuses a second
+// open too, but only after it has rotated the holder's info LOG; checking
+// first leaves the holder's files alone.
+std::mutex g_open_mu;
+std::set<std::string> g_open_paths;
+
+std::string canonical(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::weakly_canonical(path, ec);
+  return ec ? path : p.string();
+}
+
+// Busy when another process holds RocksDB's lock on the directory. Safe to
+// open and close LOCK here only because this process does not hold it (an
+// fcntl lock dies with any descriptor of its file that its process closes).
+Status check_not_held_elsewhere(const std::string& path) {
+  const int fd = ::open((path + "/LOCK").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::OK();  // no LOCK file yet: nobody holds it
+  struct flock probe {};
+  probe.l_type = F_WRLCK;
+  probe.l_whence = SEEK_SET;
+  const bool held = ::fcntl(fd, F_GETLK, &probe) == 0 && probe.l_type != F_UNLCK;
+  ::close(fd);
+  if (!held) return Status::OK();
+  return Status::Busy("cannot open tidal Db at '" + path + "': it is already open by another process (pid " +
+                      std::to_string(probe.l_pid) + " holds " + path + "/LOCK)");
 }
 
 // G8: refuse what RocksDB would fail on or misreport, before touching disk.
@@ -37,11 +68,16 @@ Status check_path(const std::string& path, const Storage::Config& config) {
                                    (fs::is_regular_file(st) ? "regular file" : "non-directory file") +
                                    ", not a directory");
   }
-  if (!config.read_only && ::access(path.c_str(), W_OK | X_OK) != 0) {
+  if ((config.read_only || !config.create_if_missing) && !fs::exists(fs::path(path) / "CURRENT", ec)) {
+    return Status::NotFound("cannot open tidal Db at '" + path + "': the directory holds no database (no CURRENT file)" +
+                            (config.read_only ? "; a read-only open never creates one" : ""));
+  }
+  if (config.read_only) return Status::OK();
+  if (::access(path.c_str(), W_OK | X_OK) != 0) {
     return Status::IOError("cannot open tidal Db at '" + path + "': directory is not writable (" +
                            std::strerror(errno) + ")");
   }
-  return Status::OK();
+  return check_not_held_elsewhere(path);
 }
 
 }  // namespace
@@ -57,6 +93,11 @@ Status from_rocksdb(const rocksdb::Status& s, std::string_view what) {
 }
 
 Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const Storage::Config& config) {
+  std::unique_lock<std::mutex> registry(g_open_mu);
+  const std::string key = canonical(path);
+  if (!config.read_only && g_open_paths.count(key) != 0) {
+    return Status::Busy("cannot open tidal Db at '" + path + "': it is already open by another handle in this process");
+  }
   if (Status s = check_path(path, config); !s.ok()) return s;
 
   rocksdb::Options options;
@@ -102,6 +143,10 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     return from_rocksdb(s, "cannot open tidal Db at '" + path + "'");
   }
   storage->db_.reset(raw);
+  if (!config.read_only) {
+    storage->registry_key_ = key;
+    g_open_paths.insert(key);
+  }
   return storage;
 }
 
@@ -109,10 +154,11 @@ Storage::~Storage() {
   if (db_ != nullptr) (void)close();
 }
 
-Status Storage::write(rocksdb::WriteBatch* batch, bool sync, std::string_view what) {
+Status Storage::write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
   rocksdb::WriteOptions wo;
-  wo.sync = sync;
+  wo.sync = mode == WriteMode::Sync;
+  wo.disableWAL = mode == WriteMode::NoWal;
   return from_rocksdb(db_->Write(wo, batch), what);
 }
 
@@ -154,6 +200,10 @@ Status Storage::close() {
   handles_.clear();
   if (Status s = from_rocksdb(db_->Close(), "close of '" + path_ + "'"); !s.ok() && result.ok()) result = s;
   db_.reset();
+  if (!registry_key_.empty()) {
+    std::lock_guard<std::mutex> registry(g_open_mu);
+    g_open_paths.erase(registry_key_);
+  }
   return result;
 }
 

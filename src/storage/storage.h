@@ -42,7 +42,13 @@ class Storage {
   bool read_only() const { return read_only_; }
   const std::string& path() const { return path_; }
 
-  Status write(rocksdb::WriteBatch* batch, bool sync, std::string_view what);
+  enum class WriteMode {
+    Sync,   // WAL fsynced before returning
+    Async,  // WAL written, not fsynced: survives a process crash, not a power cut
+    NoWal,  // memtable only: durable after the next flush()
+  };
+  static WriteMode durable_if(bool sync) { return sync ? WriteMode::Sync : WriteMode::Async; }
+  Status write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what);
   // NotFound when absent.
   Status get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value) const;
   // `bulk` for long scans: reads ahead and keeps the block cache for point reads.
@@ -58,6 +64,7 @@ class Storage {
  private:
   Storage() = default;
   std::string path_;
+  std::string registry_key_;  // canonical path while open for writing
   bool read_only_ = false;
   std::unique_ptr<rocksdb::DB> db_;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;
