@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# CLI tests of tidalctl, run by ctest (tidalctl_cli):
+#   cli_test.sh TIDALCTL DB_HOLDER CORRUPT_RECORDS WORKDIR
+# Each check prints FAIL with the command, what was expected and what came
+# out; the script exits 1 if any check failed.
+set -u
+
+CTL=$1
+HOLDER=$2
+CORRUPT=$3
+WORK=$4
+
+rm -rf "$WORK"
+mkdir -p "$WORK"
+DB=$WORK/db
+OUT=$WORK/stdout
+ERR=$WORK/stderr
+failures=0
+checks=0
+last=""
+rc=0
+
+# t ARGS...: runs tidalctl with ARGS (stdin from /dev/null unless redirected).
+t() {
+  last="tidalctl $*"
+  "$CTL" "$@" >"$OUT" 2>"$ERR"
+  rc=$?
+}
+
+fail() {
+  failures=$((failures + 1))
+  echo "FAIL: $1"
+  echo "  command: $last"
+  echo "  exit code: $rc"
+  echo "  stdout: $(head -c 2000 "$OUT")"
+  echo "  stderr: $(head -c 2000 "$ERR")"
+}
+
+rc_is() { checks=$((checks + 1)); [ "$rc" -eq "$1" ] || fail "expected exit code $1"; }
+out_has() { checks=$((checks + 1)); grep -qE -- "$1" "$OUT" || fail "stdout should match /$1/"; }
+err_has() { checks=$((checks + 1)); grep -qE -- "$1" "$ERR" || fail "stderr should match /$1/"; }
+err_fixed() { checks=$((checks + 1)); grep -qF -- "$1" "$ERR" || fail "stderr should contain '$1'"; }
+out_empty() { checks=$((checks + 1)); [ ! -s "$OUT" ] || fail "stdout should be empty"; }
+# json EXPR: every line of stdout parses as JSON; EXPR (Python, over `d` =
+# the first object and `lines` = all of them) is true.
+json() {
+  checks=$((checks + 1))
+  python3 - "$OUT" "$1" <<'EOF' || fail "JSON check: $1"
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+d = lines[0] if lines else None
+if not eval(sys.argv[2]):
+    sys.exit(1)
+EOF
+}
+# A fingerprint of a directory's files (names, sizes, mtimes).
+fingerprint() { find "$1" -type f -printf '%P %s %T@\n' 2>/dev/null | sort | md5sum; }
+
+# ---- a Db with users 1..5 in communities; user 2 Left, user 3 left and rejoined ----
+"$HOLDER" "$DB" --seed </dev/null >/dev/null || { echo "FAIL: could not seed $DB"; exit 1; }
+
+# ---- help and usage errors (exit 2, nothing created) ----
+t --help; rc_is 0; out_has '^Usage: tidalctl'; out_has 'list-left'
+t -h; rc_is 0; out_has '^Usage: tidalctl'
+t; rc_is 2; err_has 'no command given'
+t --db "$DB" frobnicate; rc_is 2; err_has "unknown command 'frobnicate'"
+t status 1; rc_is 2; err_has 'missing --db'
+t --db; rc_is 2; err_has -- '--db needs a PATH'
+t --db "$DB" --bogus status 1; rc_is 2; err_has "unknown option '--bogus'"
+t --db "$DB" status; rc_is 2; err_has 'exactly one USER'
+t --db "$DB" status 1 2; rc_is 2; err_has 'exactly one USER'
+t --db "$DB" list-left 7; rc_is 2; err_has 'takes no arguments'
+t --db "$DB" status --from /dev/null; rc_is 2; err_has 'leave and rejoin only'
+t --db "$DB" leave 1 --from /dev/null; rc_is 2; err_has 'either USER or --from'
+before=$(fingerprint "$DB")
+for bad in -1 +1 '' ' 1' '1 ' 1x 0x10 18446744073709551616 99999999999999999999 1.5; do
+  t --db "$DB" status "$bad"; rc_is 2; err_fixed "invalid user id '$bad'"; out_empty
+  t --db "$DB" leave "$bad"; rc_is 2; err_fixed "invalid user id '$bad'"
+done
+t --db "$DB" status 18446744073709551615; rc_is 0; out_has '^user_id +18446744073709551615$'
+t --db "$DB" status 0; rc_is 0; out_has '^status +Active$'
+checks=$((checks + 1)); [ "$before" = "$(fingerprint "$DB")" ] || { rc=0; fail "bad input changed files in $DB"; }
+
+t --db "$WORK/missing" status 1; rc_is 2; err_has "cannot open tidal Db at '$WORK/missing': no such directory"
+t --db "$WORK/missing" leave 1; rc_is 2; err_has "cannot open tidal Db at '$WORK/missing': no such directory"
+checks=$((checks + 1)); [ ! -e "$WORK/missing" ] || fail "tidalctl created $WORK/missing"
+mkdir "$WORK/empty"
+for cmd in "status 1" "leave 1" "list-left" "verify"; do
+  t --db "$WORK/empty" $cmd; rc_is 2; err_has "cannot open tidal Db at '$WORK/empty': the directory holds no database"
+done
+checks=$((checks + 1)); [ -z "$(ls -A "$WORK/empty")" ] || fail "tidalctl created files in $WORK/empty"
+echo hello >"$WORK/afile"
+t --db "$WORK/afile" status 1; rc_is 2; err_has "regular file"
+t --db "$DB" leave --from "$WORK/no-such-list"; rc_is 2; err_has "cannot read user ids from '$WORK/no-such-list'"
+
+# ---- read-only commands ----
+t --db "$DB" status 2; rc_is 0; out_has '^status +Left$'; out_has '^left_at_ns +[0-9]{19}$'
+out_has '^left_at +20[0-9]{2}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{9}Z$'; out_has '^communities +100, 200$'
+t --db "$DB" --json status 2
+json 'd["user_id"] == 2 and d["status"] == "Left" and d["left_at_ns"] > 0 and d["communities"] == [100, 200]'
+json 'd["left_at"].endswith("Z") and len(d["left_at"]) == 30'
+# the ISO form is the raw ns, to the nanosecond
+json '__import__("datetime").datetime.fromisoformat(d["left_at"][:26]).replace(tzinfo=__import__("datetime").timezone.utc).timestamp() // 1 == d["left_at_ns"] // 10**9 and d["left_at"][20:29] == "%09d" % (d["left_at_ns"] % 10**9)'
+t --db "$DB" --json status 1; rc_is 0; json 'd["status"] == "Active" and d["left_at_ns"] is None and d["left_at"] is None'
+t --db "$DB" --json status 3; json 'd["status"] == "Active" and d["left_at_ns"] > 0'
+
+t --db "$DB" history 3; rc_is 0; out_has '^1 +leave +[0-9]{19} +20'; out_has '^2 +rejoin +[0-9]{19} +20'
+t --db "$DB" history 1; rc_is 0; out_has 'no leave or rejoin recorded'
+t --db "$DB" --json history 3; rc_is 0
+json '[e["event"] for e in d["events"]] == ["leave", "rejoin"] and d["events"][0]["at_ns"] < d["events"][1]["at_ns"]'
+
+t --db "$DB" list-left; rc_is 0; out_has '^2 +[0-9]{19} +20.*Z$'; out_has '\(1 users Left\)'
+t --db "$DB" --json list-left; rc_is 0; json 'len(lines) == 1 and d["user_id"] == 2 and d["left_at_ns"] > 0'
+
+t --db "$DB" stats; rc_is 0; out_has '^users_left +1$'; out_has 'fresh read-only open'
+t --db "$DB" --json stats; rc_is 0; json 'd["users_left"] == 1 and d["signals"] == 0 and len(d) == 10'
+
+t --db "$DB" verify; rc_is 0; out_has '^verify: [0-9]+ records checked, 0 problems$'
+t --db "$DB" --json verify; rc_is 0; json 'd["ok"] is True and d["records_checked"] > 0 and d["problems"] == []'
+
+# ---- write commands ----
+t --db "$DB" leave 4; rc_is 0; out_has '^user 4: left the community layer \(left_at 20.*Z, [0-9]{19} ns\)$'
+t --db "$DB" --json leave 4; rc_is 0; json 'd["changed"] is False and d["status"] == "Left" and d["action"] == "leave"'
+t --db "$DB" status 4; out_has '^status +Left$'
+t --db "$DB" rejoin 4; rc_is 0; out_has '^user 4: rejoined the community layer'
+t --db "$DB" --json rejoin 4; rc_is 0; json 'd["changed"] is False and d["status"] == "Active" and d["left_at_ns"] > 0'
+t --db "$DB" --json history 4; json '[e["event"] for e in d["events"]] == ["leave", "rejoin"]'
+
+# ---- bulk leave with bad lines ----
+printf '%s\n' 10 '' '# a comment' 11 abc -5 ' 12' 18446744073709551616 2 '13' >"$WORK/ids.txt"
+printf '14\r\n' >>"$WORK/ids.txt"
+t --db "$DB" leave --from "$WORK/ids.txt"; rc_is 1
+out_has '^leave: 5 users processed from .*ids.txt: 4 left, 1 already Left; 4 bad lines$'
+err_has "ids.txt:5: invalid user id 'abc'"; err_has "ids.txt:6: invalid user id '-5'"
+err_has "ids.txt:7: invalid user id ' 12'"; err_has "ids.txt:8: invalid user id '18446744073709551616'"
+checks=$((checks + 1)); ! grep -q 'ids.txt:[0-9]*: .*\(10\|11\|13\|14\|comment\)' "$ERR" || fail "a good line was reported bad"
+checks=$((checks + 1)); ! grep -q $'\r' "$ERR" || fail "progress bar drawn on a non-tty stderr"
+for u in 10 11 13 14; do t --db "$DB" status $u; out_has '^status +Left$'; done
+t --db "$DB" --json list-left; json '[l["user_id"] for l in lines] == [2, 10, 11, 13, 14]'
+# bulk from stdin, JSON, all good lines: exit 0
+last="tidalctl --db $DB --json rejoin --from - <<< '10 11'"
+printf '10\n11\n' | "$CTL" --db "$DB" --json rejoin --from - >"$OUT" 2>"$ERR"; rc=$?
+rc_is 0; json 'd["source"] == "<stdin>" and d["processed"] == 2 and d["changed"] == 2 and d["bad_lines"] == [] and d["error"] is None'
+last="tidalctl --db $DB --json leave --from - (one bad line)"
+printf '10\nx1\n' | "$CTL" --db "$DB" --json leave --from - >"$OUT" 2>"$ERR"; rc=$?
+rc_is 1; json 'd["processed"] == 1 and d["bad_lines"] == [{"line": 2, "text": "x1", "error": "invalid user id"}]'
+err_has "<stdin>:2: invalid user id 'x1'"
+
+# ---- read-only while a host holds the Db; writes refused ----
+FIFO=$WORK/hold.fifo
+mkfifo "$FIFO"
+"$HOLDER" "$DB" <"$FIFO" >"$WORK/holder.out" 2>&1 &
+holder_pid=$!
+exec 3>"$FIFO"
+for _ in $(seq 100); do grep -q ready "$WORK/holder.out" && break; sleep 0.1; done
+checks=$((checks + 1)); grep -q ready "$WORK/holder.out" || { rc=0; fail "db_holder did not start: $(cat "$WORK/holder.out")"; }
+t --db "$DB" status 2; rc_is 0; out_has '^status +Left$'
+t --db "$DB" --json list-left; rc_is 0; json '[l["user_id"] for l in lines] == [2, 10, 13, 14]'
+t --db "$DB" verify; rc_is 0
+t --db "$DB" leave 1; rc_is 1; err_has "cannot leave: the Db at '$DB' is held open read-write by another process"
+err_has "pid $holder_pid holds"
+t --db "$DB" rejoin 2; rc_is 1; err_has 'held open read-write'
+t --db "$DB" leave --from "$WORK/ids.txt"; rc_is 1; err_has 'held open read-write'
+exec 3>&-
+wait "$holder_pid" || { rc=$?; fail "db_holder exited with an error: $(cat "$WORK/holder.out")"; }
+t --db "$DB" status 1; out_has '^status +Active$'   # the refused leave changed nothing
+
+# ---- verify finds corrupt records (and names their keys) ----
+"$CORRUPT" "$DB" history || { echo "FAIL: could not corrupt $DB"; exit 1; }
+t --db "$DB" history 7; rc_is 1; err_has 'history failed: Corruption: .*0000000000000007120000000000003039'
+t --db "$DB" verify; rc_is 1; out_has '^verify: [0-9]+ records checked, 1 problems$'
+"$CORRUPT" "$DB" leave || { echo "FAIL: could not corrupt $DB"; exit 1; }
+t --db "$DB" verify; rc_is 1
+out_has '^problem: users key 0000000000000007120000000000003039: .*0x12'
+out_has '^problem: users key 000000000000000811: .*0x11.*does not decode'
+out_has '^verify: [0-9]+ records checked, 2 problems$'
+t --db "$DB" --json verify; rc_is 1; json 'd["ok"] is False and len(d["problems"]) == 2'
+t --db "$DB" status 1; rc_is 1; err_has 'Corruption: .*user 8'
+t --db "$DB" list-left; rc_is 1; err_has 'Corruption: .*user 8'
+
+echo "$checks checks, $failures failed"
+[ "$failures" -eq 0 ]

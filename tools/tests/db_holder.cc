@@ -1,0 +1,49 @@
+// Test helper for the tidalctl CLI tests: opens a tidal Db read-write
+// (creating it), optionally seeds it, prints "ready" and holds the Db open
+// until its stdin reaches end of file, then closes it.
+//
+//   db_holder PATH          hold the Db (create it if missing)
+//   db_holder PATH --seed   first join users 1..5 to communities, make users
+//                           2 and 3 leave and user 3 rejoin
+#include <tidal/db.h>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <string_view>
+
+namespace {
+
+int fail(const char* what, const tidal::Status& s) {
+  std::fprintf(stderr, "db_holder: %s: %s\n", what, s.to_string().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: db_holder PATH [--seed]\n");
+    return 2;
+  }
+  const bool seed = argc > 2 && std::string_view(argv[2]) == "--seed";
+  tidal::Result<std::unique_ptr<tidal::Db>> db = tidal::Db::open(argv[1]);
+  if (!db.ok()) return fail("open", db.status());
+  if (seed) {
+    for (std::uint64_t u = 1; u <= 5; ++u) {
+      if (tidal::Status s = (*db)->join_community(u, 100 + u % 2); !s.ok()) return fail("join", s);
+      if (tidal::Status s = (*db)->join_community(u, 200); !s.ok()) return fail("join", s);
+    }
+    for (std::uint64_t u : {std::uint64_t{2}, std::uint64_t{3}}) {
+      if (tidal::Status s = (*db)->leave_community_layer(u); !s.ok()) return fail("leave", s);
+    }
+    if (tidal::Status s = (*db)->rejoin_community_layer(3); !s.ok()) return fail("rejoin", s);
+  }
+  std::printf("ready\n");
+  std::fflush(stdout);
+  std::string line;
+  while (std::getline(std::cin, line)) {
+  }
+  if (tidal::Status s = (*db)->close(); !s.ok()) return fail("close", s);
+  return 0;
+}

@@ -1,0 +1,493 @@
+// tidal-demo: a realistic workload against an embedded Db, then a report.
+//
+// Users join 1-3 communities; signal threads stream signals with 0-4 cohort
+// ids while a third thread makes 1% of the users leave the community layer
+// (and a quarter of those rejoin later). A ContributionSink watches every
+// fan-out, so the report can check the leave guarantees: nothing of a user
+// reached a shared aggregate after their leave returned, and every boundary
+// is exact (forwarded_at_ns < left_at_ns). Finally the Db is closed and
+// reopened and every status compared. Uses only the public API.
+#include <tidal/db.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "cli_util.h"
+
+namespace {
+
+constexpr std::uint64_t kItems = 1000;   // item ids 1..kItems
+constexpr std::uint64_t kCohorts = 500;  // cohort ids 1..kCohorts
+
+constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--dir PATH] [--keep]
+
+Runs a workload on an embedded tidal Db and checks the leave guarantees.
+  --users N        users (ids 1..N), each joins 1-3 communities   (default 100000)
+  --communities N  communities                                    (default 1000)
+  --signals N      signals in total, 0-4 cohort ids each          (default 2000000)
+  --threads N      signal threads; one more thread makes 1% of the
+                   users leave while signals flow, and a quarter
+                   of those rejoin later                          (default 2)
+  --dir PATH       Db directory, wiped and recreated at start     (default ./tidal-demo-data)
+  --keep           do not wipe --dir first (reuse what is there)
+Exit code: 0 all checks PASS, 1 a check FAILED or the Db failed, 2 bad usage.
+)";
+
+struct Config {
+  std::uint64_t users = 100'000;
+  std::uint64_t communities = 1'000;
+  std::uint64_t signals = 2'000'000;
+  std::uint64_t threads = 2;
+  std::string dir = "./tidal-demo-data";
+  bool keep = false;
+};
+
+// splitmix64: a small, fast generator; each thread owns one.
+struct Rng {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+  std::uint64_t below(std::uint64_t n) { return next() % n; }
+};
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Observes every contribution. Counting is per stripe (no shared writes);
+// contributions of the users that will leave are kept for the boundary check.
+// A user's flag is set by the leaver once leave_community_layer returned and
+// cleared before it calls rejoin: a contribution seen while it is set broke G2.
+class CheckingSink : public tidal::ContributionSink {
+ public:
+  struct Record {
+    std::uint64_t user_id;
+    std::uint64_t forwarded_at_ns;
+  };
+
+  CheckingSink(std::uint64_t users, const std::vector<std::uint64_t>& watched)
+      : watched_(users + 1, 0), left_returned_(users + 1) {
+    for (std::uint64_t u : watched) watched_[u] = 1;
+  }
+
+  void on_contribution(const tidal::Contribution& c) override {
+    Stripe& s = stripe();
+    s.contributions.fetch_add(1, std::memory_order_relaxed);
+    if (c.user_id >= watched_.size() || watched_[c.user_id] == 0) return;
+    if (left_returned_[c.user_id].load(std::memory_order_acquire)) s.after_leave.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.records.push_back({c.user_id, c.forwarded_at_ns});
+  }
+
+  void set_left_returned(std::uint64_t user, bool v) { left_returned_[user].store(v, std::memory_order_release); }
+
+  std::uint64_t contributions() const {
+    std::uint64_t n = 0;
+    for (const Stripe& s : stripes_) n += s.contributions.load(std::memory_order_relaxed);
+    return n;
+  }
+  std::uint64_t after_leave() const {
+    std::uint64_t n = 0;
+    for (const Stripe& s : stripes_) n += s.after_leave.load(std::memory_order_relaxed);
+    return n;
+  }
+  // Call once the signal threads have finished.
+  std::vector<Record> records() {
+    std::vector<Record> all;
+    for (Stripe& s : stripes_) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      all.insert(all.end(), s.records.begin(), s.records.end());
+    }
+    return all;
+  }
+
+ private:
+  struct alignas(64) Stripe {
+    std::atomic<std::uint64_t> contributions{0};
+    std::atomic<std::uint64_t> after_leave{0};
+    std::mutex mu;  // uncontended unless two threads share a stripe
+    std::vector<Record> records;
+  };
+
+  Stripe& stripe() {
+    static std::atomic<unsigned> next{0};
+    thread_local const unsigned index = next.fetch_add(1, std::memory_order_relaxed);
+    return stripes_[index % kStripes];
+  }
+
+  static constexpr unsigned kStripes = 16;
+  std::vector<std::uint8_t> watched_;
+  std::vector<std::atomic<bool>> left_returned_;
+  Stripe stripes_[kStripes];
+};
+
+bool check(bool ok, const std::string& what) {
+  std::printf("  [%s] %s\n", ok ? "PASS" : "FAIL", what.c_str());
+  return ok;
+}
+
+std::optional<Config> parse_args(int argc, char** argv, int* exit_code) {
+  Config cfg;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    auto number = [&](std::uint64_t* out) {
+      std::optional<std::uint64_t> v;
+      if (i + 1 < argc) v = tidal::cli::parse_u64(argv[++i]);
+      if (!v || *v == 0) {
+        std::fprintf(stderr, "tidal-demo: %.*s needs a positive integer\n", static_cast<int>(arg.size()), arg.data());
+        return false;
+      }
+      *out = *v;
+      return true;
+    };
+    bool ok = true;
+    if (arg == "-h" || arg == "--help") {
+      std::fputs(kUsage, stdout);
+      *exit_code = 0;
+      return std::nullopt;
+    } else if (arg == "--users") {
+      ok = number(&cfg.users);
+    } else if (arg == "--communities") {
+      ok = number(&cfg.communities);
+    } else if (arg == "--signals") {
+      ok = number(&cfg.signals);
+    } else if (arg == "--threads") {
+      ok = number(&cfg.threads);
+    } else if (arg == "--keep") {
+      cfg.keep = true;
+    } else if (arg == "--dir" && i + 1 < argc) {
+      cfg.dir = argv[++i];
+    } else {
+      std::fprintf(stderr, "tidal-demo: unknown or incomplete argument '%s'\n", argv[i]);
+      ok = false;
+    }
+    if (!ok) {
+      std::fputs(kUsage, stderr);
+      *exit_code = 2;
+      return std::nullopt;
+    }
+  }
+  return cfg;
+}
+
+int fail_db(const char* what, const tidal::Status& s) {
+  std::fprintf(stderr, "tidal-demo: %s failed: %s\n", what, s.to_string().c_str());
+  return 1;
+}
+
+int run(const Config& cfg) {
+  namespace fs = std::filesystem;
+  using Clock = std::chrono::steady_clock;
+  std::printf("tidal-demo: %llu users, %llu communities, %llu signals from %llu threads, Db in '%s'\n",
+              static_cast<unsigned long long>(cfg.users), static_cast<unsigned long long>(cfg.communities),
+              static_cast<unsigned long long>(cfg.signals), static_cast<unsigned long long>(cfg.threads),
+              cfg.dir.c_str());
+  if (!cfg.keep) {
+    std::error_code ec;
+    fs::remove_all(cfg.dir, ec);
+    if (ec) {
+      std::fprintf(stderr, "tidal-demo: cannot wipe '%s': %s\n", cfg.dir.c_str(), ec.message().c_str());
+      return 1;
+    }
+  }
+
+  // ---- setup: memberships, bulk-loaded without fsync ----
+  // A synced join costs ~200 us; 200k of them would take a minute. The
+  // memberships are loaded with sync_writes = false, the Db closed (which
+  // flushes everything to disk), then reopened with the defaults.
+  const auto setup_start = Clock::now();
+  std::uint64_t memberships = 0;
+  {
+    tidal::Options bulk;
+    bulk.sync_writes = false;
+    tidal::Result<std::unique_ptr<tidal::Db>> db = tidal::Db::open(cfg.dir, bulk);
+    if (!db.ok()) return fail_db("open for setup", db.status());
+    Rng rng{42};
+    tidal::cli::ProgressBar progress("setup", cfg.users, /*lines_when_not_tty=*/false);
+    for (std::uint64_t u = 1; u <= cfg.users; ++u) {
+      const std::uint64_t joins = 1 + rng.below(3);
+      for (std::uint64_t j = 0; j < joins; ++j) {
+        if (tidal::Status s = (*db)->join_community(u, 1 + rng.below(cfg.communities)); !s.ok()) {
+          return fail_db("join_community", s);
+        }
+      }
+      if (u % 1024 == 0) progress.update(u);
+    }
+    progress.finish(cfg.users);
+    if (tidal::Status s = (*db)->close(); !s.ok()) return fail_db("close after setup", s);
+  }
+  std::printf("setup: memberships bulk-loaded with Options::sync_writes = false, then closed (flushed) and\n"
+              "       reopened with default options (synced leaves/rejoins) for the workload: %.2f s\n",
+              seconds_since(setup_start));
+
+  // Users who will leave: 1%, at least one; the first quarter of them rejoin.
+  std::vector<std::uint64_t> leavers(cfg.users);
+  std::iota(leavers.begin(), leavers.end(), 1);
+  {
+    Rng rng{7};
+    for (std::size_t i = leavers.size() - 1; i > 0; --i) std::swap(leavers[i], leavers[rng.below(i + 1)]);
+  }
+  leavers.resize(std::max<std::uint64_t>(1, cfg.users / 100));
+  const std::size_t rejoiners = leavers.size() / 4;
+
+  auto sink = std::make_shared<CheckingSink>(cfg.users, leavers);
+  tidal::Options options;
+  options.create_if_missing = false;
+  options.contribution_sink = sink;
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(cfg.dir, options);
+  if (!opened.ok()) return fail_db("open", opened.status());
+  std::unique_ptr<tidal::Db> db = std::move(*opened);
+  {
+    std::uint64_t users_with_communities = 0;
+    for (std::uint64_t u = 1; u <= cfg.users; ++u) {
+      tidal::Result<std::vector<std::uint64_t>> c = db->communities_of(u);
+      if (!c.ok()) return fail_db("communities_of", c.status());
+      memberships += c->size();
+      if (!c->empty()) ++users_with_communities;
+    }
+    std::printf("setup: %llu memberships of %llu users restored at reopen\n",
+                static_cast<unsigned long long>(memberships), static_cast<unsigned long long>(users_with_communities));
+  }
+
+  // ---- workload ----
+  std::atomic<std::uint64_t> signals_done{0};
+  std::atomic<std::uint64_t> signal_errors{0};
+  std::atomic<std::uint64_t> leaves_while_flowing{0};
+  std::atomic<bool> leaver_failed{false};
+  std::string leaver_error;
+  // The leaver's phase; signal threads wait at 60% of the signals until the
+  // leaves are done and at 85% until the rejoins are, so every leave and
+  // rejoin happens while signals flow, whatever the machine's speed.
+  enum Phase : int { kLeaving, kRejoining, kDone };
+  std::atomic<int> phase{kLeaving};
+  const auto leaves_done_mark = cfg.signals * 6 / 10;
+  const auto rejoins_done_mark = cfg.signals * 85 / 100;
+  std::vector<double> leave_ms;  // latency of each leave, written by the leaver only
+  std::atomic<std::uint64_t> waited_us{0};  // time signal threads spent waiting for the leaver
+
+  const auto work_start = Clock::now();
+  std::vector<std::thread> threads;
+  for (std::uint64_t t = 0; t < cfg.threads; ++t) {
+    threads.emplace_back([&, t] {
+      Rng rng{1000 + t};
+      const std::uint64_t share = cfg.signals / cfg.threads + (t < cfg.signals % cfg.threads ? 1 : 0);
+      tidal::SignalContext context;
+      std::uint64_t unreported = 0;
+      for (std::uint64_t n = 0; n < share; ++n) {
+        if (unreported == 0) {
+          for (bool waited = false;; waited = true) {
+            const std::uint64_t done = signals_done.load(std::memory_order_relaxed);
+            const int p = phase.load(std::memory_order_acquire);
+            const bool may_pass_leaves = p >= kRejoining || done < leaves_done_mark;
+            const bool may_pass_rejoins = p >= kDone || done < rejoins_done_mark;
+            if ((may_pass_leaves && may_pass_rejoins) || leaver_failed.load()) break;
+            if (waited) waited_us.fetch_add(100, std::memory_order_relaxed);
+            std::this_thread::sleep_for(std::chrono::microseconds(100));
+          }
+        }
+        const tidal::Signal signal{1 + rng.below(cfg.users), 1 + rng.below(kItems),
+                                   0.5 + static_cast<double>(rng.below(100)) / 100.0};
+        context.cohort_ids.resize(rng.below(5));
+        for (std::uint64_t& c : context.cohort_ids) c = 1 + rng.below(kCohorts);
+        if (!db->signal_with_context(signal, context).ok()) signal_errors.fetch_add(1, std::memory_order_relaxed);
+        if (++unreported == 256) {
+          signals_done.fetch_add(unreported, std::memory_order_relaxed);
+          unreported = 0;
+        }
+      }
+      signals_done.fetch_add(unreported, std::memory_order_relaxed);
+    });
+  }
+
+  // The leaver: leave i when 20%..60% of the signals are done, then the
+  // rejoins at 65%..85%; if signals finish first it simply catches up.
+  threads.emplace_back([&] {
+    auto wait_for = [&](double fraction) {
+      const auto target = static_cast<std::uint64_t>(fraction * static_cast<double>(cfg.signals));
+      while (signals_done.load(std::memory_order_relaxed) < target) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    };
+    auto flowing = [&] { return signals_done.load(std::memory_order_relaxed) < cfg.signals; };
+    for (std::size_t i = 0; i < leavers.size(); ++i) {
+      wait_for(0.2 + 0.4 * static_cast<double>(i) / static_cast<double>(leavers.size()));
+      const auto start = Clock::now();
+      tidal::Status s = db->leave_community_layer(leavers[i]);
+      leave_ms.push_back(seconds_since(start) * 1000.0);
+      if (!s.ok()) {
+        leaver_error = s.to_string();
+        leaver_failed = true;
+        return;
+      }
+      sink->set_left_returned(leavers[i], true);
+      if (flowing()) leaves_while_flowing.fetch_add(1, std::memory_order_relaxed);
+    }
+    phase.store(kRejoining, std::memory_order_release);
+    for (std::size_t i = 0; i < rejoiners; ++i) {
+      wait_for(0.65 + 0.2 * static_cast<double>(i) / static_cast<double>(rejoiners));
+      sink->set_left_returned(leavers[i], false);  // contributions may resume from here
+      if (tidal::Status s = db->rejoin_community_layer(leavers[i]); !s.ok()) {
+        leaver_error = s.to_string();
+        leaver_failed = true;
+        return;
+      }
+    }
+    phase.store(kDone, std::memory_order_release);
+  });
+
+  {
+    tidal::cli::ProgressBar progress("signals", cfg.signals, /*lines_when_not_tty=*/true);
+    while (signals_done.load(std::memory_order_relaxed) < cfg.signals && signal_errors.load() == 0) {
+      progress.update(signals_done.load(std::memory_order_relaxed));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    progress.finish(signals_done.load());
+  }
+  const double signal_secs = seconds_since(work_start);
+  for (std::thread& t : threads) t.join();
+  if (leaver_failed) {
+    std::fprintf(stderr, "tidal-demo: leave/rejoin failed: %s\n", leaver_error.c_str());
+    return 1;
+  }
+
+  // ---- report ----
+  const tidal::Stats st = db->stats();
+  std::printf("\nworkload: %llu signals in %.2f s = %.0f signals/s (%llu threads); %llu errors\n",
+              static_cast<unsigned long long>(st.signals), signal_secs,
+              static_cast<double>(st.signals) / signal_secs, static_cast<unsigned long long>(cfg.threads),
+              static_cast<unsigned long long>(signal_errors.load()));
+  std::printf("  (signal threads paused ~%.2f s in total so that every leave and rejoin happened while\n"
+              "   signals flowed; the leaver runs on its own thread on the same cores)\n",
+              static_cast<double>(waited_us.load()) / 1e6);
+  std::printf("  leaves: %llu (%llu while signals flowed), rejoins: %llu, users Left now: %llu\n",
+              static_cast<unsigned long long>(st.leaves), static_cast<unsigned long long>(leaves_while_flowing.load()),
+              static_cast<unsigned long long>(st.rejoins), static_cast<unsigned long long>(st.users_left));
+  if (!leave_ms.empty()) {
+    std::sort(leave_ms.begin(), leave_ms.end());
+    std::printf("  leave latency (durable + effective on return): p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
+                leave_ms[leave_ms.size() / 2], leave_ms[leave_ms.size() * 99 / 100], leave_ms.back());
+  }
+  std::printf("  contributions forwarded: %llu to communities, %llu to cohorts\n",
+              static_cast<unsigned long long>(st.community_forwards),
+              static_cast<unsigned long long>(st.cohort_attributions));
+  std::printf("  signals held back by the leave gate: %llu (from communities), %llu (from cohorts)\n",
+              static_cast<unsigned long long>(st.gated_community), static_cast<unsigned long long>(st.gated_cohort));
+
+  std::printf("\nchecks:\n");
+  bool all_ok = true;
+  all_ok &= check(signal_errors.load() == 0 && st.signals == cfg.signals,
+                  "every signal accepted (" + std::to_string(st.signals) + ")");
+  all_ok &= check(sink->contributions() == st.community_forwards + st.cohort_attributions,
+                  "the sink saw every contribution the stats count (" + std::to_string(sink->contributions()) + ")");
+  all_ok &= check(sink->after_leave() == 0, "no contribution of a Left user arrived after its leave returned (" +
+                                                std::to_string(sink->after_leave()) + " did)");
+
+  // Exact boundaries: no contribution of a leaver is stamped inside one of
+  // their Left intervals [left_at_ns, rejoin at_ns] (or after a last leave).
+  std::uint64_t inside = 0, before_leave = 0, after_rejoin = 0, status_mismatches = 0;
+  std::vector<CheckingSink::Record> records = sink->records();
+  std::sort(records.begin(), records.end(),
+            [](const auto& a, const auto& b) { return a.user_id < b.user_id; });
+  for (std::size_t i = 0; i < leavers.size(); ++i) {
+    const std::uint64_t u = leavers[i];
+    tidal::Result<std::vector<tidal::MembershipEvent>> history = db->community_layer_history(u);
+    if (!history.ok()) return fail_db("community_layer_history", history.status());
+    tidal::Result<tidal::CommunityMembership> status = db->community_layer_status(u);
+    if (!status.ok()) return fail_db("community_layer_status", status.status());
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> left_intervals;
+    for (const tidal::MembershipEvent& e : *history) {
+      if (e.status == tidal::MembershipStatus::Left) {
+        left_intervals.emplace_back(e.at_ns, UINT64_MAX);
+      } else if (!left_intervals.empty()) {
+        left_intervals.back().second = e.at_ns;
+      }
+    }
+    const bool rejoined = i < rejoiners;
+    const auto expected = rejoined ? tidal::MembershipStatus::Active : tidal::MembershipStatus::Left;
+    if (status->status != expected || left_intervals.empty() ||
+        status->left_at_ns != std::optional<std::uint64_t>(left_intervals.back().first)) {
+      ++status_mismatches;
+    }
+    auto it = std::lower_bound(records.begin(), records.end(), u,
+                               [](const CheckingSink::Record& r, std::uint64_t v) { return r.user_id < v; });
+    for (; it != records.end() && it->user_id == u; ++it) {
+      const std::uint64_t f = it->forwarded_at_ns;
+      bool in_left = false;
+      for (const auto& [from, to] : left_intervals) in_left |= f >= from && f <= to;
+      if (in_left) ++inside;
+      else if (left_intervals.empty() || f < left_intervals.front().first) ++before_leave;
+      else ++after_rejoin;
+    }
+  }
+  all_ok &= check(inside == 0, "every boundary exact: of " + std::to_string(records.size()) +
+                                   " contributions of leaving users, " + std::to_string(before_leave) +
+                                   " stamped before the leave, " + std::to_string(after_rejoin) +
+                                   " after a rejoin, " + std::to_string(inside) +
+                                   " inside a Left interval [left_at_ns, rejoin at_ns]");
+  all_ok &= check(status_mismatches == 0,
+                  "status and history of all " + std::to_string(leavers.size()) + " leavers as expected (" +
+                      std::to_string(leavers.size() - rejoiners) + " Left, " + std::to_string(rejoiners) +
+                      " rejoined with left_at_ns kept)");
+
+  // ---- close and reopen: every status restored ----
+  std::vector<tidal::CommunityMembership> before(cfg.users + 1);
+  for (std::uint64_t u = 1; u <= cfg.users; ++u) {
+    tidal::Result<tidal::CommunityMembership> m = db->community_layer_status(u);
+    if (!m.ok()) return fail_db("community_layer_status", m.status());
+    before[u] = *m;
+  }
+  auto phase_start = Clock::now();
+  if (tidal::Status s = db->close(); !s.ok()) return fail_db("close", s);
+  const double close_secs = seconds_since(phase_start);
+  db.reset();
+  phase_start = Clock::now();
+  opened = tidal::Db::open(cfg.dir, tidal::Options{});
+  if (!opened.ok()) return fail_db("reopen", opened.status());
+  const double open_secs = seconds_since(phase_start);
+  db = std::move(*opened);
+  std::uint64_t differ = 0, left_after = 0;
+  for (std::uint64_t u = 1; u <= cfg.users; ++u) {
+    tidal::Result<tidal::CommunityMembership> m = db->community_layer_status(u);
+    if (!m.ok()) return fail_db("community_layer_status after reopen", m.status());
+    if (m->status != before[u].status || m->left_at_ns != before[u].left_at_ns) ++differ;
+    if (m->status == tidal::MembershipStatus::Left) ++left_after;
+  }
+  std::printf("\nclose %.2f s, reopen %.2f s\n", close_secs, open_secs);
+  all_ok &= check(differ == 0, "every status restored after close/reopen: " + std::to_string(cfg.users) +
+                                   " users compared, " + std::to_string(differ) + " differ, " +
+                                   std::to_string(left_after) + " Left");
+  all_ok &= check(db->stats().users_left == st.users_left,
+                  "users_left after reopen = before (" + std::to_string(db->stats().users_left) + ")");
+  if (tidal::Status s = db->close(); !s.ok()) return fail_db("final close", s);
+
+  std::printf("\n%s\n", all_ok ? "PASS" : "FAIL");
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int exit_code = 0;
+  std::optional<Config> cfg = parse_args(argc, argv, &exit_code);
+  if (!cfg) return exit_code;
+  const auto start = std::chrono::steady_clock::now();
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // keep the report in order with stderr progress
+  const int rc = run(*cfg);
+  std::printf("total %.2f s\n", seconds_since(start));
+  return rc;
+}

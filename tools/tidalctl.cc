@@ -1,0 +1,456 @@
+// tidalctl: inspect and administer a tidal Db from the shell, modelled on
+// RocksDB's ldb. Uses only the public API (<tidal/db.h>).
+//
+// Read-only commands open with Options::read_only, so they work while a host
+// service holds the Db; write commands need the Db to themselves.
+// Exit codes: 0 success, 1 the operation failed (or found problems),
+// 2 bad usage (nothing was opened, created or changed).
+#include <tidal/db.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cli_util.h"
+
+namespace {
+
+using tidal::cli::iso8601_utc;
+using tidal::cli::json_string;
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+
+constexpr char kUsage[] = R"(Usage: tidalctl --db PATH [--json] COMMAND [ARGS]
+
+Read-only commands (work while a host service holds the Db open):
+  status USER      the user's community-layer status, last leave time and communities
+  history USER     every leave and rejoin of the user, oldest first
+  list-left        every Left user with left_at_ns, in user order (for purge pipelines)
+  stats            Db::stats() of a fresh read-only open: only what open rebuilds
+                   is meaningful (users_left, corrupt_records_treated_as_left);
+                   the traffic counters count since this open, so they read 0.
+                   A host exports live counters from its own Db handle.
+  verify           decode every record and cross-check the index; prints one
+                   line per problem naming the key, exit 1 if any
+
+Write commands (need the Db to themselves; fail with exit 1 while it is held):
+  leave USER       leave the community layer (durable on return; no-op if Left)
+  rejoin USER      rejoin the community layer (keeps the history; no-op if Active)
+  leave --from FILE, rejoin --from FILE
+                   one user id per line (FILE '-' reads stdin); blank lines and
+                   lines starting with '#' are skipped; bad lines are reported
+                   with their line number and skipped, the good ones applied
+
+Options:
+  --db PATH        the Db directory (required; never created)
+  --json           machine output: one JSON object (list-left: one per line)
+  --from FILE      bulk input for leave/rejoin
+  -h, --help       this help
+
+USER is an unsigned 64-bit decimal integer (0..18446744073709551615).
+Timestamps are ns since the Unix epoch, shown with their ISO-8601 UTC form.
+Exit codes: 0 ok; 1 the operation failed, verify found problems or a bulk
+file had bad lines; 2 bad usage or a path that is not a tidal Db.
+)";
+
+struct Command {
+  std::string_view name;
+  bool takes_user;  // status, history, leave, rejoin
+  bool writes;      // leave, rejoin
+};
+
+constexpr Command kCommands[] = {
+    {"status", true, false},    {"history", true, false}, {"list-left", false, false}, {"stats", false, false},
+    {"verify", false, false},   {"leave", true, true},    {"rejoin", true, true},
+};
+
+struct Args {
+  std::optional<std::string> db;
+  std::optional<std::string> from;
+  bool json = false;
+  bool help = false;
+  std::vector<std::string> positional;  // command, then its operands
+};
+
+int usage_error(const std::string& what) {
+  std::fprintf(stderr, "tidalctl: %s\nRun 'tidalctl --help' for usage.\n", what.c_str());
+  return kExitUsage;
+}
+
+std::string invalid_user_text(std::string_view text) {
+  return "invalid user id '" + std::string(text) +
+         "': expected an unsigned 64-bit decimal integer (digits only, 0..18446744073709551615)";
+}
+
+// Fills `args`; returns an error message for a malformed command line.
+std::optional<std::string> parse_args(int argc, char** argv, Args* args) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    auto value_of = [&](std::string_view name) -> std::optional<std::string> {
+      // "--name VALUE" or "--name=VALUE"; nullopt when the value is missing.
+      if (arg.size() > name.size() && arg[name.size()] == '=') return std::string(arg.substr(name.size() + 1));
+      if (i + 1 >= argc) return std::nullopt;
+      return std::string(argv[++i]);
+    };
+    auto is = [&](std::string_view name) {
+      return arg == name || (arg.starts_with(name) && arg.size() > name.size() && arg[name.size()] == '=');
+    };
+    if (arg == "-h" || arg == "--help") {
+      args->help = true;
+    } else if (arg == "--json") {
+      args->json = true;
+    } else if (is("--db")) {
+      args->db = value_of("--db");
+      if (!args->db || args->db->empty()) return "--db needs a PATH";
+    } else if (is("--from")) {
+      args->from = value_of("--from");
+      if (!args->from || args->from->empty()) return "--from needs a FILE (or '-' for stdin)";
+    } else if (arg.starts_with("--")) {
+      return "unknown option '" + std::string(arg) + "'";
+    } else {
+      args->positional.emplace_back(arg);  // "-5" lands here and fails as a user id
+    }
+  }
+  return std::nullopt;
+}
+
+std::string status_name(tidal::MembershipStatus s) {
+  return s == tidal::MembershipStatus::Left ? "Left" : "Active";
+}
+
+std::string json_u64(std::optional<std::uint64_t> v) { return v ? std::to_string(*v) : "null"; }
+std::string json_time(std::optional<std::uint64_t> v) { return v ? json_string(iso8601_utc(*v)) : "null"; }
+std::string text_u64(std::optional<std::uint64_t> v) { return v ? std::to_string(*v) : "-"; }
+std::string text_time(std::optional<std::uint64_t> v) { return v ? iso8601_utc(*v) : "-"; }
+
+// Reports a failed Db call on stderr; returns exit code 1.
+int db_failure(std::string_view what, const tidal::Status& s) {
+  std::fprintf(stderr, "tidalctl: %.*s failed: %s\n", static_cast<int>(what.size()), what.data(),
+               s.to_string().c_str());
+  return kExitFailed;
+}
+
+// ---- read-only commands ----
+
+int cmd_status(tidal::Db& db, std::uint64_t user, bool json) {
+  tidal::Result<tidal::CommunityMembership> m = db.community_layer_status(user);
+  if (!m.ok()) return db_failure("status", m.status());
+  tidal::Result<std::vector<std::uint64_t>> communities = db.communities_of(user);
+  if (!communities.ok()) return db_failure("status", communities.status());
+  std::string list;
+  for (std::uint64_t c : *communities) list += (list.empty() ? "" : (json ? "," : ", ")) + std::to_string(c);
+  if (json) {
+    std::printf("{\"user_id\":%llu,\"status\":\"%s\",\"left_at_ns\":%s,\"left_at\":%s,\"communities\":[%s]}\n",
+                static_cast<unsigned long long>(user), status_name(m->status).c_str(), json_u64(m->left_at_ns).c_str(),
+                json_time(m->left_at_ns).c_str(), list.c_str());
+  } else {
+    std::printf("user_id      %llu\nstatus       %s\nleft_at_ns   %s\nleft_at      %s\ncommunities  %s\n",
+                static_cast<unsigned long long>(user), status_name(m->status).c_str(),
+                text_u64(m->left_at_ns).c_str(), text_time(m->left_at_ns).c_str(),
+                list.empty() ? "-" : list.c_str());
+  }
+  return kExitOk;
+}
+
+int cmd_history(tidal::Db& db, std::uint64_t user, bool json) {
+  tidal::Result<std::vector<tidal::MembershipEvent>> events = db.community_layer_history(user);
+  if (!events.ok()) return db_failure("history", events.status());
+  auto event_name = [](const tidal::MembershipEvent& e) {
+    return e.status == tidal::MembershipStatus::Left ? "leave" : "rejoin";
+  };
+  if (json) {
+    std::string items;
+    for (const tidal::MembershipEvent& e : *events) {
+      if (!items.empty()) items += ',';
+      items += "{\"event\":\"" + std::string(event_name(e)) + "\",\"status\":\"" + status_name(e.status) +
+               "\",\"at_ns\":" + std::to_string(e.at_ns) + ",\"at\":" + json_string(iso8601_utc(e.at_ns)) + "}";
+    }
+    std::printf("{\"user_id\":%llu,\"events\":[%s]}\n", static_cast<unsigned long long>(user), items.c_str());
+    return kExitOk;
+  }
+  if (events->empty()) {
+    std::printf("user %llu: no leave or rejoin recorded\n", static_cast<unsigned long long>(user));
+    return kExitOk;
+  }
+  std::printf("%-4s  %-6s  %-19s  %s\n", "#", "event", "at_ns", "at");
+  int n = 0;
+  for (const tidal::MembershipEvent& e : *events) {
+    std::printf("%-4d  %-6s  %-19llu  %s\n", ++n, event_name(e), static_cast<unsigned long long>(e.at_ns),
+                iso8601_utc(e.at_ns).c_str());
+  }
+  return kExitOk;
+}
+
+int cmd_list_left(tidal::Db& db, bool json) {
+  std::uint64_t count = 0;
+  if (!json) std::printf("%-20s  %-19s  %s\n", "user_id", "left_at_ns", "left_at");
+  tidal::Status s = db.for_each_left([&](const tidal::CommunityMembership& m) {
+    ++count;
+    if (json) {
+      std::printf("{\"user_id\":%llu,\"left_at_ns\":%s,\"left_at\":%s}\n", static_cast<unsigned long long>(m.user_id),
+                  json_u64(m.left_at_ns).c_str(), json_time(m.left_at_ns).c_str());
+    } else {
+      std::printf("%-20llu  %-19s  %s\n", static_cast<unsigned long long>(m.user_id), text_u64(m.left_at_ns).c_str(),
+                  text_time(m.left_at_ns).c_str());
+    }
+    return true;
+  });
+  if (!s.ok()) return db_failure("list-left", s);
+  if (!json) std::printf("(%llu users Left)\n", static_cast<unsigned long long>(count));
+  return kExitOk;
+}
+
+int cmd_stats(tidal::Db& db, bool json) {
+  const tidal::Stats st = db.stats();
+  const std::pair<const char*, std::uint64_t> rows[] = {
+      {"signals", st.signals},
+      {"personal_updates", st.personal_updates},
+      {"cohort_attributions", st.cohort_attributions},
+      {"community_forwards", st.community_forwards},
+      {"gated_cohort", st.gated_cohort},
+      {"gated_community", st.gated_community},
+      {"leaves", st.leaves},
+      {"rejoins", st.rejoins},
+      {"users_left", st.users_left},
+      {"corrupt_records_treated_as_left", st.corrupt_records_treated_as_left},
+  };
+  if (json) {
+    std::string out = "{";
+    for (const auto& [name, value] : rows) {
+      if (out.size() > 1) out += ',';
+      out += "\"" + std::string(name) + "\":" + std::to_string(value);
+    }
+    std::printf("%s}\n", out.c_str());
+    return kExitOk;
+  }
+  for (const auto& [name, value] : rows) std::printf("%-32s %llu\n", name, static_cast<unsigned long long>(value));
+  std::printf("(from a fresh read-only open: users_left is rebuilt from storage; the other counters\n"
+              " count since this open, so they are 0 here. Export live counters from the host's Db.)\n");
+  return kExitOk;
+}
+
+int cmd_verify(tidal::Db& db, bool json) {
+  tidal::Result<tidal::VerifyReport> report = db.verify();
+  if (!report.ok()) return db_failure("verify", report.status());
+  if (json) {
+    std::string problems;
+    for (const std::string& p : report->problems) problems += (problems.empty() ? "" : ",") + json_string(p);
+    std::printf("{\"ok\":%s,\"records_checked\":%llu,\"problems\":[%s]}\n", report->ok() ? "true" : "false",
+                static_cast<unsigned long long>(report->records_checked), problems.c_str());
+  } else {
+    for (const std::string& p : report->problems) std::printf("problem: %s\n", p.c_str());
+    std::printf("verify: %llu records checked, %zu problems\n",
+                static_cast<unsigned long long>(report->records_checked), report->problems.size());
+  }
+  return report->ok() ? kExitOk : kExitFailed;
+}
+
+// ---- write commands ----
+
+// Leaves or rejoins one user; `changed` tells whether the state changed.
+tidal::Status apply(tidal::Db& db, bool leave, std::uint64_t user, bool* changed) {
+  const std::uint64_t before = leave ? db.stats().leaves : db.stats().rejoins;
+  tidal::Status s = leave ? db.leave_community_layer(user) : db.rejoin_community_layer(user);
+  *changed = s.ok() && (leave ? db.stats().leaves : db.stats().rejoins) != before;
+  return s;
+}
+
+int cmd_leave_or_rejoin(tidal::Db& db, bool leave, std::uint64_t user, bool json) {
+  const char* action = leave ? "leave" : "rejoin";
+  bool changed = false;
+  if (tidal::Status s = apply(db, leave, user, &changed); !s.ok()) return db_failure(action, s);
+  tidal::Result<tidal::CommunityMembership> m = db.community_layer_status(user);
+  if (!m.ok()) return db_failure(action, m.status());
+  const auto u = static_cast<unsigned long long>(user);
+  if (json) {
+    std::printf("{\"user_id\":%llu,\"action\":\"%s\",\"changed\":%s,\"status\":\"%s\",\"left_at_ns\":%s,\"left_at\":%s}\n",
+                u, action, changed ? "true" : "false", status_name(m->status).c_str(), json_u64(m->left_at_ns).c_str(),
+                json_time(m->left_at_ns).c_str());
+  } else if (leave) {
+    std::printf("user %llu: %s (left_at %s, %s ns)\n", u,
+                changed ? "left the community layer" : "already Left; nothing changed",
+                text_time(m->left_at_ns).c_str(), text_u64(m->left_at_ns).c_str());
+  } else {
+    std::printf("user %llu: %s (last leave %s, %s ns)\n", u,
+                changed ? "rejoined the community layer" : "already Active; nothing changed",
+                text_time(m->left_at_ns).c_str(), text_u64(m->left_at_ns).c_str());
+  }
+  return kExitOk;
+}
+
+struct BadLine {
+  std::uint64_t number;
+  std::string text;
+};
+
+// Applies leave or rejoin to every user id in `lines`. Bad lines are reported
+// and skipped; a Db error stops the run (leave and rejoin are idempotent, so
+// re-running the file is safe).
+int cmd_bulk(tidal::Db& db, bool leave, const std::string& source, const std::vector<std::string>& lines, bool json) {
+  const char* action = leave ? "leave" : "rejoin";
+  std::vector<BadLine> bad;
+  std::uint64_t processed = 0, changed_count = 0;
+  std::optional<std::string> failure;
+  tidal::cli::ProgressBar progress(action, lines.size(), /*lines_when_not_tty=*/false);
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    progress.update(i);
+    const std::string& line = lines[i];
+    const std::size_t first = line.find_first_not_of(" \t");
+    if (first == std::string::npos || line[first] == '#') continue;  // blank or comment
+    std::optional<std::uint64_t> user = tidal::cli::parse_u64(line);
+    if (!user) {
+      bad.push_back({i + 1, line});
+      continue;
+    }
+    bool changed = false;
+    if (tidal::Status s = apply(db, leave, *user, &changed); !s.ok()) {
+      failure = source + ":" + std::to_string(i + 1) + ": " + action + " of user " + std::to_string(*user) +
+                " failed: " + s.to_string() + "; stopped here (" + action +
+                " is idempotent: re-run the file once fixed)";
+      break;
+    }
+    ++processed;
+    if (changed) ++changed_count;
+  }
+  progress.finish(lines.size());
+
+  for (const BadLine& b : bad) {
+    std::fprintf(stderr, "tidalctl: %s:%llu: %s\n", source.c_str(), static_cast<unsigned long long>(b.number),
+                 invalid_user_text(b.text).c_str());
+  }
+  if (failure) std::fprintf(stderr, "tidalctl: %s\n", failure->c_str());
+  const auto unchanged = processed - changed_count;
+  if (json) {
+    std::string items;
+    for (const BadLine& b : bad) {
+      items += (items.empty() ? "{" : ",{") + std::string("\"line\":") + std::to_string(b.number) +
+               ",\"text\":" + json_string(b.text) +
+               ",\"error\":\"invalid user id\"}";
+    }
+    std::printf("{\"action\":\"%s\",\"source\":%s,\"processed\":%llu,\"changed\":%llu,\"unchanged\":%llu,"
+                "\"bad_lines\":[%s],\"error\":%s}\n",
+                action, json_string(source).c_str(), static_cast<unsigned long long>(processed),
+                static_cast<unsigned long long>(changed_count), static_cast<unsigned long long>(unchanged),
+                items.c_str(), failure ? json_string(*failure).c_str() : "null");
+  } else {
+    std::printf("%s: %llu users processed from %s: %llu %s, %llu already %s; %zu bad lines%s\n", action,
+                static_cast<unsigned long long>(processed), source.c_str(),
+                static_cast<unsigned long long>(changed_count), leave ? "left" : "rejoined",
+                static_cast<unsigned long long>(unchanged), leave ? "Left" : "Active", bad.size(),
+                failure ? "; STOPPED on a Db error" : "");
+  }
+  return bad.empty() && !failure ? kExitOk : kExitFailed;
+}
+
+int held_failure(const std::string& command, const std::string& path, const std::string& detail) {
+  std::fprintf(stderr,
+               "tidalctl: cannot %s: the Db at '%s' is held open read-write by another process (a host "
+               "service?); write commands need it to themselves: stop that process, or make the change "
+               "through its API. Read-only commands still work.\n  (%s)\n",
+               command.c_str(), path.c_str(), detail.c_str());
+  return kExitFailed;
+}
+
+// Reads every line of `path` ('-' = stdin) into `lines`.
+bool read_lines(const std::string& path, std::vector<std::string>* lines) {
+  std::ifstream file;
+  std::istream* in = &std::cin;
+  if (path != "-") {
+    file.open(path);
+    if (!file) return false;
+    in = &file;
+  }
+  std::string line;
+  while (std::getline(*in, line)) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();  // CRLF files
+    lines->push_back(line);
+  }
+  return !in->bad();
+}
+
+int run(int argc, char** argv) {
+  Args args;
+  if (std::optional<std::string> error = parse_args(argc, argv, &args)) return usage_error(*error);
+  if (args.help) {
+    std::fputs(kUsage, stdout);
+    return kExitOk;
+  }
+  if (args.positional.empty()) return usage_error("no command given");
+
+  const std::string& name = args.positional[0];
+  const Command* command = nullptr;
+  for (const Command& c : kCommands) {
+    if (c.name == name) command = &c;
+  }
+  if (command == nullptr) return usage_error("unknown command '" + name + "'");
+  if (!args.db) return usage_error("missing --db PATH (the Db directory " + name + " should use)");
+
+  // Operands, all checked before anything is opened.
+  const std::vector<std::string> operands(args.positional.begin() + 1, args.positional.end());
+  std::optional<std::uint64_t> user;
+  std::vector<std::string> lines;
+  if (args.from && !command->writes) return usage_error("--from applies to leave and rejoin only, not " + name);
+  if (args.from) {
+    if (!operands.empty()) return usage_error(name + " takes either USER or --from FILE, not both");
+    if (!read_lines(*args.from, &lines)) {
+      return usage_error("cannot read user ids from '" + *args.from + "': no such file or not readable");
+    }
+  } else if (command->takes_user) {
+    if (operands.size() != 1) return usage_error(name + " takes exactly one USER (got " + std::to_string(operands.size()) + ")");
+    user = tidal::cli::parse_u64(operands[0]);
+    if (!user) return usage_error(invalid_user_text(operands[0]));
+  } else if (!operands.empty()) {
+    return usage_error(name + " takes no arguments (got '" + operands[0] + "')");
+  }
+
+  // The library refuses, before touching anything, a path that does not
+  // exist, holds no database, or is held read-write by another process.
+  const std::string& path = *args.db;
+  tidal::Options options;
+  options.create_if_missing = false;
+  options.read_only = !command->writes;
+  // verify must run to list what is wrong, so it gates a corrupt leave record
+  // instead of failing the open (read-only: nothing is written).
+  if (name == "verify") options.corrupt_record_policy = tidal::CorruptRecordPolicy::TreatAsLeft;
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(path, options);
+  if (!opened.ok()) {
+    const tidal::Status& s = opened.status();
+    if (s.code() == tidal::StatusCode::Busy) return held_failure(name, path, s.to_string());
+    std::fprintf(stderr, "tidalctl: cannot open the Db at '%s' for %s: %s\n", path.c_str(), name.c_str(),
+                 s.to_string().c_str());
+    const bool bad_path = s.code() == tidal::StatusCode::NotFound || s.code() == tidal::StatusCode::InvalidArgument;
+    return bad_path ? kExitUsage : kExitFailed;
+  }
+  tidal::Db& db = **opened;
+
+  int rc = kExitOk;
+  if (name == "status") rc = cmd_status(db, *user, args.json);
+  else if (name == "history") rc = cmd_history(db, *user, args.json);
+  else if (name == "list-left") rc = cmd_list_left(db, args.json);
+  else if (name == "stats") rc = cmd_stats(db, args.json);
+  else if (name == "verify") rc = cmd_verify(db, args.json);
+  else if (args.from) rc = cmd_bulk(db, name == "leave", *args.from == "-" ? "<stdin>" : *args.from, lines, args.json);
+  else rc = cmd_leave_or_rejoin(db, name == "leave", *user, args.json);
+
+  if (tidal::Status s = db.close(); !s.ok()) {
+    std::fprintf(stderr, "tidalctl: close of '%s' failed: %s\n", path.c_str(), s.to_string().c_str());
+    return kExitFailed;
+  }
+  return rc;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rc = run(argc, argv);
+  std::fflush(stdout);
+  return rc;
+}
