@@ -20,6 +20,8 @@ namespace {
 
 using testing::TempDir;
 using testing::open_db;
+using testing::RecordingSink;
+using testing::with_sink;
 
 // Runs the open_probe program with `args`; returns its exit code and output.
 std::pair<int, std::string> run_probe(const std::string& args) {
@@ -47,18 +49,6 @@ std::set<std::string> names(const std::string& dir) {
   for (const auto& [path, size] : listing(dir)) out.insert(path);
   return out;
 }
-
-class RecordingSink : public ContributionSink {
- public:
-  void on_contribution(const Contribution& c) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    seen.push_back(c);
-  }
-  std::vector<Contribution> seen;
-
- private:
-  std::mutex mu_;
-};
 
 TEST(DbLifecycle, OpenWriteCloseReopen) {
   TempDir dir;
@@ -301,9 +291,7 @@ TEST(Memberships, ExitStopsForwardingToThatCommunityOnly) {
 TEST(Signals, OutcomeCountsCohortsAndCommunities) {
   TempDir dir;
   auto sink = std::make_shared<RecordingSink>();
-  Options options;
-  options.contribution_sink = sink;
-  auto db = open_db(dir.path(), options);
+  auto db = open_db(dir.path(), with_sink(sink));
   for (std::uint64_t c : {1u, 2u, 3u, 4u}) ASSERT_OK(db->join_community(44, c));
   ASSERT_OK(db->join_community(11, 9));
 
@@ -340,9 +328,7 @@ TEST(Signals, OutcomeCountsCohortsAndCommunities) {
 TEST(Signals, NonFiniteWeightsAreRejectedWithNothingChanged) {
   TempDir dir;
   auto sink = std::make_shared<RecordingSink>();
-  Options options;
-  options.contribution_sink = sink;
-  auto db = open_db(dir.path(), options);
+  auto db = open_db(dir.path(), with_sink(sink));
   ASSERT_OK(db->join_community(1, 10));
   for (double w : {std::nan(""), std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()}) {
     auto out = db->signal_with_context({1, 2, w}, {{3}});
@@ -371,9 +357,7 @@ TEST(Signals, UserInNoCommunityWithNoCohortsStillUpdatesPersonalLayer) {
 TEST(Signals, ConcurrentSignalsSumExactly) {
   TempDir dir;
   auto sink = std::make_shared<RecordingSink>();
-  Options options;
-  options.contribution_sink = sink;
-  auto db = open_db(dir.path(), options);
+  auto db = open_db(dir.path(), with_sink(sink));
   ASSERT_OK(db->join_community(1, 100));
   ASSERT_OK(db->join_community(2, 100));
   ASSERT_OK(db->join_community(2, 200));

@@ -16,24 +16,8 @@ namespace {
 
 using testing::TempDir;
 using testing::open_db;
-
-class RecordingSink : public ContributionSink {
- public:
-  void on_contribution(const Contribution& c) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    seen.push_back(c);
-  }
-  std::size_t count_for(std::uint64_t user) {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::size_t n = 0;
-    for (auto& c : seen) n += c.user_id == user;
-    return n;
-  }
-  std::vector<Contribution> seen;
-
- private:
-  std::mutex mu_;
-};
+using testing::RecordingSink;
+using testing::with_sink;
 
 // Writes raw bytes into a closed Db's partitions, as a corrupted disk would.
 class RawDb {
@@ -153,9 +137,7 @@ TEST(LeaveStress, ConcurrentSignalsNeverContributeAfterLeaveReturns) {
 TEST(Leave, GatesBothPathsAndKeepsThePersonalLayer) {
   TempDir dir;
   auto sink = std::make_shared<RecordingSink>();
-  Options options;
-  options.contribution_sink = sink;
-  auto db = open_db(dir.path(), options);
+  auto db = open_db(dir.path(), with_sink(sink));
   ASSERT_OK(db->join_community(1, 10));
   ASSERT_OK(db->signal_with_context({1, 5, 1.0}, {{3}}));
   ASSERT_OK(db->leave_community_layer(1));
@@ -289,9 +271,7 @@ TEST(Restart, RestoresStatusesHistoryAndTheClosedGate) {
     ASSERT_OK(db->close());
   }
   auto sink = std::make_shared<RecordingSink>();
-  Options options;
-  options.contribution_sink = sink;
-  auto db = open_db(dir.path(), options);
+  auto db = open_db(dir.path(), with_sink(sink));
   std::uint64_t left = 0;
   for (const auto& [u, m] : before) {
     auto now = db->community_layer_status(u);

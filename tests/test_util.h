@@ -5,7 +5,9 @@
 #include <stdlib.h>
 
 #include <filesystem>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -56,6 +58,31 @@ inline std::unique_ptr<Db> open_db(const std::string& path, const Options& optio
   Result<std::unique_ptr<Db>> db = Db::open(path, options);
   EXPECT_TRUE(db.ok()) << db.status().to_string();
   return db.ok() ? std::move(*db) : nullptr;
+}
+
+// A ContributionSink that records every contribution (thread-safe).
+class RecordingSink : public ContributionSink {
+ public:
+  void on_contribution(const Contribution& c) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    seen.push_back(c);
+  }
+  std::size_t count_for(std::uint64_t user) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::size_t n = 0;
+    for (const Contribution& c : seen) n += c.user_id == user ? 1 : 0;
+    return n;
+  }
+  std::vector<Contribution> seen;  // read it once the signaling threads are done
+
+ private:
+  std::mutex mu_;
+};
+
+// `options` with `sink` as the contribution sink.
+inline Options with_sink(std::shared_ptr<ContributionSink> sink, Options options = {}) {
+  options.contribution_sink = std::move(sink);
+  return options;
 }
 
 }  // namespace tidal::testing
