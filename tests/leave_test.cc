@@ -358,6 +358,32 @@ INSTANTIATE_TEST_SUITE_P(Values, CorruptRecord,
                                            std::string("\x01", 1) + std::string(8, '\0'),  // Left, time 0
                                            std::string()));
 
+TEST(CorruptRecordKey, ASuffixedLeaveKeyNeverOverridesTheRealRecord) {
+  TempDir dir;
+  {
+    auto db = open_db(dir.path());
+    ASSERT_OK(db->leave_community_layer(8));
+    ASSERT_OK(db->close());
+  }
+  {
+    // A well-formed Active value under a 0x11 key with a suffix sorts after
+    // user 8's real Left record.
+    RawDb raw(dir.path());
+    const std::string active = leave_value(MembershipStatus::Active, 5);
+    raw.put(raw.storage().users(), encode_key(EntityId(8), Tag::CommunityLeave, "x"), active);
+    raw.put(raw.storage().by_tag(), encode_index_key(EntityId(8), Tag::CommunityLeave, "x"), active);
+  }
+  auto failed = Db::open(dir.path());
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), StatusCode::Corruption);
+  EXPECT_NE(failed.status().message().find("user 8"), std::string::npos) << failed.status().message();
+  Options options;
+  options.corrupt_record_policy = CorruptRecordPolicy::TreatAsLeft;
+  auto db = open_db(dir.path(), options);
+  EXPECT_EQ(db->community_layer_status(8)->status, MembershipStatus::Left);
+  EXPECT_TRUE(db->signal_with_context({8, 1, 1.0}, {{1}})->gated);
+}
+
 // ---- start-up: index and unknown tags ----
 
 TEST(Startup, UnknownTagsAreSkippedAndAMissingIndexIsBackfilled) {

@@ -204,9 +204,10 @@ Status Db::Impl::for_each_left(const std::function<bool(const CommunityMembershi
     if (closed_.load(std::memory_order_acquire)) return closed_status("for_each_left");
     bool stopped = false;
     Status s = scan_tag(*storage_, Tag::CommunityLeave,
-                        [&](std::uint64_t user, std::string_view, std::string_view value) -> Status {
+                        [&](std::uint64_t user, std::string_view suffix, std::string_view value) -> Status {
                           if (stopped) return Status::OK();
-                          std::optional<CommunityMembership> m = deserialize_membership(user, value);
+                          std::optional<CommunityMembership> m =
+                              suffix.empty() ? deserialize_membership(user, value) : std::nullopt;
                           if (!m) {
                             return Status::Corruption("community leave record (0x11) of " + user_text(user) +
                                                       " does not decode: value " + hex(value));

@@ -96,12 +96,16 @@ Status rebuild_community_leave_status(const Storage& storage, CorruptRecordPolic
   status->reserve(estimate);
   gate->reserve(estimate);
   return scan_tag(storage, Tag::CommunityLeave,
-                  [&](std::uint64_t user, std::string_view, std::string_view value) -> Status {
-                    std::optional<CommunityMembership> m = deserialize_membership(user, value);
+                  [&](std::uint64_t user, std::string_view suffix, std::string_view value) -> Status {
+                    // A 0x11 key has no suffix: one that does is not a record of
+                    // this format and must not override the user's real one.
+                    std::optional<CommunityMembership> m =
+                        suffix.empty() ? deserialize_membership(user, value) : std::nullopt;
                     if (!m) {
                       if (policy == CorruptRecordPolicy::Fail) {
                         return Status::Corruption("community leave record (0x11) of user " + std::to_string(user) +
-                                                  " does not decode: value " + hex(value) + " (" +
+                                                  " does not decode: " + (suffix.empty() ? "" : "key suffix " + hex(suffix) + ", ") +
+                                                  "value " + hex(value) + " (" +
                                                   std::to_string(value.size()) +
                                                   " bytes); open with CorruptRecordPolicy::TreatAsLeft to gate the "
                                                   "user instead");

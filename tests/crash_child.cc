@@ -1,0 +1,85 @@
+// The writer process of the crash tests (tests/crash_test.cc). The parent
+// SIGKILLs it at a random moment; every line it writes to stdout (a pipe the
+// parent reads continuously) is one write(2), so a line is either whole or
+// absent.
+//
+//   tidal_crash_child ops <db-path> <seed> <users>
+//     Opens the Db with default Options (sync_writes on), prints "R", then
+//     forever: picks a random user and a leave or rejoin (mostly the one that
+//     changes state, sometimes the redundant one, G7), prints
+//       "B <L|J> <user>"                         before the call, then
+//       "A <L|J> <user> <history size> <at_ns>"  after it returned OK, with
+//     the size of the user's history and the at_ns of its last entry.
+//     On an error prints "E <message>" and exits 3.
+//   tidal_crash_child open <db-path>
+//     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
+//     kills it while it opens: the start-up scan and the index backfill).
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+
+#include "tidal/db.h"
+
+namespace {
+
+void say(const std::string& line) {
+  const std::string out = line + "\n";
+  std::size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::write(STDOUT_FILENO, out.data() + done, out.size() - done);
+    if (n <= 0) std::_Exit(4);
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+[[noreturn]] void fail(const std::string& what, const tidal::Status& s) {
+  say("E " + what + ": " + s.to_string());
+  std::_Exit(3);
+}
+
+int run_ops(const std::string& path, std::uint64_t seed, std::uint64_t users) {
+  auto db = tidal::Db::open(path);
+  if (!db.ok()) fail("open", db.status());
+  say("R");
+  std::mt19937_64 rng(seed);
+  for (;;) {
+    const std::uint64_t user = rng() % users;
+    auto status = (*db)->community_layer_status(user);
+    if (!status.ok()) fail("status", status.status());
+    const bool left = status->status == tidal::MembershipStatus::Left;
+    const bool redundant = rng() % 8 == 0;
+    const bool leave = left == redundant;  // toggle, or repeat the current state
+    say(std::string("B ") + (leave ? "L " : "J ") + std::to_string(user));
+    tidal::Status s = leave ? (*db)->leave_community_layer(user) : (*db)->rejoin_community_layer(user);
+    if (!s.ok()) fail(leave ? "leave" : "rejoin", s);
+    auto history = (*db)->community_layer_history(user);
+    if (!history.ok()) fail("history", history.status());
+    const std::uint64_t at = history->empty() ? 0 : history->back().at_ns;
+    say(std::string("A ") + (leave ? "L " : "J ") + std::to_string(user) + " " + std::to_string(history->size()) +
+        " " + std::to_string(at));
+  }
+}
+
+int run_open(const std::string& path) {
+  auto db = tidal::Db::open(path);
+  if (!db.ok()) fail("open", db.status());
+  say("R");
+  if (tidal::Status s = (*db)->close(); !s.ok()) fail("close", s);
+  say("C");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "ops" && argc == 5) {
+    return run_ops(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
+  }
+  if (mode == "open" && argc == 3) return run_open(argv[2]);
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | open <db>");
+  return 2;
+}

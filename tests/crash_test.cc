@@ -1,0 +1,405 @@
+// Crash tests (G1, G5, and a crash during open): a child process
+// (tidal_crash_child, fork+exec via posix_spawn) writes to a Db and is
+// SIGKILLed at a random moment; the parent reopens the Db and checks every
+// acknowledged write. TIDAL_CRASH_ROUNDS (default 200) sets the number of
+// kill rounds of the G1 test; the open-crash tests run a tenth as many (at
+// least 10) per variant.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <rocksdb/db.h>
+#include <rocksdb/write_batch.h>
+
+#include "db/impl.h"
+#include "entities/community.h"
+#include "reliability_util.h"
+#include "storage/keys.h"
+#include "tidal/db.h"
+
+#ifndef TIDAL_CRASH_CHILD
+#error "TIDAL_CRASH_CHILD must name the tidal_crash_child executable"
+#endif
+
+extern char** environ;
+
+namespace tidal::reliability {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int crash_rounds() {
+  const char* v = std::getenv("TIDAL_CRASH_ROUNDS");
+  const int n = v != nullptr ? std::atoi(v) : 0;
+  return n > 0 ? n : 200;
+}
+
+// A running tidal_crash_child whose stdout is a pipe we read.
+class Child {
+ public:
+  explicit Child(const std::vector<std::string>& args) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) std::abort();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+    std::vector<std::string> argv_store;
+    argv_store.push_back(TIDAL_CRASH_CHILD);
+    argv_store.insert(argv_store.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : argv_store) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const int rc = ::posix_spawn(&pid_, TIDAL_CRASH_CHILD, &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(fds[1]);
+    fd_ = fds[0];
+    if (rc != 0) {
+      std::cerr << "posix_spawn " << TIDAL_CRASH_CHILD << " failed: " << rc << "\n";
+      std::abort();
+    }
+  }
+  ~Child() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      (void)wait();
+    }
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // Waits up to `timeout` for complete lines; appends them to `lines`.
+  // Returns false at end of file (the child is gone and its output drained).
+  bool read_lines(Clock::duration timeout, std::vector<std::string>* lines) {
+    pollfd p{fd_, POLLIN, 0};
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count();
+    const int r = ::poll(&p, 1, static_cast<int>(ms < 0 ? 0 : ms));
+    if (r <= 0) return true;
+    char buf[4096];
+    const ssize_t n = ::read(fd_, buf, sizeof buf);
+    if (n <= 0) return false;
+    pending_.append(buf, static_cast<std::size_t>(n));
+    for (std::size_t nl; (nl = pending_.find('\n')) != std::string::npos;) {
+      lines->push_back(pending_.substr(0, nl));
+      pending_.erase(0, nl + 1);
+    }
+    return true;
+  }
+  void kill() { ::kill(pid_, SIGKILL); }
+  // Reaps the child; returns its wait status.
+  int wait() {
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+    return status;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  std::string pending_;
+};
+
+MembershipStatus target_of(const std::string& op) { return op == "L" ? MembershipStatus::Left : MembershipStatus::Active; }
+
+// ---- G1: SIGKILL during leaves and rejoins ----
+
+TEST(CrashTest, AcknowledgedLeavesAndRejoinsSurviveSigkill) {
+  TempDir dir;
+  const std::string path = dir.path() + "/db";
+  const int rounds = crash_rounds();
+  constexpr std::uint64_t kUsers = 48;
+  std::vector<std::uint64_t> users;
+  for (std::uint64_t u = 0; u < kUsers; ++u) users.push_back(u);
+
+  std::mt19937_64 rng(20261129);
+  AckModel model;
+  ModelCheck totals;
+  std::uint64_t acked = 0, noops = 0, kills = 0, unknown_ops = 0, unknown_lost = 0;
+  const auto start = Clock::now();
+
+  for (int round = 0; round < rounds && !::testing::Test::HasFailure(); ++round) {
+    std::map<std::uint64_t, MembershipStatus> unknown;  // at most one: the op in flight at the kill
+    {
+      Child child({"ops", path, std::to_string(rng()), std::to_string(kUsers)});
+      const auto spawn = Clock::now();
+      std::optional<Clock::time_point> kill_at;
+      bool killed = false;
+      std::vector<std::string> lines;
+      for (bool open = true; open;) {
+        const auto now = Clock::now();
+        if (!kill_at && now - spawn > std::chrono::seconds(30)) {
+          FAIL() << "round " << round << ": the child did not open the Db within 30 s";
+        }
+        if (kill_at && !killed && now >= *kill_at) {
+          child.kill();
+          killed = true;
+        }
+        const auto wait = kill_at && !killed ? *kill_at - now : std::chrono::milliseconds(100);
+        lines.clear();
+        open = child.read_lines(wait, &lines);
+        for (const std::string& line : lines) {
+          std::istringstream in(line);
+          std::string kind, op;
+          std::uint64_t user = 0, size = 0, at = 0;
+          in >> kind;
+          if (kind == "R") {
+            kill_at = Clock::now() + std::chrono::milliseconds(5 + rng() % 46);  // 5-50 ms of writes
+          } else if (kind == "B") {
+            in >> op >> user;
+            unknown = {{user, target_of(op)}};
+          } else if (kind == "A") {
+            in >> op >> user >> size >> at;
+            ASSERT_EQ(unknown.count(user), 1u) << "acknowledged an op never announced: " << line;
+            unknown.clear();
+            std::vector<MembershipEvent>& ev = model.events[user];
+            if (model.status_of(user) == target_of(op)) {  // G7: no change
+              ++noops;
+              ASSERT_EQ(size, ev.size()) << "a redundant op changed the history: " << line;
+            } else {
+              ASSERT_EQ(size, ev.size() + 1) << line;
+              ev.push_back({target_of(op), at});
+            }
+            ++acked;
+          } else {
+            FAIL() << "round " << round << ": child said: " << line;
+          }
+        }
+      }
+      const int status = child.wait();
+      ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+          << "round " << round << ": the child ended by itself (status " << status << ")";
+      ++kills;
+    }
+    unknown_ops += unknown.size();
+
+    // Reopen: every acknowledged state is there, the gate is closed for Left users.
+    auto sink = std::make_shared<CountingSink>();
+    Options options;
+    options.contribution_sink = sink;
+    Result<std::unique_ptr<Db>> db = Db::open(path, options);
+    ASSERT_TRUE(db.ok()) << "round " << round << ": reopen: " << db.status().to_string();
+    const std::uint64_t applied_before = totals.unknown_applied;
+    check_against_model(**db, sink.get(), model, users, unknown, /*allow_loss=*/false, &totals);
+    unknown_lost += unknown.size() - (totals.unknown_applied - applied_before);
+    ASSERT_OK((*db)->close());
+  }
+  const auto secs = std::chrono::duration<double>(Clock::now() - start).count();
+  std::cout << "[crash G1] rounds (SIGKILLs): " << kills << ", acknowledged ops: " << acked << " (" << noops
+            << " redundant, G7), in flight at the kill: " << unknown_ops << " (" << totals.unknown_applied
+            << " applied, " << unknown_lost << " not), acknowledged events in the final history: " << model.size()
+            << ", lost: " << totals.lost << ", gate probes: " << totals.gate_probes << ", " << secs << " s\n";
+  EXPECT_EQ(kills, static_cast<std::uint64_t>(rounds));
+  EXPECT_GT(acked, static_cast<std::uint64_t>(rounds)) << "too few writes per round to mean anything";
+}
+
+// ---- compound: SIGKILL while the Db opens (state rebuild, index backfill) ----
+
+const std::vector<std::string> kColumnFamilies = {"default", "users", "by_tag", "aggregates"};
+
+struct RawDb {
+  std::unique_ptr<rocksdb::DB> db;
+  std::vector<rocksdb::ColumnFamilyHandle*> cfs;
+  explicit RawDb(const std::string& path) {
+    rocksdb::Options o;
+    std::vector<rocksdb::ColumnFamilyDescriptor> d;
+    for (const auto& n : kColumnFamilies) d.emplace_back(n, rocksdb::ColumnFamilyOptions());
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Status s = rocksdb::DB::Open(o, path, d, &cfs, &raw);
+    if (!s.ok()) {
+      ADD_FAILURE() << "raw open of " << path << ": " << s.ToString();
+      return;
+    }
+    db.reset(raw);
+  }
+  ~RawDb() {
+    if (!db) return;
+    rocksdb::FlushOptions fo;
+    (void)db->Flush(fo, cfs);
+    for (auto* h : cfs) (void)db->DestroyColumnFamilyHandle(h);
+    (void)db->Close();
+  }
+};
+
+rocksdb::Slice sl(const std::string& s) { return {s.data(), s.size()}; }
+
+// A Db of `n` users who left (every tenth one rejoined since), written raw in
+// tidal's format. Without `indexed`, the by_tag index and its marker are
+// absent, so the first open backfills it.
+AckModel build_big_db(const std::string& path, std::uint64_t n, std::vector<std::uint64_t>* users) {
+  {
+    auto db = Db::open(path);  // creates the column families
+    EXPECT_TRUE(db.ok()) << db.status().to_string();
+  }
+  AckModel model;
+  RawDb raw(path);
+  if (!raw.db) return model;
+  rocksdb::WriteBatch batch;
+  const std::uint64_t t0 = 1'700'000'000'000'000'000ULL;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    const std::uint64_t user = 1'000'000 + i;
+    const std::uint64_t left_at = t0 + i * 1000;
+    users->push_back(user);
+    std::vector<MembershipEvent>& ev = model.events[user];
+    ev.push_back({MembershipStatus::Left, left_at});
+    if (i % 10 == 9) ev.push_back({MembershipStatus::Active, left_at + 1});
+    const CommunityMembership m{user, ev.back().status, left_at};
+    const auto value = serialize_membership(m);
+    const rocksdb::Slice v(value.data(), value.size());
+    batch.Put(raw.cfs[1], sl(encode_key(EntityId(user), Tag::CommunityLeave)), v);
+    batch.Put(raw.cfs[2], sl(encode_index_key(EntityId(user), Tag::CommunityLeave)), v);
+    for (const auto& e : ev) {
+      std::string suffix;
+      put_u64_be(&suffix, e.at_ns);
+      const char h = serialize_history_status(e.status);
+      batch.Put(raw.cfs[1], sl(encode_key(EntityId(user), Tag::CommunityLeaveHistory, suffix)), rocksdb::Slice(&h, 1));
+    }
+    if (batch.Count() >= 30000) {
+      EXPECT_TRUE(raw.db->Write(rocksdb::WriteOptions(), &batch).ok());
+      batch.Clear();
+    }
+  }
+  EXPECT_TRUE(raw.db->Write(rocksdb::WriteOptions(), &batch).ok());
+  return model;
+}
+
+// Removes the index and its marker, as a Db written before the index had.
+void drop_index(const std::string& path) {
+  RawDb raw(path);
+  if (!raw.db) return;
+  rocksdb::WriteBatch batch;
+  batch.Delete(raw.cfs[0], kIndexVersionKey);
+  const std::string lo(1, '\0'), hi(1, '\xff');
+  batch.DeleteRange(raw.cfs[2], lo, hi + std::string(16, '\xff'));
+  EXPECT_TRUE(raw.db->Write(rocksdb::WriteOptions(), &batch).ok());
+}
+
+struct IndexState {
+  bool marker = false;
+  std::uint64_t leave_entries = 0;  // 0x11 records in by_tag
+};
+IndexState index_state(const std::string& path) {
+  IndexState st;
+  RawDb raw(path);
+  if (!raw.db) return st;
+  std::string v;
+  st.marker = raw.db->Get(rocksdb::ReadOptions(), raw.cfs[0], kIndexVersionKey, &v).ok();
+  std::unique_ptr<rocksdb::Iterator> it(raw.db->NewIterator(rocksdb::ReadOptions(), raw.cfs[2]));
+  const char tag = static_cast<char>(Tag::CommunityLeave);
+  for (it->Seek(rocksdb::Slice(&tag, 1)); it->Valid() && it->key()[0] == tag; it->Next()) ++st.leave_entries;
+  return st;
+}
+
+// Runs `tidal_crash_child open` to the end and returns the time from spawn to "R".
+Clock::duration time_open(const std::string& path) {
+  Child child({"open", path});
+  const auto spawn = Clock::now();
+  Clock::duration ready{};
+  std::vector<std::string> lines;
+  while (child.read_lines(std::chrono::milliseconds(100), &lines)) {
+    for (const auto& l : lines) {
+      if (l == "R") ready = Clock::now() - spawn;
+      if (l[0] == 'E') ADD_FAILURE() << "child: " << l;
+    }
+    lines.clear();
+  }
+  EXPECT_EQ(child.wait(), 0);
+  return ready;
+}
+
+void crash_during_open(bool indexed) {
+  TempDir dir;
+  const std::string path = dir.path() + "/db";
+  constexpr std::uint64_t kLeavers = 50'000;
+  std::vector<std::uint64_t> users;
+  AckModel model = build_big_db(path, kLeavers, &users);
+  std::uint64_t left_count = 0;
+  for (const auto& [u, ev] : model.events) left_count += ev.back().status == MembershipStatus::Left ? 1u : 0u;
+  if (!indexed) drop_index(path);
+
+  const auto open_time = time_open(path);  // also completes a backfill; redo it below
+  const int rounds = std::max(10, crash_rounds() / 10);
+  std::mt19937_64 rng(indexed ? 7 : 11);
+  int killed_before_ready = 0, killed_after_ready = 0, finished = 0, backfill_interrupted = 0;
+  const auto open_us = std::chrono::duration_cast<std::chrono::microseconds>(open_time).count();
+  for (int round = 0; round < rounds && !::testing::Test::HasFailure(); ++round) {
+    if (!indexed) drop_index(path);  // every round starts with no index and no marker
+    {
+      Child child({"open", path});
+      const auto kill_at = Clock::now() + std::chrono::microseconds(rng() % static_cast<std::uint64_t>(open_us * 11 / 10 + 1));
+      bool ready = false, killed = false;
+      std::vector<std::string> lines;
+      for (bool open = true; open;) {
+        const auto now = Clock::now();
+        if (!killed && now >= kill_at) {
+          child.kill();
+          killed = true;
+        }
+        lines.clear();
+        open = child.read_lines(killed ? std::chrono::milliseconds(100) : kill_at - now, &lines);
+        for (const auto& l : lines) {
+          if (l == "R") ready = true;
+          if (l[0] == 'E') ADD_FAILURE() << "round " << round << ": child: " << l;
+        }
+      }
+      const int status = child.wait();
+      if (WIFSIGNALED(status)) {
+        ready ? ++killed_after_ready : ++killed_before_ready;
+      } else {
+        ++finished;
+      }
+    }
+    if (!indexed) {
+      const IndexState st = index_state(path);
+      if (!st.marker && st.leave_entries > 0) ++backfill_interrupted;  // killed mid-backfill: a partial index
+    }
+    // A read-only open (which writes nothing, so an interrupted backfill stays
+    // interrupted) sees every Left user gated.
+    Options ro;
+    ro.read_only = true;
+    auto db = Db::open(path, ro);
+    ASSERT_TRUE(db.ok()) << "round " << round << ": " << db.status().to_string();
+    EXPECT_EQ((*db)->stats().users_left, left_count) << "round " << round;
+  }
+
+  // The clean reopen: everything present, every Left user gated, index complete.
+  auto sink = std::make_shared<CountingSink>();
+  Options options;
+  options.contribution_sink = sink;
+  auto db = Db::open(path, options);
+  ASSERT_TRUE(db.ok()) << db.status().to_string();
+  ModelCheck check;
+  check_against_model(**db, sink.get(), model, users, {}, /*allow_loss=*/false, &check);
+  EXPECT_EQ(check.users_checked, kLeavers);
+  EXPECT_EQ((*db)->stats().users_left, left_count);
+  Result<VerifyReport> report = (*db)->verify();
+  ASSERT_TRUE(report.ok()) << report.status().to_string();
+  EXPECT_TRUE(report->ok()) << report->problems.size() << " problems, first: "
+                            << (report->problems.empty() ? "" : report->problems.front());
+  ASSERT_OK((*db)->leave_community_layer(1));
+  std::cout << "[crash open" << (indexed ? "" : " + backfill") << "] leavers: " << kLeavers << " (" << left_count
+            << " Left), open takes " << open_us / 1000 << " ms; rounds: " << rounds << ", killed before ready: "
+            << killed_before_ready << ", after: " << killed_after_ready << ", finished: " << finished;
+  if (!indexed) std::cout << ", killed mid-backfill (partial index, no marker): " << backfill_interrupted;
+  std::cout << "; lost: " << check.lost << ", users checked: " << check.users_checked << "\n";
+  if (!indexed) {
+    EXPECT_GT(backfill_interrupted, 0) << "no kill landed mid-backfill";
+  }
+}
+
+TEST(CrashTest, KillDuringOpenOf50kLeavers) { crash_during_open(true); }
+TEST(CrashTest, KillDuringIndexBackfillOf50kLeavers) { crash_during_open(false); }
+
+}  // namespace
+}  // namespace tidal::reliability
