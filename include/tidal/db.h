@@ -76,8 +76,10 @@ struct Contribution {
 };
 
 // Optional observer of every fan-out. Called synchronously on the signaling
-// thread, possibly from several threads at once. It must not call
-// leave_community_layer (that returns Busy from inside a callback).
+// thread, possibly from several threads at once, before signal_with_context
+// returns. A leave waits for signals in progress, so the callback must not
+// wait on a thread that is inside leave_community_layer or close, and must
+// not call them itself (they return Busy from inside a callback).
 class ContributionSink {
  public:
   virtual ~ContributionSink() = default;
