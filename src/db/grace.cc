@@ -48,6 +48,17 @@ struct ThreadState {
 
 thread_local ThreadState t_state;
 
+// A full memory barrier. GCC's ThreadSanitizer rejects atomic_thread_fence;
+// a seq_cst read-modify-write is a full barrier on the targets tidal builds for.
+void full_fence() {
+#if defined(__SANITIZE_THREAD__)
+  static std::atomic<int> fence_word{0};
+  fence_word.fetch_add(0, std::memory_order_seq_cst);
+#else
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+#endif
+}
+
 bool register_membarrier() {
   const long supported = syscall(__NR_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
   if (supported < 0 || (supported & MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return false;
@@ -73,7 +84,7 @@ ReadSection::ReadSection() {
     std::atomic_signal_fence(std::memory_order_seq_cst);
   } else {
     t.slot->seq.store(v + 1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    full_fence();
   }
 }
 
@@ -92,7 +103,7 @@ void synchronize() {
     // slot store is visible below, or that reader sees our earlier stores.
     syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0);
   } else {
-    std::atomic_thread_fence(std::memory_order_seq_cst);
+    full_fence();
   }
   const Slot* own = t_state.slot;
   for (Slot* s = g_slots.load(std::memory_order_acquire); s != nullptr; s = s->next) {
