@@ -121,12 +121,12 @@ Stats Db::Impl::stats() const {
   Stats out;
   for (const CounterStripe& c : stripes_) {
     out.signals += c.signals.load(std::memory_order_relaxed);
-    out.personal_updates += c.personal_updates.load(std::memory_order_relaxed);
     out.cohort_attributions += c.cohort_attributions.load(std::memory_order_relaxed);
     out.community_forwards += c.community_forwards.load(std::memory_order_relaxed);
     out.gated_cohort += c.gated_cohort.load(std::memory_order_relaxed);
     out.gated_community += c.gated_community.load(std::memory_order_relaxed);
   }
+  out.personal_updates = out.signals;  // every accepted signal updates the personal layer
   out.leaves = leaves_.load(std::memory_order_relaxed);
   out.rejoins = rejoins_.load(std::memory_order_relaxed);
   out.users_left = gate_.closed_count();

@@ -29,8 +29,7 @@ using LeaveStatusMap = libcuckoo::cuckoohash_map<std::uint64_t, CommunityMembers
 // Hot-path counters, striped by thread so signaling threads do not share a
 // cache line. Relaxed; summed by stats().
 struct alignas(64) CounterStripe {
-  std::atomic<std::uint64_t> signals{0};
-  std::atomic<std::uint64_t> personal_updates{0};
+  std::atomic<std::uint64_t> signals{0};  // each one also updated the personal layer
   std::atomic<std::uint64_t> cohort_attributions{0};
   std::atomic<std::uint64_t> community_forwards{0};
   std::atomic<std::uint64_t> gated_cohort{0};

@@ -25,7 +25,6 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
     SignalOutcome outcome;
     aggregates_.add(AggregateKind::Personal, {signal.user_id, signal.item_id}, signal.weight);  // user-owned: never gated
     outcome.personal_applied = true;
-    c.personal_updates.fetch_add(1, std::memory_order_relaxed);
 
     std::uint64_t stamp = 0;  // one Db clock reading per signal, taken at its first contribution
     try_cohort_attribution(signal, context, &outcome, &stamp, &c);
@@ -57,7 +56,9 @@ void Db::Impl::try_cohort_attribution(const Signal& signal, const SignalContext&
     ++outcome->cohorts_attributed;
     report(signal, ContributionTarget::Cohort, cohort, stamp);
   }
-  counters->cohort_attributions.fetch_add(outcome->cohorts_attributed, std::memory_order_relaxed);
+  if (outcome->cohorts_attributed != 0) {
+    counters->cohort_attributions.fetch_add(outcome->cohorts_attributed, std::memory_order_relaxed);
+  }
 }
 
 void Db::Impl::try_community_forwarding(const Signal& signal, SignalOutcome* outcome, std::uint64_t* stamp,
@@ -81,7 +82,9 @@ void Db::Impl::try_community_forwarding(const Signal& signal, SignalOutcome* out
     ++outcome->communities_forwarded;
     report(signal, ContributionTarget::Community, community, stamp);
   }
-  counters->community_forwards.fetch_add(outcome->communities_forwarded, std::memory_order_relaxed);
+  if (outcome->communities_forwarded != 0) {
+    counters->community_forwards.fetch_add(outcome->communities_forwarded, std::memory_order_relaxed);
+  }
   spare = std::move(ids);
 }
 
