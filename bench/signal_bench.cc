@@ -62,7 +62,8 @@ void BM_Signal(benchmark::State& state) {
     benchmark::DoNotOptimize(out);
   }
   state.SetItemsProcessed(state.iterations());
-  state.counters["contributions/signal"] = static_cast<double>(cohorts + communities);
+  state.counters["contributions/signal"] =
+      benchmark::Counter(static_cast<double>(cohorts + communities), benchmark::Counter::kAvgThreads);
 }
 
 void Shapes(benchmark::internal::Benchmark* b) {
