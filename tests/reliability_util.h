@@ -26,36 +26,21 @@ namespace tidal::reliability {
 
 using tidal::testing::TempDir;
 
-// Counts the contributions each user made through the sink.
-class CountingSink : public ContributionSink {
- public:
-  void on_contribution(const Contribution& c) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++by_user_[c.user_id];
-  }
-  std::uint64_t count(std::uint64_t user_id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = by_user_.find(user_id);
-    return it == by_user_.end() ? 0 : it->second;
-  }
-
- private:
-  std::mutex mu_;
-  std::map<std::uint64_t, std::uint64_t> by_user_;
-};
+// Every contribution each user made, counted per user.
+using CountingSink = tidal::testing::RecordingSink;
 
 // Sends one signal of `user` attributed to one cohort and reports whether
 // the leave gate held it back, checking the outcome and the sink agree:
 // gated <=> no contribution reached the sink. Returns nullopt (and records a
 // test failure) when the signal call failed or the outcome is inconsistent.
 inline std::optional<bool> probe_gate(Db& db, CountingSink& sink, std::uint64_t user) {
-  const std::uint64_t before = sink.count(user);
+  const std::uint64_t before = sink.count_for(user);
   Result<SignalOutcome> out = db.signal_with_context({user, 7, 1.0}, SignalContext{{42}});
   if (!out.ok()) {
     ADD_FAILURE() << "signal of user " << user << ": " << out.status().to_string();
     return std::nullopt;
   }
-  const std::uint64_t delta = sink.count(user) - before;
+  const std::uint64_t delta = sink.count_for(user) - before;
   if (out->gated) {
     if (delta != 0 || out->cohorts_attributed != 0 || out->communities_forwarded != 0) {
       ADD_FAILURE() << "user " << user << " gated yet " << delta << " contributions reached the sink";

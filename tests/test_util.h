@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <filesystem>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -60,23 +61,25 @@ inline std::unique_ptr<Db> open_db(const std::string& path, const Options& optio
   return db.ok() ? std::move(*db) : nullptr;
 }
 
-// A ContributionSink that records every contribution (thread-safe).
+// A ContributionSink that records every contribution and counts them per
+// user (thread-safe).
 class RecordingSink : public ContributionSink {
  public:
   void on_contribution(const Contribution& c) override {
     std::lock_guard<std::mutex> lock(mu_);
     seen.push_back(c);
+    ++by_user_[c.user_id];
   }
-  std::size_t count_for(std::uint64_t user) {
+  std::uint64_t count_for(std::uint64_t user) {
     std::lock_guard<std::mutex> lock(mu_);
-    std::size_t n = 0;
-    for (const Contribution& c : seen) n += c.user_id == user ? 1 : 0;
-    return n;
+    auto it = by_user_.find(user);
+    return it == by_user_.end() ? 0 : it->second;
   }
   std::vector<Contribution> seen;  // read it once the signaling threads are done
 
  private:
   std::mutex mu_;
+  std::map<std::uint64_t, std::uint64_t> by_user_;
 };
 
 // `options` with `sink` as the contribution sink.

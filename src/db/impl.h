@@ -63,9 +63,6 @@ class Db::Impl {
   Result<VerifyReport> verify() const;
   Stats stats() const;
 
-  // The leave gate, as the signal path checks it (exposed for benchmarks).
-  bool gate_closed_for(std::uint64_t user_id) const noexcept { return gate_.closed_for(user_id); }
-
  private:
   // The two fan-out paths of SPEC §2; each begins with the leave gate.
   void try_cohort_attribution(const Signal& signal, const SignalContext& context, SignalOutcome* outcome,
