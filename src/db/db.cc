@@ -1,5 +1,5 @@
 // The Db facade, open/close/flush and stats.
-#include <cstring>
+#include <algorithm>
 
 #include "db/grace.h"
 #include "db/guarded.h"
