@@ -1,5 +1,7 @@
 #include "storage/storage.h"
 
+#include <rocksdb/memtablerep.h>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -109,6 +111,11 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
 
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
   for (const char* name : kColumnFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+  // Aggregates are written in bulk by a flush and flushed to SST right away,
+  // never read from the memtable: a vector memtable appends instead of
+  // inserting into a skiplist. (It cannot take concurrent memtable writes.)
+  options.allow_concurrent_memtable_write = false;
+  descriptors[3].options.memtable_factory = std::make_shared<rocksdb::VectorRepFactory>();
 
   auto storage = std::unique_ptr<Storage>(new Storage());
   storage->path_ = path;
