@@ -64,12 +64,20 @@ class Db::Impl {
   Stats stats() const;
 
  private:
+  // What one signal's fan-out carries from path to path.
+  struct FanOut {
+    SignalOutcome outcome;
+    CounterStripe* counters;
+    std::uint64_t stamp = 0;    // the Db clock reading of its contributions; 0 until the first
+    std::int8_t gate = -1;      // the leave gate's answer for this signal; -1 until asked
+  };
+  // The leave gate: true when the user's signal must not reach a shared
+  // aggregate. Probed once per signal, by whichever path asks first.
+  bool leave_gate_closed(const Signal& signal, FanOut* fan_out) const noexcept;
   // The two fan-out paths of SPEC §2; each begins with the leave gate.
-  void try_cohort_attribution(const Signal& signal, const SignalContext& context, SignalOutcome* outcome,
-                              std::uint64_t* stamp, CounterStripe* counters);
-  void try_community_forwarding(const Signal& signal, SignalOutcome* outcome, std::uint64_t* stamp,
-                                CounterStripe* counters);
-  void report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, std::uint64_t* stamp);
+  void try_cohort_attribution(const Signal& signal, const SignalContext& context, FanOut* fan_out);
+  void try_community_forwarding(const Signal& signal, FanOut* fan_out);
+  void report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out);
 
   // Checks that apply to every write: open, writable, not inside a sink callback.
   Status check_writable(const char* what) const;

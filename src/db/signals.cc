@@ -21,16 +21,13 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
     if (options_.read_only) {
       return Status::InvalidArgument("signal_with_context: the Db at '" + storage_->path() + "' is open read-only");
     }
-    CounterStripe& c = counters();
-    SignalOutcome outcome;
-    aggregates_.add(AggregateKind::Personal, {signal.user_id, signal.item_id}, signal.weight);  // user-owned: never gated
-    outcome.personal_applied = true;
-
-    std::uint64_t stamp = 0;  // one Db clock reading per signal, taken at its first contribution
-    try_cohort_attribution(signal, context, &outcome, &stamp, &c);
-    try_community_forwarding(signal, &outcome, &stamp, &c);
-    c.signals.fetch_add(1, std::memory_order_relaxed);
-    if (outcome.gated) {
+    FanOut fan_out{{}, &counters()};
+    aggregates_.add(AggregateKind::Personal, {signal.user_id, signal.item_id}, signal.weight);  // never gated
+    fan_out.outcome.personal_applied = true;
+    try_cohort_attribution(signal, context, &fan_out);
+    try_community_forwarding(signal, &fan_out);
+    fan_out.counters->signals.fetch_add(1, std::memory_order_relaxed);
+    if (fan_out.outcome.gated) {
       const std::uint64_t now = clock_.now();
       held_back_.upsert(
           signal.user_id,
@@ -40,32 +37,40 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
           },
           GateActivity{1, now});
     }
-    return outcome;
+    return fan_out.outcome;
   });
 }
 
-void Db::Impl::try_cohort_attribution(const Signal& signal, const SignalContext& context, SignalOutcome* outcome,
-                                      std::uint64_t* stamp, CounterStripe* counters) {
-  if (gate_.closed_for(signal.user_id)) {  // the leave gate
-    outcome->gated = true;
-    counters->gated_cohort.fetch_add(1, std::memory_order_relaxed);
+// Probing once per signal is as safe as probing in each path: both paths run
+// inside the signal's read section, and a leave closes the gate, waits for
+// every read section in progress, and only then takes left_at_ns. A signal
+// that saw the gate open therefore finishes before the leave returns (G2),
+// with contributions stamped below left_at_ns (G3), whichever path asked.
+bool Db::Impl::leave_gate_closed(const Signal& signal, FanOut* fan_out) const noexcept {
+  if (fan_out->gate < 0) fan_out->gate = gate_.closed_for(signal.user_id) ? 1 : 0;
+  return fan_out->gate != 0;
+}
+
+void Db::Impl::try_cohort_attribution(const Signal& signal, const SignalContext& context, FanOut* fan_out) {
+  if (leave_gate_closed(signal, fan_out)) {
+    fan_out->outcome.gated = true;
+    fan_out->counters->gated_cohort.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   for (std::uint64_t cohort : context.cohort_ids) {
     aggregates_.add(AggregateKind::Cohort, {cohort, signal.item_id}, signal.weight);
-    ++outcome->cohorts_attributed;
-    report(signal, ContributionTarget::Cohort, cohort, stamp);
+    ++fan_out->outcome.cohorts_attributed;
+    report(signal, ContributionTarget::Cohort, cohort, fan_out);
   }
-  if (outcome->cohorts_attributed != 0) {
-    counters->cohort_attributions.fetch_add(outcome->cohorts_attributed, std::memory_order_relaxed);
+  if (fan_out->outcome.cohorts_attributed != 0) {
+    fan_out->counters->cohort_attributions.fetch_add(fan_out->outcome.cohorts_attributed, std::memory_order_relaxed);
   }
 }
 
-void Db::Impl::try_community_forwarding(const Signal& signal, SignalOutcome* outcome, std::uint64_t* stamp,
-                                        CounterStripe* counters) {
-  if (gate_.closed_for(signal.user_id)) {  // the leave gate
-    outcome->gated = true;
-    counters->gated_community.fetch_add(1, std::memory_order_relaxed);
+void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
+  if (leave_gate_closed(signal, fan_out)) {
+    fan_out->outcome.gated = true;
+    fan_out->counters->gated_community.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   // Copy the ids out so no bucket lock is held while forwarding or calling
@@ -79,21 +84,21 @@ void Db::Impl::try_community_forwarding(const Signal& signal, SignalOutcome* out
                        [&ids](const std::vector<std::uint64_t>& found) { ids.assign(found.begin(), found.end()); });
   for (std::uint64_t community : ids) {
     aggregates_.add(AggregateKind::Community, {community, signal.item_id}, signal.weight);
-    ++outcome->communities_forwarded;
-    report(signal, ContributionTarget::Community, community, stamp);
+    ++fan_out->outcome.communities_forwarded;
+    report(signal, ContributionTarget::Community, community, fan_out);
   }
-  if (outcome->communities_forwarded != 0) {
-    counters->community_forwards.fetch_add(outcome->communities_forwarded, std::memory_order_relaxed);
+  if (fan_out->outcome.communities_forwarded != 0) {
+    fan_out->counters->community_forwards.fetch_add(fan_out->outcome.communities_forwarded,
+                                                    std::memory_order_relaxed);
   }
   spare = std::move(ids);
 }
 
-void Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id,
-                      std::uint64_t* stamp) {
+void Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out) {
   ContributionSink* sink = options_.contribution_sink.get();
   if (sink == nullptr) return;
-  if (*stamp == 0) *stamp = clock_.now();
-  sink->on_contribution({signal.user_id, target, target_id, signal.item_id, signal.weight, *stamp});
+  if (fan_out->stamp == 0) fan_out->stamp = clock_.now();
+  sink->on_contribution({signal.user_id, target, target_id, signal.item_id, signal.weight, fan_out->stamp});
 }
 
 }  // namespace tidal
