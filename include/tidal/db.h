@@ -51,7 +51,8 @@ struct Signal {
   double weight = 1.0;
 };
 
-// The cohorts the host attributes a signal to.
+// The cohorts the host attributes a signal to. Each listed id receives the
+// weight (an id listed twice receives it twice).
 struct SignalContext {
   std::vector<std::uint64_t> cohort_ids;
 };
@@ -119,7 +120,7 @@ struct Stats {
   std::uint64_t gated_community = 0;          // signals the gate held back from communities
   std::uint64_t leaves = 0;                   // leaves that changed state
   std::uint64_t rejoins = 0;                  // rejoins that changed state
-  std::uint64_t users_left = 0;               // users currently Left
+  std::uint64_t users_left = 0;               // users the gate holds back now (Left, or a leave that failed)
   std::uint64_t corrupt_records_treated_as_left = 0;  // found at open, TreatAsLeft
 };
 
