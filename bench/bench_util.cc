@@ -63,13 +63,11 @@ void bulk_load(const std::string& path, std::uint64_t leavers, std::uint64_t oth
   const std::uint64_t at = 1'700'000'000'000'000'000ULL;
   for (std::uint64_t u = 0; u < leavers; ++u) {
     auto v = serialize_membership({u, MembershipStatus::Left, at + u});
-    const rocksdb::Slice value(v.data(), v.size());
     std::string ts;
     put_u64_be(&ts, at + u);
     const char history = serialize_history_status(MembershipStatus::Left);
-    batch.Put(st.users(), encode_key(EntityId(u), Tag::CommunityLeave), value);
-    batch.Put(st.by_tag(), encode_index_key(EntityId(u), Tag::CommunityLeave), value);
-    batch.Put(st.users(), encode_key(EntityId(u), Tag::CommunityLeaveHistory, ts), rocksdb::Slice(&history, 1));
+    st.put_record(&batch, EntityId(u), Tag::CommunityLeave, {}, {v.data(), v.size()});
+    st.put_record(&batch, EntityId(u), Tag::CommunityLeaveHistory, ts, {&history, 1});
     flush_batch(false);
   }
   for (std::uint64_t i = 0; i < others; ++i) {

@@ -29,8 +29,9 @@ class RawDb {
   }
   // A 0x11 record in the users partition and its index copy.
   void put_leave_record(std::uint64_t user, std::string_view value) {
-    put(storage_->users(), encode_key(EntityId(user), Tag::CommunityLeave), value);
-    put(storage_->by_tag(), encode_index_key(EntityId(user), Tag::CommunityLeave), value);
+    rocksdb::WriteBatch batch;
+    storage_->put_record(&batch, EntityId(user), Tag::CommunityLeave, {}, value);
+    ASSERT_TRUE(storage_->db()->Write({}, &batch).ok());
   }
   void put(rocksdb::ColumnFamilyHandle* cf, const std::string& key, std::string_view value) {
     ASSERT_TRUE(storage_->db()->Put({}, cf, key, rocksdb::Slice(value.data(), value.size())).ok());

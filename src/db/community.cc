@@ -28,59 +28,53 @@ std::string user_text(std::uint64_t user_id) { return "user " + std::to_string(u
 // ---- community memberships ----
 
 Status Db::Impl::join_community(std::uint64_t user_id, std::uint64_t community_id) {
-  return guarded("join_community", [&]() -> Status {
-    std::shared_lock lifecycle(lifecycle_);
-    if (Status s = check_writable("join_community"); !s.ok()) return s;
-    std::lock_guard<std::mutex> lock(user_lock(user_id));
-    bool member = false;
-    communities_.find_fn(user_id, [&](const std::vector<std::uint64_t>& ids) {
-      member = std::binary_search(ids.begin(), ids.end(), community_id);
-    });
-    if (member) return Status::OK();
-
-    const std::string suffix = be64(community_id);
-    rocksdb::WriteBatch batch;
-    batch.Put(storage_->users(), slice(encode_key(EntityId(user_id), Tag::CommunityMember, suffix)), "");
-    batch.Put(storage_->by_tag(), slice(encode_index_key(EntityId(user_id), Tag::CommunityMember, suffix)), "");
-    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
-                                   "join_community(" + user_text(user_id) + ", community " +
-                                       std::to_string(community_id) + ")");
-        !s.ok()) {
-      return s;
-    }
-    communities_.upsert(
-        user_id,
-        [&](std::vector<std::uint64_t>& ids) { ids.insert(std::upper_bound(ids.begin(), ids.end(), community_id), community_id); },
-        std::vector<std::uint64_t>{community_id});
-    return Status::OK();
-  });
+  return change_membership(user_id, community_id, /*join=*/true);
 }
 
 Status Db::Impl::exit_community(std::uint64_t user_id, std::uint64_t community_id) {
-  return guarded("exit_community", [&]() -> Status {
+  return change_membership(user_id, community_id, /*join=*/false);
+}
+
+// Writes the 0x01 record (and its index copy) or deletes it, then updates
+// the map; a join of a member or an exit of a non-member changes nothing.
+Status Db::Impl::change_membership(std::uint64_t user_id, std::uint64_t community_id, bool join) {
+  const char* what = join ? "join_community" : "exit_community";
+  return guarded(what, [&]() -> Status {
     std::shared_lock lifecycle(lifecycle_);
-    if (Status s = check_writable("exit_community"); !s.ok()) return s;
+    if (Status s = check_writable(what); !s.ok()) return s;
     std::lock_guard<std::mutex> lock(user_lock(user_id));
     bool member = false;
     communities_.find_fn(user_id, [&](const std::vector<std::uint64_t>& ids) {
       member = std::binary_search(ids.begin(), ids.end(), community_id);
     });
-    if (!member) return Status::OK();
+    if (member == join) return Status::OK();
 
     const std::string suffix = be64(community_id);
     rocksdb::WriteBatch batch;
-    batch.Delete(storage_->users(), slice(encode_key(EntityId(user_id), Tag::CommunityMember, suffix)));
-    batch.Delete(storage_->by_tag(), slice(encode_index_key(EntityId(user_id), Tag::CommunityMember, suffix)));
+    if (join) {
+      storage_->put_record(&batch, EntityId(user_id), Tag::CommunityMember, suffix, "");
+    } else {
+      storage_->delete_record(&batch, EntityId(user_id), Tag::CommunityMember, suffix);
+    }
     if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
-                                   "exit_community(" + user_text(user_id) + ", community " +
+                                   std::string(what) + "(" + user_text(user_id) + ", community " +
                                        std::to_string(community_id) + ")");
         !s.ok()) {
       return s;
     }
-    communities_.erase_fn(user_id, [&](std::vector<std::uint64_t>& ids) {
-      ids.erase(std::lower_bound(ids.begin(), ids.end(), community_id));
-      return ids.empty();
-    });
+    if (join) {
+      communities_.upsert(
+          user_id,
+          [&](std::vector<std::uint64_t>& ids) {
+            ids.insert(std::upper_bound(ids.begin(), ids.end(), community_id), community_id);
+          },
+          std::vector<std::uint64_t>{community_id});
+    } else {
+      communities_.erase_fn(user_id, [&](std::vector<std::uint64_t>& ids) {
+        ids.erase(std::lower_bound(ids.begin(), ids.end(), community_id));
+        return ids.empty();
+      });
+    }
     return Status::OK();
   });
 }
@@ -101,13 +95,10 @@ Result<std::vector<std::uint64_t>> Db::Impl::communities_of(std::uint64_t user_i
 Status Db::Impl::write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns,
                                   const char* what) {
   const auto value = serialize_membership(m);
-  const rocksdb::Slice value_slice(value.data(), value.size());
   const char history = serialize_history_status(m.status);
   rocksdb::WriteBatch batch;
-  batch.Put(storage_->users(), slice(encode_key(EntityId(user_id), Tag::CommunityLeave)), value_slice);
-  batch.Put(storage_->by_tag(), slice(encode_index_key(EntityId(user_id), Tag::CommunityLeave)), value_slice);
-  batch.Put(storage_->users(), slice(encode_key(EntityId(user_id), Tag::CommunityLeaveHistory, be64(at_ns))),
-            rocksdb::Slice(&history, 1));
+  storage_->put_record(&batch, EntityId(user_id), Tag::CommunityLeave, {}, {value.data(), value.size()});
+  storage_->put_record(&batch, EntityId(user_id), Tag::CommunityLeaveHistory, be64(at_ns), {&history, 1});
   put_clock_floor(&batch, user_id, at_ns);
   return storage_->write(&batch, Storage::durable_if(options_.sync_writes), std::string(what) + "(" + user_text(user_id) + ")");
 }

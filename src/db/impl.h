@@ -79,6 +79,7 @@ class Db::Impl {
   void try_community_forwarding(const Signal& signal, FanOut* fan_out);
   void report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out);
 
+  Status change_membership(std::uint64_t user_id, std::uint64_t community_id, bool join);
   // Checks that apply to every write: open, writable, not inside a sink callback.
   Status check_writable(const char* what) const;
   std::mutex& user_lock(std::uint64_t user_id) { return user_locks_[user_id % user_locks_.size()]; }

@@ -20,8 +20,6 @@ Status iterator_status(const rocksdb::Iterator& it, const Storage& storage, cons
 
 }  // namespace
 
-bool is_indexed(Tag tag) { return tag == Tag::CommunityMember || tag == Tag::CommunityLeave; }
-
 Status ensure_index(Storage& storage) {
   if (storage.read_only()) return Status::OK();
   std::string version;

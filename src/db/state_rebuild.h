@@ -19,9 +19,6 @@
 
 namespace tidal {
 
-// Whether `tag` has a copy in the by_tag index.
-bool is_indexed(Tag tag);
-
 // Backfills the index from a full scan of the users partition when the Db has
 // none yet (no-op when complete or read-only).
 Status ensure_index(Storage& storage);

@@ -84,6 +84,8 @@ Status check_path(const std::string& path, const Storage::Config& config) {
 
 }  // namespace
 
+bool is_indexed(Tag tag) { return tag == Tag::CommunityMember || tag == Tag::CommunityLeave; }
+
 Status from_rocksdb(const rocksdb::Status& s, std::string_view what) {
   if (s.ok()) return Status::OK();
   std::string msg = std::string(what) + ": " + s.ToString();
@@ -167,6 +169,18 @@ Status Storage::write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_vi
   wo.sync = mode == WriteMode::Sync;
   wo.disableWAL = mode == WriteMode::NoWal;
   return from_rocksdb(db_->Write(wo, batch), what);
+}
+
+void Storage::put_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix,
+                         std::string_view value) const {
+  const rocksdb::Slice v(value.data(), value.size());
+  batch->Put(users(), encode_key(id, tag, suffix), v);
+  if (is_indexed(tag)) batch->Put(by_tag(), encode_index_key(id, tag, suffix), v);
+}
+
+void Storage::delete_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix) const {
+  batch->Delete(users(), encode_key(id, tag, suffix));
+  if (is_indexed(tag)) batch->Delete(by_tag(), encode_index_key(id, tag, suffix));
 }
 
 Status Storage::get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value) const {

@@ -16,9 +16,13 @@
 #include <rocksdb/env.h>
 #include <rocksdb/write_batch.h>
 
+#include "storage/keys.h"
 #include "tidal/status.h"
 
 namespace tidal {
+
+// Whether records of `tag` have a copy in the by_tag index.
+bool is_indexed(Tag tag);
 
 // Converts a RocksDB status into a tidal Status whose message starts with `what`.
 Status from_rocksdb(const rocksdb::Status& s, std::string_view what);
@@ -49,6 +53,11 @@ class Storage {
   };
   static WriteMode durable_if(bool sync) { return sync ? WriteMode::Sync : WriteMode::Async; }
   Status write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what);
+  // Adds a users record to `batch` and, for an indexed tag, its by_tag copy:
+  // the one place that keeps the index in step with the users partition.
+  void put_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix,
+                  std::string_view value) const;
+  void delete_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix) const;
   // NotFound when absent.
   Status get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value) const;
   // `bulk` for long scans: reads ahead and keeps the block cache for point reads.
