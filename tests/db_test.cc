@@ -23,6 +23,7 @@ using testing::TempDir;
 using testing::open_db;
 using testing::RecordingSink;
 using testing::with_sink;
+using testing::value_of;
 
 // Runs the open_probe program with `args`; returns its exit code and output.
 std::pair<int, std::string> run_probe(const std::string& args) {
@@ -63,9 +64,9 @@ TEST(DbLifecycle, OpenWriteCloseReopen) {
   }
   auto db = open_db(dir.path());
   ASSERT_TRUE(db);
-  EXPECT_EQ(db->personal_score(1, 100), 2.5);
-  EXPECT_EQ(db->cohort_score(7, 100), 2.5);
-  EXPECT_EQ(db->community_score(10, 100), 2.5);
+  EXPECT_EQ(value_of(db->personal_score(1, 100)), 2.5);
+  EXPECT_EQ(value_of(db->cohort_score(7, 100)), 2.5);
+  EXPECT_EQ(value_of(db->community_score(10, 100)), 2.5);
   auto ids = db->communities_of(1);
   ASSERT_OK(ids);
   EXPECT_EQ(*ids, std::vector<std::uint64_t>{10});
@@ -103,9 +104,9 @@ TEST(DbLifecycle, EveryCallOnAClosedDbReturnsClosed) {
   EXPECT_EQ(db->flush().code(), StatusCode::Closed);
   EXPECT_EQ(db->verify().status().code(), StatusCode::Closed);
   EXPECT_EQ(db->for_each_left([](const CommunityMembership&) { return true; }).code(), StatusCode::Closed);
-  EXPECT_EQ(db->personal_score(1, 1), 0.0);
-  EXPECT_EQ(db->cohort_score(1, 1), 0.0);
-  EXPECT_EQ(db->community_score(1, 1), 0.0);
+  EXPECT_EQ(db->personal_score(1, 1).status().code(), StatusCode::Closed);
+  EXPECT_EQ(db->cohort_score(1, 1).status().code(), StatusCode::Closed);
+  EXPECT_EQ(db->community_score(1, 1).status().code(), StatusCode::Closed);
 }
 
 TEST(DbErrors, SecondOpenInTheSameProcessIsBusyAndNamesThePath) {
@@ -248,9 +249,9 @@ TEST(DbReadOnly, ReadsWhileHeldAndRefusesWrites) {
   EXPECT_EQ(reader->signal_with_context({6, 1, 1.0}, {}).status().code(), StatusCode::InvalidArgument);
   EXPECT_EQ(*reader->communities_of(5), std::vector<std::uint64_t>{50});
   // Scores come from storage: what the writer flushed.
-  EXPECT_EQ(reader->personal_score(5, 1), 4.0);
-  EXPECT_EQ(reader->cohort_score(9, 1), 2.0);
-  EXPECT_EQ(reader->personal_score(6, 1), 0.0);
+  EXPECT_EQ(value_of(reader->personal_score(5, 1)), 4.0);
+  EXPECT_EQ(value_of(reader->cohort_score(9, 1)), 2.0);
+  EXPECT_EQ(value_of(reader->personal_score(6, 1)), 0.0);
   ASSERT_OK(reader->close());
 }
 
@@ -283,8 +284,8 @@ TEST(Memberships, ExitStopsForwardingToThatCommunityOnly) {
   auto out = db->signal_with_context({1, 5, 1.0}, {});
   ASSERT_OK(out);
   EXPECT_EQ(out->communities_forwarded, 1u);
-  EXPECT_EQ(db->community_score(10, 5), 1.0);
-  EXPECT_EQ(db->community_score(20, 5), 2.0);
+  EXPECT_EQ(value_of(db->community_score(10, 5)), 1.0);
+  EXPECT_EQ(value_of(db->community_score(20, 5)), 2.0);
 }
 
 // ---- signal path ----
@@ -319,11 +320,11 @@ TEST(Signals, OutcomeCountsCohortsAndCommunities) {
     EXPECT_GE(c.forwarded_at_ns, last);
     last = c.forwarded_at_ns;
   }
-  EXPECT_EQ(db->cohort_score(7, 500), 3.0);
-  EXPECT_EQ(db->community_score(1, 500), 2.0);
-  EXPECT_EQ(db->personal_score(44, 500), 2.0);
-  EXPECT_EQ(db->personal_score(44, 501), 0.0);
-  EXPECT_EQ(db->community_score(12345, 500), 0.0);
+  EXPECT_EQ(value_of(db->cohort_score(7, 500)), 3.0);
+  EXPECT_EQ(value_of(db->community_score(1, 500)), 2.0);
+  EXPECT_EQ(value_of(db->personal_score(44, 500)), 2.0);
+  EXPECT_EQ(value_of(db->personal_score(44, 501)), 0.0);
+  EXPECT_EQ(value_of(db->community_score(12345, 500)), 0.0);
 }
 
 TEST(Signals, NonFiniteWeightsAreRejectedWithNothingChanged) {
@@ -337,9 +338,9 @@ TEST(Signals, NonFiniteWeightsAreRejectedWithNothingChanged) {
     EXPECT_EQ(out.status().code(), StatusCode::InvalidArgument);
     EXPECT_NE(out.status().message().find("not finite"), std::string::npos);
   }
-  EXPECT_EQ(db->personal_score(1, 2), 0.0);
-  EXPECT_EQ(db->cohort_score(3, 2), 0.0);
-  EXPECT_EQ(db->community_score(10, 2), 0.0);
+  EXPECT_EQ(value_of(db->personal_score(1, 2)), 0.0);
+  EXPECT_EQ(value_of(db->cohort_score(3, 2)), 0.0);
+  EXPECT_EQ(value_of(db->community_score(10, 2)), 0.0);
   EXPECT_TRUE(sink->seen.empty());
   EXPECT_EQ(db->stats().signals, 0u);
 }
@@ -352,7 +353,7 @@ TEST(Signals, UserInNoCommunityWithNoCohortsStillUpdatesPersonalLayer) {
   EXPECT_TRUE(out->personal_applied);
   EXPECT_EQ(out->cohorts_attributed, 0u);
   EXPECT_EQ(out->communities_forwarded, 0u);
-  EXPECT_EQ(db->personal_score(77, 8), -1.5);
+  EXPECT_EQ(value_of(db->personal_score(77, 8)), -1.5);
 }
 
 TEST(Signals, ConcurrentSignalsSumExactly) {
@@ -377,10 +378,10 @@ TEST(Signals, ConcurrentSignalsSumExactly) {
   const double total = 2.0 * kThreads * kPerThread;
   double personal = 0, cohort5 = 0, c100 = 0, c200 = 0;
   for (std::uint64_t item = 0; item < 3; ++item) {
-    personal += db->personal_score(1, item) + db->personal_score(2, item);
-    cohort5 += db->cohort_score(5, item);
-    c100 += db->community_score(100, item);
-    c200 += db->community_score(200, item);
+    personal += value_of(db->personal_score(1, item)) + value_of(db->personal_score(2, item));
+    cohort5 += value_of(db->cohort_score(5, item));
+    c100 += value_of(db->community_score(100, item));
+    c200 += value_of(db->community_score(200, item));
   }
   EXPECT_EQ(personal, total);
   EXPECT_EQ(cohort5, total);
@@ -428,9 +429,9 @@ TEST(Signals, ConcurrentSignalsWithMembershipChangesAndFlushes) {
   admin.join();
   double personal = 0, cohort = 0, community = 0;
   for (std::uint64_t item = 0; item < 5; ++item) {
-    for (std::uint64_t u = 0; u < 8; ++u) personal += db->personal_score(u, item);
-    cohort += db->cohort_score(1, item);
-    for (std::uint64_t c = 100; c < 103; ++c) community += db->community_score(c, item);
+    for (std::uint64_t u = 0; u < 8; ++u) personal += value_of(db->personal_score(u, item));
+    cohort += value_of(db->cohort_score(1, item));
+    for (std::uint64_t c = 100; c < 103; ++c) community += value_of(db->community_score(c, item));
   }
   EXPECT_EQ(personal, 2.0 * kPerThread);
   EXPECT_EQ(cohort, 2.0 * kPerThread);
@@ -439,8 +440,8 @@ TEST(Signals, ConcurrentSignalsWithMembershipChangesAndFlushes) {
   EXPECT_EQ(sink->seen.size(), stats.cohort_attributions + stats.community_forwards);
   ASSERT_OK(db->close());
   db = open_db(dir.path());
-  EXPECT_EQ(db->cohort_score(1, 0) + db->cohort_score(1, 1) + db->cohort_score(1, 2) + db->cohort_score(1, 3) +
-                db->cohort_score(1, 4),
+  EXPECT_EQ(value_of(db->cohort_score(1, 0)) + value_of(db->cohort_score(1, 1)) + value_of(db->cohort_score(1, 2)) + value_of(db->cohort_score(1, 3)) +
+                value_of(db->cohort_score(1, 4)),
             2.0 * kPerThread);
 }
 
@@ -468,8 +469,8 @@ TEST(Signals, ASinkMaySignalAnotherDb) {
   ASSERT_OK(out);
   EXPECT_EQ(out->communities_forwarded, 3u);
   EXPECT_EQ(sink->nested_ok, 3);
-  for (std::uint64_t c : {10u, 11u, 12u}) EXPECT_EQ(db->community_score(c, 5), 1.0);
-  EXPECT_EQ(other->community_score(77, 5), 3.0);
+  for (std::uint64_t c : {10u, 11u, 12u}) EXPECT_EQ(value_of(db->community_score(c, 5)), 1.0);
+  EXPECT_EQ(value_of(other->community_score(77, 5)), 3.0);
 }
 
 TEST(Signals, ScoresSurviveFlushAndCloseReopen) {
@@ -488,16 +489,16 @@ TEST(Signals, ScoresSurviveFlushAndCloseReopen) {
   }
   {
     auto db = open_db(dir.path());
-    EXPECT_EQ(db->personal_score(1, 2), 2.75);
-    EXPECT_EQ(db->cohort_score(3, 2), 0.75);
-    EXPECT_EQ(db->community_score(10, 2), 2.75);
-    EXPECT_EQ(db->personal_score(1, 9), 1.0);
+    EXPECT_EQ(value_of(db->personal_score(1, 2)), 2.75);
+    EXPECT_EQ(value_of(db->cohort_score(3, 2)), 0.75);
+    EXPECT_EQ(value_of(db->community_score(10, 2)), 2.75);
+    EXPECT_EQ(value_of(db->personal_score(1, 9)), 1.0);
     ASSERT_OK(db->signal_with_context({1, 2, 0.25}, {}));  // a restored entry changes again
     ASSERT_OK(db->close());
   }
   auto db = open_db(dir.path());
-  EXPECT_EQ(db->personal_score(1, 2), 3.0);
-  EXPECT_EQ(db->community_score(10, 9), 1.0);
+  EXPECT_EQ(value_of(db->personal_score(1, 2)), 3.0);
+  EXPECT_EQ(value_of(db->community_score(10, 9)), 1.0);
 }
 
 TEST(Clock, ReadingsIncreaseStrictlyEvenWhenTheWallClockStepsBack) {

@@ -350,7 +350,7 @@ SweepFigures sweep(SweepOp op, bool persistent) {
           break;
         }
         case SweepOp::Flush:
-          EXPECT_EQ((*clean)->personal_score(kScorer, 1), 3.5) << ctx << ": flushed aggregate lost";
+          EXPECT_EQ(testing::value_of((*clean)->personal_score(kScorer, 1)), 3.5) << ctx << ": flushed aggregate lost";
           break;
         case SweepOp::Open: break;
       }

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -53,6 +54,12 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// The value of a score read, failing the test (and returning NaN) on error.
+inline double value_of(const Result<double>& score) {
+  EXPECT_TRUE(score.ok()) << score.status().to_string();
+  return score.ok() ? *score : std::numeric_limits<double>::quiet_NaN();
+}
 
 // Opens a Db, failing the test on error.
 inline std::unique_ptr<Db> open_db(const std::string& path, const Options& options = {}) {

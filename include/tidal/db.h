@@ -10,13 +10,16 @@
 // Durability: community memberships, leaves and rejoins are written to the
 // RocksDB write-ahead log (fsynced when Options::sync_writes) before the call
 // returns and are never lost. Aggregate scores (personal, cohort, community)
-// live in memory and are persisted by flush() and close(): a crash loses the
-// aggregate updates made since the last flush, and nothing else.
+// are exact sums kept in RocksDB and written behind the signal path: a
+// background writer stores each signal's updates within
+// Options::aggregate_write_period (plus the time of one write), so a crash
+// loses at most the signals of that last period. flush() writes them at once.
 //
 // Thread safety: every Db method may be called from any number of threads.
 #ifndef TIDAL_DB_H_
 #define TIDAL_DB_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -45,6 +48,8 @@ struct MembershipEvent {
   std::uint64_t at_ns;
 };
 
+// A weight is rounded to the nearest 1e-9 when the signal is accepted; it must
+// be finite and at most 1e12 in magnitude.
 struct Signal {
   std::uint64_t user_id = 0;
   std::uint64_t item_id = 0;
@@ -107,6 +112,16 @@ struct Options {
   // Wall-clock source in ns since the Unix epoch (for tests). The Db makes
   // its readings strictly increasing. Default (empty): the system clock.
   std::function<std::uint64_t()> clock;
+  // Longest a signal's aggregate updates wait in memory before the background
+  // writer stores them (the crash window). Default: 1 s.
+  std::chrono::milliseconds aggregate_write_period{1000};
+  // Bound on the aggregate updates held in memory (both write buffers); the
+  // writer starts early at a quarter of it, and signals wait (backpressure)
+  // past half of it. Default: 64 MiB.
+  std::size_t write_buffer_bytes = 64 << 20;
+  // RocksDB block cache shared by every column family, index and filter
+  // blocks included: the memory score reads use. Default: 64 MiB.
+  std::size_t block_cache_bytes = 64 << 20;
 };
 
 // Counters a host would export. Each is a sum since open except users_left,
@@ -122,6 +137,11 @@ struct Stats {
   std::uint64_t rejoins = 0;                  // rejoins that changed state
   std::uint64_t users_left = 0;               // users the gate holds back now (Left, or a leave that failed)
   std::uint64_t corrupt_records_treated_as_left = 0;  // found at open, TreatAsLeft
+  std::uint64_t aggregate_writes = 0;          // batches the background writer (or flush) stored
+  std::uint64_t aggregate_write_failures = 0;  // failed batch writes (kept in memory and retried)
+  std::uint64_t aggregate_cells_written = 0;   // aggregate cells and ledger records stored
+  std::uint64_t aggregate_cells_pending = 0;   // cells in memory now, not yet stored
+  std::uint64_t backpressure_waits = 0;        // signals that waited for the writer (buffers full)
 };
 
 // What the gate held back for one user since their last leave (in memory only).
@@ -150,11 +170,13 @@ class Db {
   Db(const Db&) = delete;
   Db& operator=(const Db&) = delete;
 
-  // Persists the aggregates, flushes memtables and closes. Idempotent; after
-  // it every call returns Closed (scores return 0).
+  // Writes the pending aggregate updates (one write), flushes memtables and
+  // closes. Idempotent; after it every call returns Closed. An error of the
+  // background writer that was never overcome is returned here.
   Status close();
 
-  // Persists the aggregates and flushes memtables, keeping the Db open.
+  // Writes every aggregate update acknowledged so far (durably when
+  // sync_writes), keeping the Db open. The writer's error when it fails.
   Status flush();
 
   // Joins/exits a community. Durable before returning; joining twice or
@@ -164,13 +186,20 @@ class Db {
   // The user's communities in ascending order (empty when none).
   Result<std::vector<std::uint64_t>> communities_of(std::uint64_t user_id) const;
 
-  // Applies a signal (SPEC §2). InvalidArgument for a non-finite weight,
-  // with nothing changed.
+  // Applies a signal: the user's personal layer always; the cohorts of
+  // `context` and the user's communities unless the user has left. The
+  // updates are in memory when this returns and stored by the background
+  // writer. InvalidArgument for a weight that is not finite or exceeds 1e12
+  // in magnitude, with nothing changed. When the write buffers are full it
+  // waits for the writer; if the writer is failing, it returns its error.
   Result<SignalOutcome> signal_with_context(const Signal& signal, const SignalContext& context);
-  // Sums of weights; 0 for what was never touched or on a closed Db.
-  double personal_score(std::uint64_t user_id, std::uint64_t item_id) const;
-  double cohort_score(std::uint64_t cohort_id, std::uint64_t item_id) const;
-  double community_score(std::uint64_t community_id, std::uint64_t item_id) const;
+  // Exact sums of the accepted weights (integers of 1e-9), converted to the
+  // nearest double: the order of signals never changes a score. 0 for what
+  // was never touched; a non-OK Status when the read failed (Corruption
+  // naming the key for a malformed stored value), Closed on a closed Db.
+  Result<double> personal_score(std::uint64_t user_id, std::uint64_t item_id) const;
+  Result<double> cohort_score(std::uint64_t cohort_id, std::uint64_t item_id) const;
+  Result<double> community_score(std::uint64_t community_id, std::uint64_t item_id) const;
 
   // Leaves the community layer: durable (G1) and effective (G2) on return,
   // with left_at_ns above every earlier contribution's forwarded_at_ns (G3).

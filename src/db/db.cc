@@ -24,7 +24,11 @@ Db::Impl::Impl(const Options& options, std::unique_ptr<Storage> storage)
       clock_(options.clock),
       communities_(kInitialMapCapacity),
       leave_status_(kInitialMapCapacity),
-      held_back_(kInitialMapCapacity) {}
+      held_back_(kInitialMapCapacity),
+      state_(std::make_unique<StateStore>(storage_.get(),
+                                          StateStore::Config{options.aggregate_write_period, options.write_buffer_bytes,
+                                                             options.sync_writes},
+                                          [] { grace::synchronize(); })) {}
 
 Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Options& options, rocksdb::Env* env) {
   return guarded("open", [&]() -> Result<std::unique_ptr<Db>> {
@@ -33,6 +37,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     config.create_if_missing = options.create_if_missing;
     config.read_only = options.read_only;
     config.env = env;
+    config.block_cache_bytes = options.block_cache_bytes;
     Result<std::unique_ptr<Storage>> storage = Storage::open(path, config);
     if (!storage.ok()) return storage.status();
 
@@ -47,13 +52,10 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
       return s;
     }
     impl->corrupt_treated_as_left_.store(leaves.corrupt_treated_as_left, std::memory_order_relaxed);
-    // A read-only Db serves scores from storage instead of loading them all.
-    if (!options.read_only) {
-      if (Status s = impl->aggregates_.restore(st); !s.ok()) return s;
-    }
     Result<std::uint64_t> floor = read_clock_floor(st);
     if (!floor.ok()) return floor.status();
     impl->clock_.raise_floor(std::max(*floor, leaves.max_timestamp));
+    if (!options.read_only) impl->state_->start();
     return std::unique_ptr<Db>(new Db(std::move(impl)));
   });
 }
@@ -79,21 +81,22 @@ void Db::Impl::put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id
   batch->Put(storage_->meta(), key, value);
 }
 
-Status Db::Impl::persist_aggregates() {
+Status Db::Impl::persist_clock_floor() {
   rocksdb::WriteBatch batch;
   std::string key = kClockFloorPrefix;
   key += "flush";
   std::string value;
   put_u64_le(&value, clock_.last());
   batch.Put(storage_->meta(), key, value);
-  return aggregates_.persist(*storage_, &batch);
+  return storage_->write(&batch, Storage::durable_if(options_.sync_writes), "clock floor write of '" + storage_->path() + "'");
 }
 
 Status Db::Impl::flush() {
   return guarded("flush", [&]() -> Status {
     std::shared_lock lock(lifecycle_);
     if (Status s = check_writable("flush"); !s.ok()) return s;
-    return persist_aggregates();
+    if (Status s = state_->flush(); !s.ok()) return s;
+    return persist_clock_floor();
   });
 }
 
@@ -105,7 +108,8 @@ Status Db::Impl::close() {
     std::unique_lock lock(lifecycle_);
     if (closed_.exchange(true, std::memory_order_acq_rel)) return Status::OK();
     grace::synchronize();  // signals that saw the Db open have finished
-    Status result = options_.read_only ? Status::OK() : persist_aggregates();
+    Status result = options_.read_only ? Status::OK() : state_->stop();
+    if (result.ok() && !options_.read_only) result = persist_clock_floor();
     Status s = storage_->close();
     return result.ok() ? s : result;
   });
@@ -131,19 +135,23 @@ Stats Db::Impl::stats() const {
   out.rejoins = rejoins_.load(std::memory_order_relaxed);
   out.users_left = gate_.closed_count();
   out.corrupt_records_treated_as_left = corrupt_treated_as_left_.load(std::memory_order_relaxed);
+  const StateStoreStats st = state_->stats();
+  out.aggregate_writes = st.writes;
+  out.aggregate_write_failures = st.write_failures;
+  out.aggregate_cells_written = st.cells_written;
+  out.aggregate_cells_pending = st.pending_cells;
+  out.backpressure_waits = st.backpressure_waits;
   return out;
 }
 
-double Db::Impl::score(AggregateKind kind, AggregateKey key) const {
-  if (closed_.load(std::memory_order_acquire)) return 0.0;
-  try {
-    if (!options_.read_only) return aggregates_.score(kind, key);
+Result<double> Db::Impl::score(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const {
+  return guarded("score read", [&]() -> Result<double> {
     std::shared_lock lifecycle(lifecycle_);
-    Result<double> stored = Aggregates::read_stored(*storage_, kind, key);
-    return stored.ok() ? *stored : 0.0;
-  } catch (...) {
-    return 0.0;
-  }
+    if (closed_.load(std::memory_order_acquire)) return closed_status("score read");
+    Result<Units> sum = state_->read(kind, owner, item);
+    if (!sum.ok()) return sum.status();
+    return units_to_double(*sum);
+  });
 }
 
 // ---- Db facade ----
@@ -170,14 +178,14 @@ Result<std::vector<std::uint64_t>> Db::communities_of(std::uint64_t user_id) con
 Result<SignalOutcome> Db::signal_with_context(const Signal& signal, const SignalContext& context) {
   return impl_->signal_with_context(signal, context);
 }
-double Db::personal_score(std::uint64_t user_id, std::uint64_t item_id) const {
-  return impl_->score(AggregateKind::Personal, {user_id, item_id});
+Result<double> Db::personal_score(std::uint64_t user_id, std::uint64_t item_id) const {
+  return impl_->score(AggregateKind::Personal, user_id, item_id);
 }
-double Db::cohort_score(std::uint64_t cohort_id, std::uint64_t item_id) const {
-  return impl_->score(AggregateKind::Cohort, {cohort_id, item_id});
+Result<double> Db::cohort_score(std::uint64_t cohort_id, std::uint64_t item_id) const {
+  return impl_->score(AggregateKind::Cohort, cohort_id, item_id);
 }
-double Db::community_score(std::uint64_t community_id, std::uint64_t item_id) const {
-  return impl_->score(AggregateKind::Community, {community_id, item_id});
+Result<double> Db::community_score(std::uint64_t community_id, std::uint64_t item_id) const {
+  return impl_->score(AggregateKind::Community, community_id, item_id);
 }
 Status Db::leave_community_layer(std::uint64_t user_id) { return impl_->leave_community_layer(user_id); }
 Status Db::rejoin_community_layer(std::uint64_t user_id) { return impl_->rejoin_community_layer(user_id); }

@@ -15,9 +15,9 @@
 #include <libcuckoo/cuckoohash_map.hh>
 #include <rocksdb/env.h>
 
-#include "db/aggregates.h"
 #include "db/clock.h"
 #include "db/leave_gate.h"
+#include "db/state_store.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
 
@@ -51,8 +51,8 @@ class Db::Impl {
   Result<std::vector<std::uint64_t>> communities_of(std::uint64_t user_id) const;
 
   Result<SignalOutcome> signal_with_context(const Signal& signal, const SignalContext& context);
-  // 0 for what was never touched; read from storage on a read-only Db.
-  double score(AggregateKind kind, AggregateKey key) const;
+  // The exact sum as the nearest double; 0 for what was never touched.
+  Result<double> score(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const;
 
   Status leave_community_layer(std::uint64_t user_id);
   Status rejoin_community_layer(std::uint64_t user_id);
@@ -68,6 +68,8 @@ class Db::Impl {
   struct FanOut {
     SignalOutcome outcome;
     CounterStripe* counters;
+    Units units = 0;            // the weight, exact
+    int buffer = 0;             // the state store buffer every cell of the signal goes to
     std::uint64_t stamp = 0;    // the Db clock reading of its contributions; 0 until the first
     std::int8_t gate = -1;      // the leave gate's answer for this signal; -1 until asked
   };
@@ -86,7 +88,7 @@ class Db::Impl {
   // Appends the clock floor record of the user's lock stripe to `batch`.
   void put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts);
   Status write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns, const char* what);
-  Status persist_aggregates();
+  Status persist_clock_floor();
   CounterStripe& counters();
 
   const Options options_;
@@ -103,7 +105,7 @@ class Db::Impl {
   LeaveStatusMap leave_status_;
   libcuckoo::cuckoohash_map<std::uint64_t, GateActivity> held_back_;
   LeaveGate gate_;
-  Aggregates aggregates_;
+  std::unique_ptr<StateStore> state_;
 
   std::array<CounterStripe, 16> stripes_;
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};

@@ -1,5 +1,6 @@
 // The signal path (SPEC §2) and the leave gate.
 #include <cmath>
+#include <cstdio>
 
 #include "db/grace.h"
 #include "db/guarded.h"
@@ -8,21 +9,30 @@
 namespace tidal {
 
 Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const SignalContext& context) {
-  if (!std::isfinite(signal.weight)) {
-    return Status::InvalidArgument("signal_with_context: weight of the signal of user " +
+  const std::optional<Units> units = weight_to_units(signal.weight);
+  if (!units) {
+    char weight[32];
+    std::snprintf(weight, sizeof weight, "%g", signal.weight);
+    return Status::InvalidArgument("signal_with_context: weight " + std::string(weight) + " of the signal of user " +
                                    std::to_string(signal.user_id) + " on item " + std::to_string(signal.item_id) +
-                                   " is not finite (" + std::to_string(signal.weight) + ")");
+                                   (std::isfinite(signal.weight) ? " exceeds 1e12 in magnitude" : " is not finite"));
   }
   return guarded("signal_with_context", [&]() -> Result<SignalOutcome> {
-    // Everything from here to the return runs inside a read section, which a
-    // leave (and close) waits out after closing the gate.
-    grace::ReadSection section;
-    if (closed_.load(std::memory_order_relaxed)) return closed_status("signal_with_context");
     if (options_.read_only) {
       return Status::InvalidArgument("signal_with_context: the Db at '" + storage_->path() + "' is open read-only");
     }
+    // Backpressure comes first, outside the read section: the writer waits
+    // out read sections, so a signal must not wait for it inside one.
+    if (closed_.load(std::memory_order_relaxed)) return closed_status("signal_with_context");
+    if (Status s = state_->admit(); !s.ok()) return s;
+    // Everything from here to the return runs inside a read section, which a
+    // leave (and close, and the state store's writer) waits out.
+    grace::ReadSection section;
+    if (closed_.load(std::memory_order_relaxed)) return closed_status("signal_with_context");
     FanOut fan_out{{}, &counters()};
-    aggregates_.add(AggregateKind::Personal, {signal.user_id, signal.item_id}, signal.weight);  // never gated
+    fan_out.units = *units;
+    fan_out.buffer = state_->begin_signal();
+    state_->add(fan_out.buffer, AggregateKind::Personal, signal.user_id, signal.item_id, *units);  // never gated
     fan_out.outcome.personal_applied = true;
     try_cohort_attribution(signal, context, &fan_out);
     try_community_forwarding(signal, &fan_out);
@@ -58,7 +68,8 @@ void Db::Impl::try_cohort_attribution(const Signal& signal, const SignalContext&
     return;
   }
   for (std::uint64_t cohort : context.cohort_ids) {
-    aggregates_.add(AggregateKind::Cohort, {cohort, signal.item_id}, signal.weight);
+    state_->add(fan_out->buffer, AggregateKind::Cohort, cohort, signal.item_id, fan_out->units);
+    state_->add_ledger(fan_out->buffer, signal.user_id, AggregateKind::Cohort, cohort, signal.item_id, fan_out->units);
     ++fan_out->outcome.cohorts_attributed;
     report(signal, ContributionTarget::Cohort, cohort, fan_out);
   }
@@ -83,7 +94,9 @@ void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
   communities_.find_fn(signal.user_id,
                        [&ids](const std::vector<std::uint64_t>& found) { ids.assign(found.begin(), found.end()); });
   for (std::uint64_t community : ids) {
-    aggregates_.add(AggregateKind::Community, {community, signal.item_id}, signal.weight);
+    state_->add(fan_out->buffer, AggregateKind::Community, community, signal.item_id, fan_out->units);
+    state_->add_ledger(fan_out->buffer, signal.user_id, AggregateKind::Community, community, signal.item_id,
+                       fan_out->units);
     ++fan_out->outcome.communities_forwarded;
     report(signal, ContributionTarget::Community, community, fan_out);
   }

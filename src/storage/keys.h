@@ -16,6 +16,7 @@ enum class Tag : std::uint8_t {
   PurgeManifest = 0x10,          // reserved for the retroactive purge
   CommunityLeave = 0x11,         // no suffix; value: 9-byte CommunityMembership
   CommunityLeaveHistory = 0x12,  // suffix: at_ns (8 bytes BE); value: 1 status byte
+  ContributionLedger = 0x13,     // in the ledger column family; see storage/state_format.h
 };
 
 struct EntityId {

@@ -1,6 +1,10 @@
 #include "storage/storage.h"
 
-#include <rocksdb/memtablerep.h>
+#include "storage/state_format.h"
+
+#include <rocksdb/cache.h>
+#include <rocksdb/filter_policy.h>
+#include <rocksdb/table.h>
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -15,7 +19,7 @@
 namespace tidal {
 namespace {
 
-const char* const kColumnFamilies[] = {"default", "users", "by_tag", "aggregates"};
+const char* const kColumnFamilies[] = {"default", "users", "by_tag", "aggregates", "ledger"};
 
 bool is_lock_error(const rocksdb::Status& s) {
   const std::string text = s.ToString();
@@ -82,6 +86,19 @@ Status check_path(const std::string& path, const Storage::Config& config) {
   return check_not_held_elsewhere(path);
 }
 
+// The state store's column families: a bounded block cache shared by every
+// column family, the integer-add merge operator on aggregates, and prefix
+// bloom filters so a point read of a cell touches few blocks.
+void apply_state_store_options(const Storage::Config& config, std::vector<rocksdb::ColumnFamilyDescriptor>* cfs) {
+  rocksdb::BlockBasedTableOptions table;
+  table.block_cache = rocksdb::NewLRUCache(config.block_cache_bytes);
+  table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
+  table.cache_index_and_filter_blocks = true;  // index and filters count against the cache bound
+  table.pin_l0_filter_and_index_blocks_in_cache = true;
+  for (auto& cf : *cfs) cf.options.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+  (*cfs)[3].options.merge_operator = new_units_add_operator();
+}
+
 }  // namespace
 
 bool is_indexed(Tag tag) { return tag == Tag::CommunityMember || tag == Tag::CommunityLeave; }
@@ -113,11 +130,7 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
 
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
   for (const char* name : kColumnFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
-  // Aggregates are written in bulk by a flush and flushed to SST right away,
-  // never read from the memtable: a vector memtable appends instead of
-  // inserting into a skiplist. (It cannot take concurrent memtable writes.)
-  options.allow_concurrent_memtable_write = false;
-  descriptors[3].options.memtable_factory = std::make_shared<rocksdb::VectorRepFactory>();
+  apply_state_store_options(config, &descriptors);
 
   auto storage = std::unique_ptr<Storage>(new Storage());
   storage->path_ = path;
@@ -183,14 +196,19 @@ void Storage::delete_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, st
   if (is_indexed(tag)) batch->Delete(by_tag(), encode_index_key(id, tag, suffix));
 }
 
-Status Storage::get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value) const {
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), cf, rocksdb::Slice(key.data(), key.size()), value);
+Status Storage::get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value,
+                    const rocksdb::Snapshot* snapshot) const {
+  rocksdb::ReadOptions ro;
+  ro.snapshot = snapshot;
+  rocksdb::Status s = db_->Get(ro, cf, rocksdb::Slice(key.data(), key.size()), value);
   if (s.IsNotFound()) return Status::NotFound("no record");
   return from_rocksdb(s, "read from '" + path_ + "'");
 }
 
-std::unique_ptr<rocksdb::Iterator> Storage::iterator(rocksdb::ColumnFamilyHandle* cf, bool bulk) const {
+std::unique_ptr<rocksdb::Iterator> Storage::iterator(rocksdb::ColumnFamilyHandle* cf, bool bulk,
+                                                     const rocksdb::Snapshot* snapshot) const {
   rocksdb::ReadOptions ro;
+  ro.snapshot = snapshot;
   if (bulk) {
     ro.readahead_size = 4 << 20;
     ro.fill_cache = false;

@@ -3,7 +3,8 @@
 //   users       the users partition (SPEC §4)
 //   by_tag      the index: a copy of the users records of the indexed tags,
 //               keyed tag-first, written in the same WriteBatch
-//   aggregates  persisted personal/cohort/community scores
+//   aggregates  personal/cohort/community sums (merge operands of an integer add)
+//   ledger      the contribution ledger: what each user gave to which aggregate
 #ifndef TIDAL_STORAGE_STORAGE_H_
 #define TIDAL_STORAGE_STORAGE_H_
 
@@ -33,6 +34,7 @@ class Storage {
     bool create_if_missing = true;
     bool read_only = false;
     rocksdb::Env* env = nullptr;  // for fault injection in tests; null = default
+    std::size_t block_cache_bytes = 64 << 20;  // shared by every column family
   };
 
   static Result<std::unique_ptr<Storage>> open(const std::string& path, const Config& config);
@@ -43,6 +45,7 @@ class Storage {
   rocksdb::ColumnFamilyHandle* users() const { return handles_[1]; }
   rocksdb::ColumnFamilyHandle* by_tag() const { return handles_[2]; }
   rocksdb::ColumnFamilyHandle* aggregates() const { return handles_[3]; }
+  rocksdb::ColumnFamilyHandle* ledger() const { return handles_[4]; }
   bool read_only() const { return read_only_; }
   const std::string& path() const { return path_; }
 
@@ -58,10 +61,12 @@ class Storage {
   void put_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix,
                   std::string_view value) const;
   void delete_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix) const;
-  // NotFound when absent.
-  Status get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value) const;
+  // NotFound when absent. Reads as of `snapshot` when given.
+  Status get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value,
+             const rocksdb::Snapshot* snapshot = nullptr) const;
   // `bulk` for long scans: reads ahead and keeps the block cache for point reads.
-  std::unique_ptr<rocksdb::Iterator> iterator(rocksdb::ColumnFamilyHandle* cf, bool bulk = false) const;
+  std::unique_ptr<rocksdb::Iterator> iterator(rocksdb::ColumnFamilyHandle* cf, bool bulk = false,
+                                              const rocksdb::Snapshot* snapshot = nullptr) const;
   // RocksDB's estimate of the number of keys in `cf` (0 when unknown).
   std::uint64_t estimate_keys(rocksdb::ColumnFamilyHandle* cf) const;
   // Flushes every memtable to SST files and waits, so the next open does not

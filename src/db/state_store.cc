@@ -1,0 +1,215 @@
+#include "db/state_store.h"
+
+#include <algorithm>
+#include <vector>
+
+#include <rocksdb/write_batch.h>
+
+namespace tidal {
+namespace {
+
+// Initial buckets per buffer: enough bucket locks that two signaling threads
+// rarely contend; the map grows up to the configured bound.
+constexpr std::size_t kInitialBufferCapacity = 1 << 14;
+// Bytes a buffered cell costs, with libcuckoo's slack: sizes the bounds.
+constexpr std::size_t kBytesPerCell = 128;
+
+}  // namespace
+
+StateStore::StateStore(Storage* storage, const Config& config, std::function<void()> quiesce)
+    : storage_(storage),
+      config_(config),
+      quiesce_(std::move(quiesce)),
+      soft_limit_(std::max<std::uint64_t>(1, config.buffer_bytes / 2 / kBytesPerCell / 2)),
+      hard_limit_(std::max<std::uint64_t>(2, config.buffer_bytes / 2 / kBytesPerCell)),
+      buffers_{Buffer(kInitialBufferCapacity), Buffer(kInitialBufferCapacity)} {}
+
+StateStore::~StateStore() { (void)stop(); }
+
+void StateStore::start() { writer_ = std::thread([this] { run_writer(); }); }
+
+Status StateStore::stop() {
+  {
+    std::lock_guard<std::mutex> lock(writer_mu_);
+    if (stop_) return Status::OK();
+    stop_ = true;
+  }
+  writer_cv_.notify_all();
+  if (writer_.joinable()) writer_.join();
+  Status s = flush();
+  // Wake signals blocked in admit(): the Db is closing under them.
+  drained_cv_.notify_all();
+  std::unique_lock<std::shared_mutex> view(view_mu_);
+  if (frozen_live_) {
+    // The last batch could not be written; its deltas are lost with this
+    // handle, which `s` reports. The snapshot must not outlive the database.
+    storage_->db()->ReleaseSnapshot(frozen_snapshot_);
+    frozen_snapshot_ = nullptr;
+    frozen_live_ = false;
+  }
+  return s;
+}
+
+void StateStore::wake_writer() {
+  {
+    std::lock_guard<std::mutex> lock(writer_mu_);
+    wake_ = true;
+  }
+  writer_cv_.notify_one();
+}
+
+void StateStore::run_writer() {
+  std::unique_lock<std::mutex> lock(writer_mu_);
+  while (!stop_) {
+    writer_cv_.wait_for(lock, config_.write_period, [this] { return stop_ || wake_; });
+    if (stop_) break;
+    wake_ = false;
+    lock.unlock();
+    (void)flush();  // the outcome is kept in last_error_ and the counters
+    lock.lock();
+  }
+}
+
+Status StateStore::admit() {
+  const int a = active_.load(std::memory_order_acquire);
+  if (entries_[a].load(std::memory_order_relaxed) < hard_limit_) return Status::OK();
+  backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+  wake_writer();
+  std::unique_lock<std::mutex> lock(writer_mu_);
+  while (entries_[active_.load(std::memory_order_acquire)].load(std::memory_order_relaxed) >= hard_limit_) {
+    if (!last_error_.ok()) return last_error_;
+    if (stop_) return Status::Closed("signal_with_context: the Db is closing");
+    drained_cv_.wait_for(lock, std::chrono::milliseconds(100));
+  }
+  return Status::OK();
+}
+
+Status StateStore::flush() {
+  std::lock_guard<std::mutex> drain(drain_mu_);
+  Status s = drain_locked();
+  {
+    std::lock_guard<std::mutex> lock(writer_mu_);
+    last_error_ = s;
+  }
+  drained_cv_.notify_all();
+  return s;
+}
+
+Status StateStore::drain_locked() {
+  int frozen;
+  {
+    std::unique_lock<std::shared_mutex> view(view_mu_);
+    if (frozen_live_) {
+      // The last batch failed: write that buffer again before taking more.
+      frozen = 1 - active_.load(std::memory_order_relaxed);
+    } else {
+      frozen = active_.load(std::memory_order_relaxed);
+      if (entries_[frozen].load(std::memory_order_relaxed) == 0) return Status::OK();
+      frozen_snapshot_ = storage_->db()->GetSnapshot();
+      frozen_live_ = true;
+      active_.store(1 - frozen, std::memory_order_release);
+    }
+  }
+  // Signals that read the old index may still be adding to the frozen buffer.
+  quiesce_();
+  // The swap above may have left the new active buffer over the bound for
+  // nobody: let waiting signals look again.
+  drained_cv_.notify_all();
+  return write_frozen_locked(frozen);
+}
+
+Status StateStore::write_frozen_locked(int frozen) {
+  Buffer& buffer = buffers_[frozen];
+  rocksdb::WriteBatch batch;
+  struct LedgerCell {
+    std::uint64_t user;
+    LedgerEntry entry;
+  };
+  std::vector<LedgerCell> ledger;
+  std::uint64_t cells = 0;
+  {
+    auto locked = buffer.lock_table();  // uncontended: no signal adds to it any more
+    for (const auto& [cell, units] : locked) {
+      if (cell.kind <= static_cast<std::uint8_t>(AggregateKind::Community)) {
+        std::string value;
+        put_units(&value, units);
+        batch.Merge(storage_->aggregates(), encode_aggregate_key(static_cast<AggregateKind>(cell.kind), cell.a, cell.b),
+                    value);
+        ++cells;
+      } else {
+        ledger.push_back({cell.a, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units}});
+      }
+    }
+  }
+  // One ledger record per user: its cells of this batch, sorted. The epoch (a
+  // sequence number above every earlier batch's) keeps records of different
+  // batches apart.
+  std::sort(ledger.begin(), ledger.end(), [](const LedgerCell& x, const LedgerCell& y) {
+    return std::tie(x.user, x.entry.target, x.entry.target_id, x.entry.item) <
+           std::tie(y.user, y.entry.target, y.entry.target_id, y.entry.item);
+  });
+  const std::uint64_t epoch = storage_->db()->GetLatestSequenceNumber() + 1;
+  std::string value;
+  for (std::size_t i = 0; i < ledger.size(); ++i) {
+    put_ledger_entry(&value, ledger[i].entry);
+    if (i + 1 == ledger.size() || ledger[i + 1].user != ledger[i].user) {
+      batch.Put(storage_->ledger(), encode_ledger_key(ledger[i].user, epoch), value);
+      value.clear();
+      ++cells;
+    }
+  }
+  Status s = storage_->write(&batch, Storage::durable_if(config_.sync), "aggregate write of '" + storage_->path() + "'");
+  if (!s.ok()) {
+    write_failures_.fetch_add(1, std::memory_order_relaxed);
+    return s;  // the frozen buffer stays live: readers still see it, the next drain retries it
+  }
+  {
+    std::unique_lock<std::shared_mutex> view(view_mu_);
+    frozen_live_ = false;
+    storage_->db()->ReleaseSnapshot(frozen_snapshot_);
+    frozen_snapshot_ = nullptr;
+  }
+  buffer.clear();
+  entries_[frozen].store(0, std::memory_order_relaxed);
+  writes_.fetch_add(1, std::memory_order_relaxed);
+  cells_written_.fetch_add(cells, std::memory_order_relaxed);
+  return Status::OK();
+}
+
+Result<Units> StateStore::read(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const {
+  const std::string key = encode_aggregate_key(kind, owner, item);
+  const Cell cell{static_cast<std::uint8_t>(kind), owner, item, 0};
+  std::shared_lock<std::shared_mutex> view(view_mu_);
+  Units sum = 0;
+  std::string stored;
+  Status s = storage_->get(storage_->aggregates(), key, &stored, frozen_live_ ? frozen_snapshot_ : nullptr);
+  if (s.ok()) {
+    std::optional<Units> u = decode_units(stored);
+    if (!u) {
+      return Status::Corruption("aggregate " + describe({kind, owner, item}) + " (key " + hex(key) + ") of '" +
+                                storage_->path() + "' has a " + std::to_string(stored.size()) +
+                                "-byte value; expected 16");
+    }
+    sum = *u;
+  } else if (s.code() != StatusCode::NotFound) {
+    return Status(s.code(), "read of aggregate " + describe({kind, owner, item}) + " (key " + hex(key) + "): " +
+                                s.message());
+  }
+  const int a = active_.load(std::memory_order_acquire);
+  Units pending = 0;
+  if (buffers_[a].find(cell, pending)) sum += pending;
+  if (frozen_live_ && buffers_[1 - a].find(cell, pending)) sum += pending;
+  return sum;
+}
+
+StateStoreStats StateStore::stats() const {
+  StateStoreStats out;
+  out.writes = writes_.load(std::memory_order_relaxed);
+  out.write_failures = write_failures_.load(std::memory_order_relaxed);
+  out.cells_written = cells_written_.load(std::memory_order_relaxed);
+  out.backpressure_waits = backpressure_waits_.load(std::memory_order_relaxed);
+  out.pending_cells = entries_[0].load(std::memory_order_relaxed) + entries_[1].load(std::memory_order_relaxed);
+  return out;
+}
+
+}  // namespace tidal

@@ -1,0 +1,160 @@
+// The state store: personal, cohort and community sums and the contribution
+// ledger, kept in RocksDB and written behind the signal path.
+//
+// A signal adds exact deltas (Units) to the *active* in-memory buffer, a
+// libcuckoo map of cells; it never waits on RocksDB. A background writer
+// drains the buffers at least every `write_period`, or sooner when the active
+// buffer passes half its bound:
+//   1. swap: the other (empty) buffer becomes active and the drained one is
+//      *frozen*; a RocksDB snapshot taken at the same instant is what readers
+//      pair with the frozen buffer until step 3;
+//   2. quiesce: wait out every signal that may still add to the frozen buffer
+//      (a grace period of the Db's read sections); a signal reads the active
+//      index once, so all of its cells land in one buffer and one batch;
+//   3. write the frozen buffer as one WriteBatch with the WAL: a merge operand
+//      per aggregate cell and one ledger record per user, fsynced when
+//      sync_writes; then readers switch to the latest state and the frozen
+//      buffer is cleared.
+// So every batch holds whole signals, and each aggregate equals the sum of its
+// ledger entries after every batch (invariant I1), whatever crashes.
+//
+// A read is exact at an instant: stored sum + active + frozen (before the
+// write) or stored sum + active (after it), under a shared lock the writer
+// takes exclusively only to switch between the two.
+//
+// Past the bound, admit() makes signals wait for the writer (backpressure);
+// while the writer is failing, they get its error instead of waiting forever.
+#ifndef TIDAL_DB_STATE_STORE_H_
+#define TIDAL_DB_STATE_STORE_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
+
+#include <libcuckoo/cuckoohash_map.hh>
+
+#include "storage/state_format.h"
+#include "storage/storage.h"
+#include "tidal/db.h"
+
+namespace tidal {
+
+// What the state store counts (summed into Db::stats()).
+struct StateStoreStats {
+  std::uint64_t writes = 0;            // batches written
+  std::uint64_t write_failures = 0;    // failed batch writes (each retried later)
+  std::uint64_t cells_written = 0;     // aggregate cells and ledger records written
+  std::uint64_t backpressure_waits = 0;
+  std::uint64_t pending_cells = 0;     // cells in memory now
+};
+
+class StateStore {
+ public:
+  struct Config {
+    std::chrono::milliseconds write_period{1000};
+    std::size_t buffer_bytes = 64 << 20;  // both buffers together
+    bool sync = true;                      // fsync each batch
+  };
+  // `quiesce` returns once every signal that read the active buffer index
+  // before the call has finished (the Db's grace period).
+  StateStore(Storage* storage, const Config& config, std::function<void()> quiesce);
+  ~StateStore();
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  // Starts the background writer (not for read-only Dbs).
+  void start();
+  // Stops the writer and writes what is pending. Idempotent.
+  Status stop();
+
+  // Before a signal's read section: waits while the buffers are full. The
+  // error of the failing writer when it cannot drain.
+  Status admit();
+
+  // Inside a signal's read section: the buffer every cell of the signal goes to.
+  int begin_signal() const { return active_.load(std::memory_order_acquire); }
+  void add(int buffer, AggregateKind kind, std::uint64_t owner, std::uint64_t item, Units units) {
+    add_cell(buffer, Cell{static_cast<std::uint8_t>(kind), owner, item, 0}, units);
+  }
+  void add_ledger(int buffer, std::uint64_t user, AggregateKind target, std::uint64_t target_id, std::uint64_t item,
+                  Units units) {
+    add_cell(buffer, Cell{static_cast<std::uint8_t>(static_cast<int>(target) + kLedgerKindOffset), user, target_id, item},
+             units);
+  }
+
+  // The exact sum of a cell (0 when never touched).
+  Result<Units> read(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const;
+
+  // Writes everything pending now. Concurrent calls each return once what was
+  // pending when they were called is written.
+  Status flush();
+
+  StateStoreStats stats() const;
+
+ private:
+  // kind 1-3: an aggregate (a = owner, b = item). kind 4-5 (cohort or
+  // community + kLedgerKindOffset): a ledger cell (a = user, b = target id, c = item).
+  struct Cell {
+    std::uint8_t kind;
+    std::uint64_t a, b, c;
+    bool operator==(const Cell&) const = default;
+  };
+  struct CellHash {
+    std::size_t operator()(const Cell& k) const noexcept {
+      std::uint64_t h = (k.a * 0x9e3779b97f4a7c15ULL) ^ (k.b * 0xc2b2ae3d27d4eb4fULL) ^ (k.c * 0x165667b19e3779f9ULL) ^ k.kind;
+      return static_cast<std::size_t>(h ^ (h >> 29));
+    }
+  };
+  using Buffer = libcuckoo::cuckoohash_map<Cell, Units, CellHash>;
+  static constexpr int kLedgerKindOffset = 2;
+
+  void add_cell(int buffer, const Cell& cell, Units units) {
+    if (buffers_[buffer].upsert(cell, [units](Units& v) { v += units; }, units)) {
+      if (entries_[buffer].fetch_add(1, std::memory_order_relaxed) + 1 == soft_limit_) wake_writer();
+    }
+  }
+  void wake_writer();
+  void run_writer();
+  // One drain: swap (unless a failed batch is still frozen), quiesce, write.
+  // Caller holds drain_mu_.
+  Status drain_locked();
+  Status write_frozen_locked(int frozen);
+
+  Storage* const storage_;
+  const Config config_;
+  const std::function<void()> quiesce_;
+  const std::uint64_t soft_limit_;  // cells in the active buffer that wake the writer
+  const std::uint64_t hard_limit_;  // cells past which admit() waits
+
+  Buffer buffers_[2];
+  std::atomic<std::uint64_t> entries_[2] = {0, 0};
+  std::atomic<int> active_{0};
+
+  // Readers hold it shared; the writer holds it exclusively to swap buffers
+  // and to retire the frozen buffer after its batch is written.
+  mutable std::shared_mutex view_mu_;
+  bool frozen_live_ = false;                  // the frozen buffer is not yet in storage
+  const rocksdb::Snapshot* frozen_snapshot_ = nullptr;  // storage without the frozen buffer
+
+  std::mutex drain_mu_;  // one drain at a time
+
+  // Writer thread control and backpressure.
+  std::mutex writer_mu_;
+  std::condition_variable writer_cv_;    // wakes the writer
+  std::condition_variable drained_cv_;   // wakes signals waiting in admit()
+  bool stop_ = false;
+  bool wake_ = false;
+  Status last_error_;                    // of the last drain; OK once one succeeds
+  std::thread writer_;
+
+  std::atomic<std::uint64_t> writes_{0}, write_failures_{0}, cells_written_{0}, backpressure_waits_{0};
+};
+
+}  // namespace tidal
+
+#endif  // TIDAL_DB_STATE_STORE_H_
