@@ -289,6 +289,7 @@ Result<VerifyReport> Db::Impl::verify() const {
       }
       if (s = from_rocksdb(ix->status(), "verify scan of by_tag"); !s.ok()) return s;
     }
+    if (s = state_->verify(&report); !s.ok()) return s;
     return report;
   });
 }

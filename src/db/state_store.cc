@@ -5,6 +5,8 @@
 
 #include <rocksdb/write_batch.h>
 
+#include "storage/ledger_scan.h"
+
 namespace tidal {
 namespace {
 
@@ -210,6 +212,20 @@ StateStoreStats StateStore::stats() const {
   out.backpressure_waits = backpressure_waits_.load(std::memory_order_relaxed);
   out.pending_cells = entries_[0].load(std::memory_order_relaxed) + entries_[1].load(std::memory_order_relaxed);
   return out;
+}
+
+Status StateStore::verify(VerifyReport* report) const {
+  const rocksdb::Snapshot* snapshot = storage_->db()->GetSnapshot();
+  LedgerScan ledger;
+  Status s = scan_ledger(*storage_, snapshot, &ledger);
+  if (s.ok()) {
+    report->records_checked += ledger.records;
+    for (std::string& p : ledger.problems) report->problems.push_back(std::move(p));
+    s = compare_with_ledger(*storage_, snapshot, ledger.totals, &report->records_checked,
+                            [&](const AggregateMismatch& m) { report->problems.push_back(m.what); });
+  }
+  storage_->db()->ReleaseSnapshot(snapshot);
+  return s;
 }
 
 }  // namespace tidal

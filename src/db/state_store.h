@@ -96,6 +96,11 @@ class StateStore {
 
   StateStoreStats stats() const;
 
+  // Checks every stored aggregate and ledger record, and invariant I1 (each
+  // cohort and community aggregate equals the sum of its ledger entries), at
+  // one snapshot. Adds a line per problem to `report`.
+  Status verify(VerifyReport* report) const;
+
  private:
   // kind 1-3: an aggregate (a = owner, b = item). kind 4-5 (cohort or
   // community + kLedgerKindOffset): a ledger cell (a = user, b = target id, c = item).

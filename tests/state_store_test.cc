@@ -1,0 +1,270 @@
+// The state store: exact sums, write-behind, backpressure, invariant I1 and
+// how malformed stored values and failed writes are reported.
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include <rocksdb/db.h>
+
+#include "db/impl.h"
+#include "fault_fs.h"
+#include "storage/state_format.h"
+#include "test_util.h"
+
+namespace tidal {
+namespace {
+
+using testing::open_db;
+using testing::TempDir;
+using testing::value_of;
+
+std::uint64_t bits(double d) {
+  std::uint64_t b;
+  std::memcpy(&b, &d, sizeof b);
+  return b;
+}
+
+// Options whose writer never runs on its own during a short test.
+Options manual_writes(Options options = {}) {
+  options.aggregate_write_period = std::chrono::hours(1);
+  return options;
+}
+
+TEST(Units, WeightsRoundToTheNearestNanoUnitExactly) {
+  EXPECT_EQ(*weight_to_units(0.1), Units{100'000'000});
+  EXPECT_EQ(*weight_to_units(-2.5), Units{-2'500'000'000LL});
+  EXPECT_EQ(*weight_to_units(1e-9), Units{1});
+  EXPECT_EQ(*weight_to_units(4e-10), Units{0});
+  EXPECT_EQ(*weight_to_units(6e-10), Units{1});
+  EXPECT_EQ(*weight_to_units(-6e-10), Units{-1});
+  EXPECT_EQ(*weight_to_units(0.0), Units{0});
+  // 1e12 exactly, and a weight with all 53 mantissa bits at that magnitude.
+  EXPECT_EQ(*weight_to_units(1e12), Units{1'000'000'000'000LL} * 1'000'000'000);
+  const double big = 999'999'999'999.9998779296875;  // exactly representable
+  EXPECT_EQ(units_to_string(*weight_to_units(big)), "999999999999999877930");  // .9296875 rounds up
+  EXPECT_FALSE(weight_to_units(1e12 * (1 + 1e-15)));
+  EXPECT_FALSE(weight_to_units(std::numeric_limits<double>::infinity()));
+  EXPECT_FALSE(weight_to_units(std::nan("")));
+}
+
+TEST(Units, ConversionToDoubleIsTheNearest) {
+  EXPECT_EQ(units_to_double(300'000'000), 0.3);
+  EXPECT_EQ(units_to_double(-1), -1e-9);
+  EXPECT_EQ(units_to_double(*weight_to_units(1e12) * 3), 3e12);
+  EXPECT_EQ(units_to_string(-1234), "-1234");
+  std::string encoded;
+  put_units(&encoded, Units{-7} << 80);
+  EXPECT_EQ(encoded.size(), 16u);
+  EXPECT_EQ(*decode_units(encoded), Units{-7} << 80);
+  EXPECT_FALSE(decode_units(encoded.substr(1)));
+}
+
+TEST(ExactSums, PointOneThreeTimesReadsPointThree) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"));
+  ASSERT_OK(db->join_community(1, 10));
+  for (int i = 0; i < 3; ++i) ASSERT_OK(db->signal_with_context({1, 5, 0.1}, {{7}}));
+  EXPECT_EQ(value_of(db->personal_score(1, 5)), 0.3);
+  EXPECT_EQ(value_of(db->cohort_score(7, 5)), 0.3);
+  EXPECT_EQ(value_of(db->community_score(10, 5)), 0.3);
+  ASSERT_OK(db->flush());
+  EXPECT_EQ(value_of(db->personal_score(1, 5)), 0.3);  // now from storage
+  EXPECT_NE(0.1 + 0.1 + 0.1, 0.3);                      // what a double sum would read
+}
+
+TEST(ExactSums, OutOfRangeWeightsAreRefusedWithNothingChanged) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"));
+  ASSERT_OK(db->join_community(1, 10));
+  for (double w : {1.5e12, -1e13, std::numeric_limits<double>::infinity(), std::nan("")}) {
+    Result<SignalOutcome> r = db->signal_with_context({1, 5, w}, {{7}});
+    ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << w;
+    EXPECT_NE(r.status().message().find("user 1"), std::string::npos) << r.status().message();
+  }
+  ASSERT_OK(db->signal_with_context({1, 5, -1e12}, {{7}}));
+  EXPECT_EQ(value_of(db->personal_score(1, 5)), -1e12);
+  EXPECT_EQ(value_of(db->cohort_score(7, 5)), -1e12);
+  EXPECT_EQ(db->stats().signals, 1u);
+}
+
+// Signals with awkward weights, applied in two different orders (one of them
+// from four threads with writes in between) give bit-identical scores, and a
+// restart changes none of them.
+TEST(ExactSums, OrderAndInterleavingNeverChangeAScoreBitForBit) {
+  std::vector<Signal> signals;
+  std::mt19937_64 rng(42);
+  std::uniform_real_distribution<double> weight(-1e6, 1e6);
+  for (int i = 0; i < 4000; ++i) signals.push_back({rng() % 5, rng() % 4, weight(rng) * 1e-3});
+  const SignalContext context{{1, 2}};
+
+  TempDir dir;
+  auto serial = open_db(dir.sub("serial"), manual_writes());
+  for (const Signal& s : signals) ASSERT_OK(serial->signal_with_context(s, context));
+
+  auto concurrent = open_db(dir.sub("concurrent"), manual_writes());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (std::size_t i = signals.size() - 1 - static_cast<std::size_t>(t); i < signals.size(); i -= 4) {
+        EXPECT_OK(concurrent->signal_with_context(signals[i], context));
+        if (i % 256 < 4) EXPECT_OK(concurrent->flush());  // batches cut between signals
+        if (i < 4) break;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_GT(concurrent->stats().aggregate_writes, 1u);
+
+  auto expect_same = [&](Db& a, Db& b) {
+    for (std::uint64_t item = 0; item < 4; ++item) {
+      for (std::uint64_t user = 0; user < 5; ++user) {
+        EXPECT_EQ(bits(value_of(a.personal_score(user, item))), bits(value_of(b.personal_score(user, item))));
+      }
+      for (std::uint64_t cohort : {1u, 2u}) {
+        EXPECT_EQ(bits(value_of(a.cohort_score(cohort, item))), bits(value_of(b.cohort_score(cohort, item))));
+      }
+    }
+  };
+  expect_same(*serial, *concurrent);
+  ASSERT_OK(concurrent->close());
+  concurrent = open_db(dir.sub("concurrent"));
+  expect_same(*serial, *concurrent);
+}
+
+TEST(WriteBehind, TheWriterStoresSignalsWithinThePeriodWithoutAFlush) {
+  TempDir dir;
+  Options options;
+  options.aggregate_write_period = std::chrono::milliseconds(20);
+  auto db = open_db(dir.sub("db"), options);
+  ASSERT_OK(db->signal_with_context({1, 2, 1.25}, {{3}}));
+  for (int i = 0; i < 500 && db->stats().aggregate_cells_pending != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(db->stats().aggregate_cells_pending, 0u);
+  EXPECT_GE(db->stats().aggregate_writes, 1u);
+  // Stored: visible to a read-only handle, which reads storage only.
+  Options ro;
+  ro.read_only = true;
+  auto reader = open_db(dir.sub("db"), ro);
+  EXPECT_EQ(value_of(reader->personal_score(1, 2)), 1.25);
+  EXPECT_EQ(value_of(reader->cohort_score(3, 2)), 1.25);
+}
+
+TEST(WriteBehind, ConcurrentSignalsPastTheBufferBoundWaitAndStayExact) {
+  TempDir dir;
+  Options options = manual_writes();
+  options.write_buffer_bytes = 64 << 10;  // a few hundred cells per buffer
+  auto db = open_db(dir.sub("db"), options);
+  ASSERT_OK(db->join_community(0, 9));
+  std::vector<std::thread> threads;
+  for (std::uint64_t t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      for (std::uint64_t i = 0; i < 20000; ++i) EXPECT_OK(db->signal_with_context({t, i, 0.5}, {{t + 1}}));
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_GT(db->stats().backpressure_waits, 0u);
+  EXPECT_GT(db->stats().aggregate_writes, 10u);
+  double sum = 0;
+  for (std::uint64_t i = 0; i < 20000; i += 997) {
+    EXPECT_EQ(value_of(db->personal_score(1, i)), 0.5);
+    sum += value_of(db->community_score(9, i));
+  }
+  EXPECT_EQ(sum, 0.5 * 21);
+  Result<VerifyReport> report = db->verify();
+  ASSERT_OK(report);
+  EXPECT_TRUE(report->ok()) << report->problems.front();
+}
+
+// ---- invariant I1 and malformed values ----
+
+// Opens `path` as a plain RocksDB database with tidal's column families.
+struct RawDb {
+  explicit RawDb(const std::string& path) {
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    for (const char* name : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+    cfs[3].options.merge_operator = new_units_add_operator();
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Status s = rocksdb::DB::Open(rocksdb::Options(), path, cfs, &handles, &raw);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    db.reset(raw);
+  }
+  ~RawDb() {
+    for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
+    (void)db->Close();
+  }
+  std::unique_ptr<rocksdb::DB> db;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+};
+
+TEST(Invariant, VerifyFindsAnAggregateThatDisagreesWithItsLedger) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  {
+    auto db = open_db(path, manual_writes());
+    ASSERT_OK(db->join_community(1, 10));
+    ASSERT_OK(db->signal_with_context({1, 5, 2.0}, {{7}}));
+    ASSERT_OK(db->signal_with_context({2, 5, 1.0}, {{7}}));
+    ASSERT_OK(db->flush());
+    Result<VerifyReport> report = db->verify();
+    ASSERT_OK(report);
+    EXPECT_TRUE(report->ok()) << report->problems.front();
+  }
+  {
+    RawDb raw(path);
+    std::string one;
+    put_units(&one, 1);
+    ASSERT_TRUE(raw.db->Merge(rocksdb::WriteOptions(), raw.handles[3], encode_aggregate_key(AggregateKind::Cohort, 7, 5), one).ok());
+  }
+  auto db = open_db(path);
+  Result<VerifyReport> report = db->verify();
+  ASSERT_OK(report);
+  ASSERT_EQ(report->problems.size(), 1u);
+  EXPECT_NE(report->problems[0].find("cohort 7 item 5"), std::string::npos) << report->problems[0];
+  EXPECT_NE(report->problems[0].find("stored 3000000001, ledger 3000000000"), std::string::npos) << report->problems[0];
+}
+
+TEST(Invariant, MalformedStoredValuesAreCorruptionNamingTheKeyNeverZero) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  { auto db = open_db(path); }
+  {
+    RawDb raw(path);
+    rocksdb::WriteOptions wo;
+    ASSERT_TRUE(raw.db->Put(wo, raw.handles[3], encode_aggregate_key(AggregateKind::Cohort, 7, 5), "12345678").ok());
+    ASSERT_TRUE(raw.db->Put(wo, raw.handles[4], encode_ledger_key(3, 1), std::string(32, 'x')).ok());
+  }
+  auto db = open_db(path);
+  Result<double> score = db->cohort_score(7, 5);
+  ASSERT_EQ(score.status().code(), StatusCode::Corruption);
+  EXPECT_NE(score.status().message().find("cohort 7 item 5"), std::string::npos) << score.status().message();
+  EXPECT_NE(score.status().message().find("8-byte value"), std::string::npos) << score.status().message();
+  Result<VerifyReport> report = db->verify();
+  ASSERT_OK(report);
+  ASSERT_EQ(report->problems.size(), 2u);
+  std::string all = report->problems[0] + "\n" + report->problems[1];
+  EXPECT_NE(all.find("ledger key " + hex(encode_ledger_key(3, 1))), std::string::npos) << all;
+  EXPECT_NE(all.find("cohort 7 item 5"), std::string::npos) << all;
+}
+
+// A batch that cannot be written is reported by flush() and counted, and its
+// updates stay readable in memory (nothing silently lost while open).
+TEST(WriteBehind, AFailedWriteIsReportedAndKeptInMemory) {
+  TempDir dir;
+  reliability::FaultEnv fault = reliability::FaultEnv::make();
+  Result<std::unique_ptr<Db>> opened = Db::Impl::open(dir.sub("db"), manual_writes(), fault.env.get());
+  ASSERT_OK(opened);
+  Db& db = **opened;
+  ASSERT_OK(db.signal_with_context({1, 2, 4.0}, {{3}}));
+  fault.fs->set_fail_wal_append(true);
+  Status s = db.flush();
+  EXPECT_EQ(s.code(), StatusCode::IOError) << s.to_string();
+  EXPECT_NE(s.message().find("aggregate write"), std::string::npos) << s.message();
+  EXPECT_EQ(db.stats().aggregate_write_failures, 1u);
+  EXPECT_EQ(value_of(db.cohort_score(3, 2)), 4.0);
+  EXPECT_EQ(db.stats().aggregate_cells_pending, 3u);
+  EXPECT_FALSE(db.close().ok());  // the loss is reported, not silent
+}
+
+}  // namespace
+}  // namespace tidal
