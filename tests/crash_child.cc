@@ -11,11 +11,18 @@
 //       "A <L|J> <user> <history size> <at_ns>"  after it returned OK, with
 //     the size of the user's history and the at_ns of its last entry.
 //     On an error prints "E <message>" and exits 3.
+//   tidal_crash_child signals <db-path> <period-ms>
+//     Opens the Db with aggregate_write_period = <period-ms>, user u (0-63)
+//     joined to community 1000 + u % 4, prints "R", then for i = 0, 1, ...
+//     signals user i % 64 on item i with weight 1 and cohort i % 8, and after
+//     each returned prints "A <i> <CLOCK_MONOTONIC ns>" and pauses 100 us
+//     (a steady few thousand signals a second, so rounds stay short).
 //   tidal_crash_child open <db-path>
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <random>
@@ -63,6 +70,25 @@ int run_ops(const std::string& path, std::uint64_t seed, std::uint64_t users) {
   }
 }
 
+int run_signals(const std::string& path, std::uint64_t period_ms) {
+  tidal::Options options;
+  options.aggregate_write_period = std::chrono::milliseconds(period_ms);
+  auto db = tidal::Db::open(path, options);
+  if (!db.ok()) fail("open", db.status());
+  for (std::uint64_t u = 0; u < 64; ++u) {
+    if (tidal::Status s = (*db)->join_community(u, 1000 + u % 4); !s.ok()) fail("join", s);
+  }
+  say("R");
+  for (std::uint64_t i = 0;; ++i) {
+    auto out = (*db)->signal_with_context({i % 64, i, 1.0}, tidal::SignalContext{{i % 8}});
+    if (!out.ok()) fail("signal", out.status());
+    const auto now = std::chrono::steady_clock::now().time_since_epoch();
+    say("A " + std::to_string(i) + " " +
+        std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()));
+    ::usleep(100);
+  }
+}
+
 int run_open(const std::string& path) {
   auto db = tidal::Db::open(path);
   if (!db.ok()) fail("open", db.status());
@@ -80,6 +106,7 @@ int main(int argc, char** argv) {
     return run_ops(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
   if (mode == "open" && argc == 3) return run_open(argv[2]);
+  if (mode == "signals" && argc == 4) return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10));
   say("E usage: tidal_crash_child ops <db> <seed> <users> | open <db>");
   return 2;
 }
