@@ -97,8 +97,9 @@ void BM_SharedMutexMapNotLeft(benchmark::State& state) {
 }
 void BM_ReadSection(benchmark::State& state) {
   grace::init();
+  static grace::Domain domain;
   for (auto _ : state) {
-    grace::ReadSection section;
+    grace::ReadSection section(domain, 7);
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations());

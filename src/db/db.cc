@@ -104,9 +104,13 @@ Status Db::Impl::close() {
     }
     std::unique_lock lock(lifecycle_);
     if (closed_.exchange(true, std::memory_order_acq_rel)) return Status::OK();
-    grace::synchronize();  // signals that saw the Db open have finished
+    // Signals that saw the Db open have finished. If the barrier failed, a
+    // signal may still be running: the wait still covered every section it
+    // could see, the close goes on (the Db stays closed) and reports it.
+    const Status barrier = grace_.synchronize_all();
     Status result = options_.read_only ? Status::OK() : persist_aggregates();
     Status s = storage_->close();
+    if (!barrier.ok()) return barrier;
     return result.ok() ? s : result;
   });
 }

@@ -17,6 +17,7 @@
 
 #include "db/aggregates.h"
 #include "db/clock.h"
+#include "db/grace.h"
 #include "db/leave_gate.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
@@ -103,6 +104,7 @@ class Db::Impl {
   LeaveStatusMap leave_status_;
   libcuckoo::cuckoohash_map<std::uint64_t, GateActivity> held_back_;
   LeaveGate gate_;
+  grace::Domain grace_;  // this Db's read sections: one per signal, tagged with its user
   Aggregates aggregates_;
 
   std::array<CounterStripe, 16> stripes_;
