@@ -6,12 +6,18 @@
 //  - the read section every signal enters (grace::ReadSection);
 //  - the signal path of a not-left user with 1e4 users Left vs none;
 //  - a synced leave vs a bare synced RocksDB put of the same bytes;
-//  - open with 1e4 / 1e5 / 1e6 leavers, with and without 2M other records.
+//  - open with 1e4 / 1e5 / 1e6 leavers, with and without 2M other records;
+//  - leave latency (its grace period) with 0 / 2 / 8 / 16 busy signaling
+//    threads, and while another Db's sink is slow.
 //
 //   build/test/bench/leave_bench --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
+#include <random>
+#include <thread>
+#include <vector>
 #include <map>
 #include <shared_mutex>
 #include <unordered_map>
@@ -91,8 +97,9 @@ void BM_SharedMutexMapNotLeft(benchmark::State& state) {
 }
 void BM_ReadSection(benchmark::State& state) {
   grace::init();
+  static grace::Domain domain;
   for (auto _ : state) {
-    grace::ReadSection section;
+    grace::ReadSection section(domain, 7);
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations());
@@ -195,6 +202,111 @@ BENCHMARK(BM_Open)
     ->Args({10'000, 0})->Args({100'000, 0})->Args({1'000'000, 0})
     ->Args({10'000, 2'000'000})->Args({100'000, 2'000'000})->Args({1'000'000, 2'000'000})
     ->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
+
+
+// ---- leave latency under oversubscription ----
+//
+// `signalers` threads signal without pause (no yield) on a 2-core machine;
+// meanwhile one thread leaves user 0 and rejoins it, timing only the leave.
+// Odd-numbered signalers send every 16th signal for user 0 (so a leave has
+// readers of its own user to wait out), all others signal users 1..1023.
+// Every signal reaches a sink (a counter) through a cohort and a community.
+// sync_writes is off: the figure is the grace period, not the fsync.
+// Reports the median, p99 and max of the leaves (ms) as counters.
+
+struct CountingSink : ContributionSink {
+  void on_contribution(const Contribution& c) override {
+    thread_local std::uint64_t seen = 0;
+    seen += c.user_id;
+    benchmark::DoNotOptimize(seen);
+  }
+};
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(p * static_cast<double>(v.size())))];
+}
+
+void run_signalers(Db& db, int count, std::atomic<bool>& stop, std::vector<std::thread>* threads) {
+  for (int t = 0; t < count; ++t) {
+    threads->emplace_back([&db, &stop, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t) + 1);
+      const SignalContext context{{7}};
+      for (std::uint64_t k = 0; !stop.load(std::memory_order_relaxed); ++k) {
+        const std::uint64_t user = (t % 2 == 1 && k % 16 == 0) ? 0 : 1 + rng() % 1023;
+        auto out = db.signal_with_context({user, k % 64, 1.0}, context);
+        benchmark::DoNotOptimize(out);
+      }
+    });
+  }
+}
+
+std::unique_ptr<Db> latency_db(const std::string& name, std::shared_ptr<ContributionSink> sink) {
+  Options options;
+  options.sync_writes = false;
+  options.contribution_sink = std::move(sink);
+  auto db = must_open(scratch_dir(name), options);
+  for (std::uint64_t u = 0; u < 1024; ++u) {
+    if (!db->join_community(u, 1 + u % 4).ok()) std::abort();
+  }
+  return db;
+}
+
+// Times `leaves` leaves of user 0 (each followed by an untimed rejoin), or
+// as many as fit in 10 s.
+void time_leaves(benchmark::State& state, Db& db, int leaves) {
+  std::vector<double> ms;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  for (auto _ : state) {
+    for (int i = 0; i < leaves && std::chrono::steady_clock::now() < deadline; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      if (!db.leave_community_layer(0).ok()) state.SkipWithError("leave failed");
+      const auto stop = std::chrono::steady_clock::now();
+      ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+      if (!db.rejoin_community_layer(0).ok()) state.SkipWithError("rejoin failed");
+    }
+    double total = 0;
+    for (double m : ms) total += m;
+    state.SetIterationTime(total / 1000);
+  }
+  state.counters["leaves"] = static_cast<double>(ms.size());
+  state.counters["median_ms"] = percentile(ms, 0.5);
+  state.counters["p99_ms"] = percentile(ms, 0.99);
+  state.counters["max_ms"] = percentile(ms, 1.0);
+}
+
+void BM_LeaveLatency(benchmark::State& state) {
+  auto db = latency_db("leave-latency", std::make_shared<CountingSink>());
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> signalers;
+  run_signalers(*db, static_cast<int>(state.range(0)), stop, &signalers);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let them get going
+  time_leaves(state, *db, 400);
+  stop = true;
+  for (auto& t : signalers) t.join();
+}
+BENCHMARK(BM_LeaveLatency)
+    ->ArgName("signalers")->Arg(0)->Arg(2)->Arg(8)->Arg(16)
+    ->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+// One Db's sink takes 20 ms per contribution (one signaling thread); a leave
+// on another Db, with no signals of its own, should not wait for it.
+void BM_LeaveBesideSlowSink(benchmark::State& state) {
+  struct SlowSink : ContributionSink {
+    void on_contribution(const Contribution&) override { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }
+  };
+  auto slow = latency_db("slow-sink", std::make_shared<SlowSink>());
+  auto quiet = latency_db("quiet", nullptr);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> signalers;
+  run_signalers(*slow, 1, stop, &signalers);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  time_leaves(state, *quiet, 100);
+  stop = true;
+  for (auto& t : signalers) t.join();
+}
+BENCHMARK(BM_LeaveBesideSlowSink)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace tidal::bench

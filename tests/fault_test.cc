@@ -5,8 +5,10 @@
 //   - SQLite-style sweep: the N-th file operation of leave, rejoin,
 //     join_community, flush and open fails (once, then persistently) for
 //     N = 1, 2, ... until the call completes without reaching operation N.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -184,17 +186,19 @@ PowerFigures power_cuts(bool sync_writes, int cuts, int max_ops_per_cut) {
 // Signals flow on one thread while the power is cut at a random moment: after
 // each cut every signal that returned more than the write period plus one
 // write before it is in the aggregates, whole, and I1 holds.
+// TIDAL_CRASH_ROUNDS (as in crash_test.cc; default 200) / 4 cuts, at most 50.
 TEST(PowerLossTest, SignalsOutsideTheWritePeriodSurvive50Cuts) {
   TempDir dir;
-  const std::string path = dir.sub("db");
   FaultEnv fault = FaultEnv::make();
+  const char* rounds_env = std::getenv("TIDAL_CRASH_ROUNDS");
+  const int cuts = std::clamp(rounds_env != nullptr ? std::atoi(rounds_env) / 4 : 50, 10, 50);
   constexpr auto kPeriod = std::chrono::milliseconds(20);
   constexpr auto kWindow = kPeriod + std::chrono::milliseconds(500);  // one write, with slack for a loaded machine
   std::mt19937_64 rng(7);
   std::uint64_t next_item = 0, required = 0, lost = 0, acked = 0;
   const auto t = SteadyClock::now();
-  constexpr int kCuts = 50;
-  for (int cut = 0; cut < kCuts && !::testing::Test::HasFailure(); ++cut) {
+  for (int cut = 0; cut < cuts && !::testing::Test::HasFailure(); ++cut) {
+    const std::string path = dir.sub("db" + std::to_string(cut));  // fresh: verify() stays cheap
     Options options;
     options.aggregate_write_period = kPeriod;
     std::unique_ptr<Db> db = open_on(path, options, fault.env.get());
@@ -239,8 +243,10 @@ TEST(PowerLossTest, SignalsOutsideTheWritePeriodSurvive50Cuts) {
     ASSERT_TRUE(report.ok()) << report.status().to_string();
     ASSERT_TRUE(report->ok()) << "cut " << cut << ": " << report->problems.front();
     ASSERT_OK(db->close());
+    db.reset();
+    std::filesystem::remove_all(path);
   }
-  std::cout << "[power loss, signals] cuts: " << kCuts << ", acknowledged signals: " << acked << ", returned > "
+  std::cout << "[power loss, signals] cuts: " << cuts << ", acknowledged signals: " << acked << ", returned > "
             << kWindow.count() << " ms before the cut: " << required << ", lost: " << lost << "; I1 held after every cut, "
             << seconds_since(t) << " s\n";
   EXPECT_EQ(lost, 0u);

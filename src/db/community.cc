@@ -117,7 +117,9 @@ Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
     // forwarded carries an earlier reading (G3).
     held_back_.erase(user_id);
     gate_.close(user_id);
-    grace::synchronize();
+    // Only sections of this user (or of an unknown one) can have seen its
+    // gate open. If the barrier fails the gate stays closed (G6).
+    if (Status s = grace_.synchronize(user_id); !s.ok()) return s;
     const std::uint64_t left_at = clock_.now();
     const CommunityMembership left{user_id, MembershipStatus::Left, left_at};
     // On error the gate stays closed (G6) and the map keeps the last durable

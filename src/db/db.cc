@@ -28,7 +28,7 @@ Db::Impl::Impl(const Options& options, std::unique_ptr<Storage> storage)
       state_(std::make_unique<StateStore>(storage_.get(),
                                           StateStore::Config{options.aggregate_write_period, options.write_buffer_bytes,
                                                              options.sync_writes},
-                                          [] { grace::synchronize(); })) {}
+                                          [this] { return grace_.synchronize_all(); })) {}
 
 Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Options& options, rocksdb::Env* env) {
   return guarded("open", [&]() -> Result<std::unique_ptr<Db>> {
@@ -107,10 +107,14 @@ Status Db::Impl::close() {
     }
     std::unique_lock lock(lifecycle_);
     if (closed_.exchange(true, std::memory_order_acq_rel)) return Status::OK();
-    grace::synchronize();  // signals that saw the Db open have finished
+    // Signals that saw the Db open have finished. If the barrier failed, a
+    // signal may still be running: the wait still covered every section it
+    // could see, the close goes on (the Db stays closed) and reports it.
+    const Status barrier = grace_.synchronize_all();
     Status result = options_.read_only ? Status::OK() : state_->stop();
     if (result.ok() && !options_.read_only) result = persist_clock_floor();
     Status s = storage_->close();
+    if (!barrier.ok()) return barrier;
     return result.ok() ? s : result;
   });
 }

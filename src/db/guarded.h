@@ -2,6 +2,8 @@
 #ifndef TIDAL_DB_GUARDED_H_
 #define TIDAL_DB_GUARDED_H_
 
+#include <cxxabi.h>
+
 #include <exception>
 #include <string>
 
@@ -9,11 +11,16 @@
 
 namespace tidal {
 
-// Runs `fn`; an exception becomes an IOError Status naming `what`.
+// Runs `fn`; an exception becomes an IOError Status naming `what`. Forced
+// unwinding (pthread_exit or pthread_cancel, e.g. from a ContributionSink)
+// is not an error of `fn`: it is rethrown, as the runtime requires, and the
+// thread ends.
 template <class F>
 auto guarded(const char* what, F&& fn) -> decltype(fn()) {
   try {
     return fn();
+  } catch (abi::__forced_unwind&) {
+    throw;
   } catch (const std::exception& e) {
     return Status::IOError(std::string(what) + " failed: " + e.what());
   } catch (...) {

@@ -16,6 +16,7 @@
 #include <rocksdb/env.h>
 
 #include "db/clock.h"
+#include "db/grace.h"
 #include "db/leave_gate.h"
 #include "db/state_store.h"
 #include "storage/storage.h"
@@ -105,7 +106,8 @@ class Db::Impl {
   LeaveStatusMap leave_status_;
   libcuckoo::cuckoohash_map<std::uint64_t, GateActivity> held_back_;
   LeaveGate gate_;
-  std::unique_ptr<StateStore> state_;
+  grace::Domain grace_;  // this Db's read sections: one per signal, tagged with its user
+  std::unique_ptr<StateStore> state_;  // after grace_: its writer waits out read sections
 
   std::array<CounterStripe, 16> stripes_;
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};

@@ -1,6 +1,8 @@
 // The signal path (SPEC §2) and the leave gate.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <span>
 
 #include "db/grace.h"
 #include "db/guarded.h"
@@ -27,7 +29,7 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
     if (Status s = state_->admit(); !s.ok()) return s;
     // Everything from here to the return runs inside a read section, which a
     // leave (and close, and the state store's writer) waits out.
-    grace::ReadSection section;
+    grace::ReadSection section(grace_, signal.user_id);
     if (closed_.load(std::memory_order_relaxed)) return closed_status("signal_with_context");
     FanOut fan_out{{}, &counters()};
     fan_out.units = *units;
@@ -85,14 +87,22 @@ void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
     return;
   }
   // Copy the ids out so no bucket lock is held while forwarding or calling
-  // the sink. The buffer is borrowed from the thread (a nested signal from a
-  // sink callback finds it taken and allocates its own), so steady state
-  // does not allocate.
-  thread_local std::vector<std::uint64_t> spare;
-  std::vector<std::uint64_t> ids = std::move(spare);
-  ids.clear();
-  communities_.find_fn(signal.user_id,
-                       [&ids](const std::vector<std::uint64_t>& found) { ids.assign(found.begin(), found.end()); });
+  // the sink: onto the stack, or for a user in many communities into a
+  // vector. No thread_local buffer: a signal from a host thread_local's
+  // destructor may run after such a buffer was destroyed.
+  constexpr std::size_t kInlineIds = 16;
+  std::uint64_t inline_ids[kInlineIds];
+  std::vector<std::uint64_t> overflow;
+  std::span<const std::uint64_t> ids;
+  communities_.find_fn(signal.user_id, [&](const std::vector<std::uint64_t>& found) {
+    if (found.size() <= kInlineIds) {
+      std::copy(found.begin(), found.end(), inline_ids);
+      ids = {inline_ids, found.size()};
+    } else {
+      overflow.assign(found.begin(), found.end());
+      ids = overflow;
+    }
+  });
   for (std::uint64_t community : ids) {
     state_->add(fan_out->buffer, AggregateKind::Community, community, signal.item_id, fan_out->units);
     state_->add_ledger(fan_out->buffer, signal.user_id, AggregateKind::Community, community, signal.item_id,
@@ -104,7 +114,6 @@ void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
     fan_out->counters->community_forwards.fetch_add(fan_out->outcome.communities_forwarded,
                                                     std::memory_order_relaxed);
   }
-  spare = std::move(ids);
 }
 
 void Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out) {

@@ -18,7 +18,7 @@ constexpr std::size_t kBytesPerCell = 128;
 
 }  // namespace
 
-StateStore::StateStore(Storage* storage, const Config& config, std::function<void()> quiesce)
+StateStore::StateStore(Storage* storage, const Config& config, std::function<Status()> quiesce)
     : storage_(storage),
       config_(config),
       quiesce_(std::move(quiesce)),
@@ -113,7 +113,12 @@ Status StateStore::drain_locked() {
     }
   }
   // Signals that read the old index may still be adding to the frozen buffer.
-  quiesce_();
+  // If that cannot be made sure of, the buffer stays frozen and live (readers
+  // see it) and the next drain tries again.
+  if (Status s = quiesce_(); !s.ok()) {
+    write_failures_.fetch_add(1, std::memory_order_relaxed);
+    return s;
+  }
   // The swap above may have left the new active buffer over the bound for
   // nobody: let waiting signals look again.
   drained_cv_.notify_all();

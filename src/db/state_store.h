@@ -61,8 +61,9 @@ class StateStore {
     bool sync = true;                      // fsync each batch
   };
   // `quiesce` returns once every signal that read the active buffer index
-  // before the call has finished (the Db's grace period).
-  StateStore(Storage* storage, const Config& config, std::function<void()> quiesce);
+  // before the call has finished (the Db's grace period), or an error when
+  // it could not make sure of that.
+  StateStore(Storage* storage, const Config& config, std::function<Status()> quiesce);
   ~StateStore();
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
@@ -132,7 +133,7 @@ class StateStore {
 
   Storage* const storage_;
   const Config config_;
-  const std::function<void()> quiesce_;
+  const std::function<Status()> quiesce_;
   const std::uint64_t soft_limit_;  // cells in the active buffer that wake the writer
   const std::uint64_t hard_limit_;  // cells past which admit() waits
 
