@@ -184,8 +184,11 @@ struct RawDb {
     std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
     for (const char* name : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
     cfs[3].options.merge_operator = new_units_add_operator();
+    rocksdb::Options options;
+    options.create_if_missing = true;
+    options.create_missing_column_families = true;
     rocksdb::DB* raw = nullptr;
-    rocksdb::Status s = rocksdb::DB::Open(rocksdb::Options(), path, cfs, &handles, &raw);
+    rocksdb::Status s = rocksdb::DB::Open(options, path, cfs, &handles, &raw);
     EXPECT_TRUE(s.ok()) << s.ToString();
     db.reset(raw);
   }
@@ -245,6 +248,24 @@ TEST(Invariant, MalformedStoredValuesAreCorruptionNamingTheKeyNeverZero) {
   std::string all = report->problems[0] + "\n" + report->problems[1];
   EXPECT_NE(all.find("ledger key " + hex(encode_ledger_key(3, 1))), std::string::npos) << all;
   EXPECT_NE(all.find("cohort 7 item 5"), std::string::npos) << all;
+}
+
+TEST(Format, ADbWithVersion01AggregatesIsRefusedAndLeftAlone) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const std::string key = encode_aggregate_key(AggregateKind::Cohort, 7, 5);
+  {
+    RawDb raw(path);  // a 0.1 Db: double scores, no format mark
+    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.handles[3], key, std::string("\0\0\0\0\0\0\xf0\x3f", 8)).ok());
+  }
+  Result<std::unique_ptr<Db>> db = Db::open(path);
+  ASSERT_EQ(db.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(db.status().message().find("tidal 0.1"), std::string::npos) << db.status().message();
+  EXPECT_NE(db.status().message().find(path), std::string::npos) << db.status().message();
+  RawDb raw(path);
+  std::string value;
+  ASSERT_TRUE(raw.db->Get(rocksdb::ReadOptions(), raw.handles[3], key, &value).ok());
+  EXPECT_EQ(value.size(), 8u);
 }
 
 // A batch that cannot be written is reported by flush() and counted, and its

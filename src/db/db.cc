@@ -43,6 +43,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
 
     auto impl = std::make_unique<Impl>(options, std::move(*storage));
     Storage& st = *impl->storage_;
+    if (Status s = StateStore::check_format(st); !s.ok()) return s;
     if (Status s = ensure_index(st); !s.ok()) return s;
     if (Status s = rebuild_community_memberships(st, &impl->communities_); !s.ok()) return s;
     LeaveRebuildResult leaves;

@@ -28,6 +28,32 @@ StateStore::StateStore(Storage* storage, const Config& config, std::function<Sta
 
 StateStore::~StateStore() { (void)stop(); }
 
+Status StateStore::check_format(Storage& storage) {
+  static constexpr char kFormatKey[] = "state_format";
+  static constexpr char kFormat[] = "2";
+  std::string format;
+  Status s = storage.get(storage.meta(), kFormatKey, &format);
+  if (s.ok()) {
+    if (format == kFormat) return Status::OK();
+    return Status::InvalidArgument("cannot open tidal Db at '" + storage.path() + "': its aggregates are in format " +
+                                   format + "; this version reads format " + kFormat);
+  }
+  if (s.code() != StatusCode::NotFound) return s;
+  auto it = storage.iterator(storage.aggregates());
+  it->SeekToFirst();
+  if (it->Valid()) {
+    return Status::InvalidArgument(
+        "cannot open tidal Db at '" + storage.path() +
+        "': its aggregates were written by tidal 0.1 (double scores, no contribution ledger), which this version "
+        "cannot read exactly; open it with tidal 0.1 to export them");
+  }
+  if (s = from_rocksdb(it->status(), "format check of '" + storage.path() + "'"); !s.ok()) return s;
+  if (storage.read_only()) return Status::OK();
+  rocksdb::WriteBatch batch;
+  batch.Put(storage.meta(), kFormatKey, kFormat);
+  return storage.write(&batch, Storage::WriteMode::Sync, "format mark of '" + storage.path() + "'");
+}
+
 void StateStore::start() { writer_ = std::thread([this] { run_writer(); }); }
 
 Status StateStore::stop() {

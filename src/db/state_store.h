@@ -68,6 +68,12 @@ class StateStore {
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
+  // Checks that the stored aggregates are in this version's format (16-byte
+  // integer sums, meta key "state_format" = "2") and marks a Db that has
+  // none yet. A Db whose aggregates were written by tidal 0.1 (8-byte double
+  // scores, no ledger) is refused with InvalidArgument, nothing changed.
+  static Status check_format(Storage& storage);
+
   // Starts the background writer (not for read-only Dbs).
   void start();
   // Stops the writer and writes what is pending. Idempotent.
