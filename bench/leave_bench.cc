@@ -308,6 +308,36 @@ void BM_LeaveBesideSlowSink(benchmark::State& state) {
 }
 BENCHMARK(BM_LeaveBesideSlowSink)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 
+// ---- bulk leave (issue 9 item 9) ----
+
+// 100,000 users left by one bulk call (synced batches of 10,000) on a fresh
+// Db, beside the same users left one synced call each (range(1) = 0: only
+// the first 2,000, scaled in the items/s counter).
+void BM_BulkLeave(benchmark::State& state) {
+  const bool bulk = state.range(0) != 0;
+  const std::uint64_t users = bulk ? 100'000 : 2'000;
+  std::vector<std::uint64_t> ids(users);
+  for (std::uint64_t u = 0; u < users; ++u) ids[u] = 1'000'000 + u * 7;
+  for (auto _ : state) {
+    state.PauseTiming();
+    auto db = must_open(scratch_dir("bulk-leave"));
+    state.ResumeTiming();
+    if (bulk) {
+      if (!db->leave_community_layer(std::span<const std::uint64_t>(ids)).ok()) state.SkipWithError("bulk leave failed");
+    } else {
+      for (std::uint64_t u : ids) {
+        if (!db->leave_community_layer(u).ok()) state.SkipWithError("leave failed");
+      }
+    }
+    state.PauseTiming();
+    if (db->stats().users_left != users) state.SkipWithError("wrong number of users left");
+    (void)db->close();
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(users));
+}
+BENCHMARK(BM_BulkLeave)->ArgName("bulk")->Arg(1)->Arg(0)->Iterations(3)->UseRealTime()->Unit(benchmark::kMillisecond);
+
 }  // namespace
 }  // namespace tidal::bench
 

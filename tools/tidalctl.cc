@@ -8,11 +8,13 @@
 #include <tidal/db.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -291,36 +293,60 @@ struct BadLine {
   std::string text;
 };
 
-// Applies leave or rejoin to every user id in `lines`. Bad lines are reported
-// and skipped; a Db error stops the run (leave and rejoin are idempotent, so
-// re-running the file is safe).
+// Users per bulk call: the Db writes each call in synced batches of 10,000,
+// and the progress bar moves once per call.
+constexpr std::size_t kBulkChunk = 10'000;
+
+// `line` without leading and trailing blanks (spaces, tabs, CR, VT, FF).
+std::string_view trimmed(std::string_view line) {
+  const std::size_t first = line.find_first_not_of(" \t\r\v\f");
+  if (first == std::string_view::npos) return {};
+  return line.substr(first, line.find_last_not_of(" \t\r\v\f") - first + 1);
+}
+
+// Applies leave or rejoin to every user id in `lines` (one per line;
+// surrounding blanks are ignored), through the bulk API in calls of
+// kBulkChunk users. Bad lines are reported and skipped; a Db error stops the
+// run (leave and rejoin are idempotent, so re-running the file is safe).
 int cmd_bulk(tidal::Db& db, bool leave, const std::string& source, const std::vector<std::string>& lines, bool json) {
   const char* action = leave ? "leave" : "rejoin";
   std::vector<BadLine> bad;
-  std::uint64_t processed = 0, changed_count = 0;
-  std::optional<std::string> failure;
-  tidal::cli::ProgressBar progress(action, lines.size(), /*lines_when_not_tty=*/false);
+  std::vector<std::uint64_t> users;
+  std::vector<std::size_t> line_of;  // 1-based line number of each entry of `users`
   for (std::size_t i = 0; i < lines.size(); ++i) {
-    progress.update(i);
-    const std::string& line = lines[i];
-    const std::size_t first = line.find_first_not_of(" \t");
-    if (first == std::string::npos || line[first] == '#') continue;  // blank or comment
-    std::optional<std::uint64_t> user = tidal::cli::parse_u64(line);
+    const std::string_view text = trimmed(lines[i]);
+    if (text.empty() || text.front() == '#') continue;  // blank or comment
+    std::optional<std::uint64_t> user = tidal::cli::parse_u64(text);
     if (!user) {
-      bad.push_back({i + 1, line});
+      bad.push_back({i + 1, lines[i]});
       continue;
     }
-    bool changed = false;
-    if (tidal::Status s = apply(db, leave, *user, &changed); !s.ok()) {
-      failure = source + ":" + std::to_string(i + 1) + ": " + action + " of user " + std::to_string(*user) +
-                " failed: " + s.to_string() + "; stopped here (" + action +
+    users.push_back(*user);
+    line_of.push_back(i + 1);
+  }
+
+  std::uint64_t processed = 0, changed_count = 0;
+  std::optional<std::string> failure;
+  tidal::cli::ProgressBar progress(action, users.size(), /*lines_when_not_tty=*/false);
+  for (std::size_t begin = 0; begin < users.size(); begin += kBulkChunk) {
+    progress.update(begin);
+    const std::size_t n = std::min(kBulkChunk, users.size() - begin);
+    const std::span<const std::uint64_t> chunk(users.data() + begin, n);
+    const std::uint64_t before = leave ? db.stats().leaves : db.stats().rejoins;
+    tidal::Status s = leave ? db.leave_community_layer(chunk) : db.rejoin_community_layer(chunk);
+    const std::uint64_t changed = (leave ? db.stats().leaves : db.stats().rejoins) - before;
+    changed_count += changed;
+    if (!s.ok()) {
+      processed += changed;  // the users of the chunk known to be applied
+      failure = source + ":" + std::to_string(line_of[begin]) + "-" + std::to_string(line_of[begin + n - 1]) + ": " +
+                action + " of " + std::to_string(n) + " users failed: " + s.to_string() +
+                "; stopped here, the users on earlier lines were applied (" + action +
                 " is idempotent: re-run the file once fixed)";
       break;
     }
-    ++processed;
-    if (changed) ++changed_count;
+    processed += n;
   }
-  progress.finish(lines.size());
+  progress.finish(users.size());
 
   for (const BadLine& b : bad) {
     std::fprintf(stderr, "tidalctl: %s:%llu: %s\n", source.c_str(), static_cast<unsigned long long>(b.number),

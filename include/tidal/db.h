@@ -25,6 +25,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -83,9 +84,23 @@ struct Contribution {
 
 // Optional observer of every fan-out. Called synchronously on the signaling
 // thread, possibly from several threads at once, before signal_with_context
-// returns. A leave waits for signals in progress, so the callback must not
-// wait on a thread that is inside leave_community_layer or close, and must
-// not call them itself (they return Busy from inside a callback).
+// returns, once per addition and just after it.
+//
+// A leave and close wait for signals in progress, so the callback must not
+// wait on a thread that is inside leave_community_layer or close. From inside
+// the callback every write of any Db (join/exit, leave/rejoin in either
+// form, flush, close) returns Busy at once, and reads (status, history,
+// for_each_left, verify, scores) are served, or return Closed once close()
+// has begun; none of them blocks.
+//
+// If on_contribution throws, the exception is caught and the signal stops
+// there: signal_with_context returns IOError naming the sink's exception.
+// Already applied and kept: the personal layer and every addition made
+// before the throw, including the one whose callback threw (each addition
+// precedes its report). Not applied: the later cohorts of the context and
+// every community. Stats count the signal once in `signals` (and
+// `personal_updates`) and each kept addition in cohort_attributions or
+// community_forwards. The sink must tolerate a later call after a throw.
 class ContributionSink {
  public:
   virtual ~ContributionSink() = default;
@@ -172,7 +187,17 @@ class Db {
 
   // Writes the pending aggregate updates (one write), flushes memtables and
   // closes. Idempotent; after it every call returns Closed. An error of the
-  // background writer that was never overcome is returned here.
+  // background writer that was never overcome is returned here. Calls that
+  // start once close() has begun return Closed at once; close() waits only
+  // for the calls and signals already in flight, so callers on other threads
+  // cannot starve it. Busy from inside a ContributionSink callback, and from
+  // inside a for_each_left callback of the same Db (close would wait for itself).
+  //
+  // A Db still open when the process exits (std::exit, or a return from
+  // main) is closed by an exit handler that tidal registers at its first
+  // open, before the static objects that RocksDB needs are destroyed; its
+  // destructor then does nothing. So a Db held in a global or static
+  // std::unique_ptr is safe, and what it acknowledged is kept.
   Status close();
 
   // Writes every aggregate update acknowledged so far (durably when
@@ -209,6 +234,19 @@ class Db {
   // Resumes forwarding; keeps left_at_ns and the history (G4). OK and no
   // change when already Active. On error the gate stays closed.
   Status rejoin_community_layer(std::uint64_t user_id);
+  // Bulk forms: the guarantees of the single forms (G1-G7) for every listed
+  // user, written in synced WriteBatches of 10,000 users (one fsync each)
+  // after a single grace period. On OK each listed user that was not yet
+  // Left (Active) has its own left_at_ns (its own rejoin time) and the
+  // change is durable and effective. Duplicate ids and users already in the
+  // target state are no-ops (G7); an empty span returns OK. On a storage
+  // error the error is returned, naming how many users were written before
+  // it; the written ones keep their new state, and every other listed user
+  // stays gated (G6): a retry of the same call completes it. The call holds
+  // the listed users' lock stripes throughout, so single leaves and rejoins
+  // of users sharing a stripe wait for it (about 1 s per 100,000 users).
+  Status leave_community_layer(std::span<const std::uint64_t> user_ids);
+  Status rejoin_community_layer(std::span<const std::uint64_t> user_ids);
   // The durable state; a user never seen is Active with no leave time.
   Result<CommunityMembership> community_layer_status(std::uint64_t user_id) const;
   // Every leave and rejoin of the user, oldest first.
@@ -217,7 +255,8 @@ class Db {
   Result<GateActivity> gate_activity(std::uint64_t user_id) const;
 
   // Calls `fn` for every user whose state is Left, in ascending user order,
-  // streaming from storage; stops early when `fn` returns false.
+  // streaming from storage; stops early when `fn` returns false. `fn` may
+  // call the Db's other methods, except close() (Busy).
   Status for_each_left(const std::function<bool(const CommunityMembership&)>& fn) const;
 
   // Decodes every record and cross-checks the leave records against their

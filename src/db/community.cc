@@ -40,8 +40,8 @@ Status Db::Impl::exit_community(std::uint64_t user_id, std::uint64_t community_i
 Status Db::Impl::change_membership(std::uint64_t user_id, std::uint64_t community_id, bool join) {
   const char* what = join ? "join_community" : "exit_community";
   return guarded(what, [&]() -> Status {
-    std::shared_lock lifecycle(lifecycle_);
-    if (Status s = check_writable(what); !s.ok()) return s;
+    Call call(this, what, /*write=*/true);
+    if (!call.status().ok()) return call.status();
     std::lock_guard<std::mutex> lock(user_lock(user_id));
     bool member = false;
     communities_.find_fn(user_id, [&](const std::vector<std::uint64_t>& ids) {
@@ -92,21 +92,26 @@ Result<std::vector<std::uint64_t>> Db::Impl::communities_of(std::uint64_t user_i
 
 // One atomic WriteBatch: the 0x11 record, its index copy, the 0x12 history
 // entry and the stripe's clock floor; fsynced when sync_writes.
-Status Db::Impl::write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns,
-                                  const char* what) {
+void Db::Impl::put_membership(rocksdb::WriteBatch* batch, std::uint64_t user_id, const CommunityMembership& m,
+                              std::uint64_t at_ns) const {
   const auto value = serialize_membership(m);
   const char history = serialize_history_status(m.status);
+  storage_->put_record(batch, EntityId(user_id), Tag::CommunityLeave, {}, {value.data(), value.size()});
+  storage_->put_record(batch, EntityId(user_id), Tag::CommunityLeaveHistory, be64(at_ns), {&history, 1});
+}
+
+Status Db::Impl::write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns,
+                                  const char* what) {
   rocksdb::WriteBatch batch;
-  storage_->put_record(&batch, EntityId(user_id), Tag::CommunityLeave, {}, {value.data(), value.size()});
-  storage_->put_record(&batch, EntityId(user_id), Tag::CommunityLeaveHistory, be64(at_ns), {&history, 1});
+  put_membership(&batch, user_id, m, at_ns);
   put_clock_floor(&batch, user_id, at_ns);
   return storage_->write(&batch, Storage::durable_if(options_.sync_writes), std::string(what) + "(" + user_text(user_id) + ")");
 }
 
 Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
   return guarded("leave_community_layer", [&]() -> Status {
-    std::shared_lock lifecycle(lifecycle_);
-    if (Status s = check_writable("leave_community_layer"); !s.ok()) return s;
+    Call call(this, "leave_community_layer", /*write=*/true);
+    if (!call.status().ok()) return call.status();
     std::lock_guard<std::mutex> lock(user_lock(user_id));
     CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
     leave_status_.find(user_id, current);
@@ -133,8 +138,8 @@ Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
 
 Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
   return guarded("rejoin_community_layer", [&]() -> Status {
-    std::shared_lock lifecycle(lifecycle_);
-    if (Status s = check_writable("rejoin_community_layer"); !s.ok()) return s;
+    Call call(this, "rejoin_community_layer", /*write=*/true);
+    if (!call.status().ok()) return call.status();
     std::lock_guard<std::mutex> lock(user_lock(user_id));
     CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
     leave_status_.find(user_id, current);
@@ -152,6 +157,147 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
   });
 }
 
+// ---- bulk leave & rejoin ----
+
+namespace {
+
+// Users per synced WriteBatch of a bulk call: the fsync is paid once per
+// 10,000 users, and a batch stays near 1 MB (three records per user).
+constexpr std::size_t kBulkBatchUsers = 10'000;
+
+// "leave_community_layer of 3 users (1..7)".
+std::string bulk_text(const char* what, const std::vector<std::uint64_t>& users, std::size_t begin,
+                      std::size_t end) {
+  return std::string(what) + " of " + std::to_string(end - begin) + " users (ids " + std::to_string(users[begin]) +
+         ".." + std::to_string(users[end - 1]) + ")";
+}
+
+// The storage error, plus how far the call got. Every user not written stays
+// gated (a leave) or keeps its gate closed (a rejoin): G6.
+Status bulk_failure(const Status& s, const char* what, std::size_t written, std::size_t total) {
+  return {s.code(), s.message() + "; " + what + ": " + std::to_string(written) + " of " + std::to_string(total) +
+                        " users were written before the error; the rest stay gated, and a retry of the same "
+                        "call writes only those"};
+}
+
+}  // namespace
+
+Status Db::Impl::leave_community_layer(std::span<const std::uint64_t> user_ids) {
+  return bulk("leave_community_layer", user_ids, /*leave=*/true);
+}
+
+Status Db::Impl::rejoin_community_layer(std::span<const std::uint64_t> user_ids) {
+  return bulk("rejoin_community_layer", user_ids, /*leave=*/false);
+}
+
+// A single-user call holds one stripe, and every bulk call takes its stripes
+// in ascending order, so no two calls wait on each other in a cycle. The
+// stripes stay locked for the whole call (a concurrent leave or rejoin of a
+// listed user waits for it).
+Status Db::Impl::bulk(const char* what, std::span<const std::uint64_t> user_ids, bool leave) {
+  return guarded(what, [&]() -> Status {
+    Call call(this, what, /*write=*/true);
+    if (!call.status().ok()) return call.status();
+    std::vector<std::uint64_t> users(user_ids.begin(), user_ids.end());
+    std::sort(users.begin(), users.end());
+    users.erase(std::unique(users.begin(), users.end()), users.end());  // duplicates: G7
+    std::vector<bool> touched(user_locks_.size(), false);
+    for (std::uint64_t u : users) touched[u % user_locks_.size()] = true;
+    std::vector<std::unique_lock<std::mutex>> locks;
+    for (std::size_t i = 0; i < touched.size(); ++i) {
+      if (touched[i]) locks.emplace_back(user_locks_[i]);
+    }
+    return leave ? leave_locked(users) : rejoin_locked(users);
+  });
+}
+
+void Db::Impl::put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors) {
+  for (std::size_t stripe = 0; stripe < floors.size(); ++stripe) {
+    if (floors[stripe] != 0) put_clock_floor(batch, stripe, floors[stripe]);
+  }
+}
+
+// As leave_community_layer(user) for each user, with one grace period for
+// all: every gate is closed, then every signal that may have passed one is
+// waited out (G2), and only then is the clock read, once per user (G3).
+Status Db::Impl::leave_locked(const std::vector<std::uint64_t>& users) {
+  std::vector<std::uint64_t> todo;
+  todo.reserve(users.size());
+  for (std::uint64_t u : users) {
+    CommunityMembership current{u, MembershipStatus::Active, std::nullopt};
+    leave_status_.find(u, current);
+    if (current.status != MembershipStatus::Left) todo.push_back(u);  // G7: the first left_at_ns stands
+  }
+  for (std::uint64_t u : todo) {
+    held_back_.erase(u);
+    gate_.close(u);
+  }
+  if (Status s = grace_.synchronize(std::span<const std::uint64_t>(todo)); !s.ok()) return s;  // gates stay closed
+  // On error every gate stays closed (G6) and the map keeps the last durable
+  // state of the users not yet written, as in the single form.
+  std::vector<CommunityMembership> written;
+  for (std::size_t begin = 0; begin < todo.size(); begin += kBulkBatchUsers) {
+    const std::size_t end = std::min(todo.size(), begin + kBulkBatchUsers);
+    rocksdb::WriteBatch batch;
+    std::vector<std::uint64_t> floors(user_locks_.size(), 0);
+    written.clear();
+    for (std::size_t i = begin; i < end; ++i) {
+      const std::uint64_t left_at = clock_.now();
+      written.push_back({todo[i], MembershipStatus::Left, left_at});
+      put_membership(&batch, todo[i], written.back(), left_at);
+      floors[todo[i] % floors.size()] = left_at;
+    }
+    put_clock_floors(&batch, floors);
+    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
+                                   bulk_text("leave_community_layer", todo, begin, end));
+        !s.ok()) {
+      return bulk_failure(s, "leave_community_layer", begin, todo.size());
+    }
+    for (const CommunityMembership& m : written) leave_status_.insert_or_assign(m.user_id, m);
+    leaves_.fetch_add(written.size(), std::memory_order_relaxed);
+  }
+  return Status::OK();
+}
+
+// As rejoin_community_layer(user) for each user; a gate opens only once its
+// user's batch is durable.
+Status Db::Impl::rejoin_locked(const std::vector<std::uint64_t>& users) {
+  std::vector<std::uint64_t> todo;
+  todo.reserve(users.size());
+  for (std::uint64_t u : users) {
+    CommunityMembership current{u, MembershipStatus::Active, std::nullopt};
+    leave_status_.find(u, current);
+    if (current.status == MembershipStatus::Left || gate_.closed_for(u)) todo.push_back(u);  // see the single form
+  }
+  std::vector<CommunityMembership> written;
+  for (std::size_t begin = 0; begin < todo.size(); begin += kBulkBatchUsers) {
+    const std::size_t end = std::min(todo.size(), begin + kBulkBatchUsers);
+    rocksdb::WriteBatch batch;
+    std::vector<std::uint64_t> floors(user_locks_.size(), 0);
+    written.clear();
+    for (std::size_t i = begin; i < end; ++i) {
+      CommunityMembership current{todo[i], MembershipStatus::Active, std::nullopt};
+      leave_status_.find(todo[i], current);
+      const std::uint64_t at = clock_.now();
+      written.push_back({todo[i], MembershipStatus::Active, current.left_at_ns});
+      put_membership(&batch, todo[i], written.back(), at);
+      floors[todo[i] % floors.size()] = at;
+    }
+    put_clock_floors(&batch, floors);
+    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
+                                   bulk_text("rejoin_community_layer", todo, begin, end));
+        !s.ok()) {
+      return bulk_failure(s, "rejoin_community_layer", begin, todo.size());
+    }
+    for (const CommunityMembership& m : written) {
+      leave_status_.insert_or_assign(m.user_id, m);
+      gate_.open(m.user_id);
+    }
+    rejoins_.fetch_add(written.size(), std::memory_order_relaxed);
+  }
+  return Status::OK();
+}
+
 Result<CommunityMembership> Db::Impl::community_layer_status(std::uint64_t user_id) const {
   return guarded("community_layer_status", [&]() -> Result<CommunityMembership> {
     if (closed_.load(std::memory_order_acquire)) return closed_status("community_layer_status");
@@ -163,8 +309,8 @@ Result<CommunityMembership> Db::Impl::community_layer_status(std::uint64_t user_
 
 Result<std::vector<MembershipEvent>> Db::Impl::community_layer_history(std::uint64_t user_id) const {
   return guarded("community_layer_history", [&]() -> Result<std::vector<MembershipEvent>> {
-    std::shared_lock lifecycle(lifecycle_);
-    if (closed_.load(std::memory_order_acquire)) return closed_status("community_layer_history");
+    Call call(this, "community_layer_history", /*write=*/false);
+    if (!call.status().ok()) return call.status();
     const std::string prefix = encode_key_prefix(EntityId(user_id), Tag::CommunityLeaveHistory);
     std::vector<MembershipEvent> events;
     auto it = storage_->iterator(storage_->users());
@@ -193,8 +339,8 @@ Result<GateActivity> Db::Impl::gate_activity(std::uint64_t user_id) const {
 
 Status Db::Impl::for_each_left(const std::function<bool(const CommunityMembership&)>& fn) const {
   return guarded("for_each_left", [&]() -> Status {
-    std::shared_lock lifecycle(lifecycle_);
-    if (closed_.load(std::memory_order_acquire)) return closed_status("for_each_left");
+    Call call(this, "for_each_left", /*write=*/false);
+    if (!call.status().ok()) return call.status();
     bool stopped = false;
     Status s = scan_tag(*storage_, Tag::CommunityLeave,
                         [&](std::uint64_t user, std::string_view suffix, std::string_view value) -> Status {
@@ -216,8 +362,8 @@ Status Db::Impl::for_each_left(const std::function<bool(const CommunityMembershi
 
 Result<VerifyReport> Db::Impl::verify() const {
   return guarded("verify", [&]() -> Result<VerifyReport> {
-    std::shared_lock lifecycle(lifecycle_);
-    if (closed_.load(std::memory_order_acquire)) return closed_status("verify");
+    Call call(this, "verify", /*write=*/false);
+    if (!call.status().ok()) return call.status();
     VerifyReport report;
     auto problem = [&](std::string_view cf, std::string_view key, const std::string& what) {
       report.problems.push_back(std::string(cf) + " key " + hex(key) + ": " + what);

@@ -1,5 +1,8 @@
 // The Db facade, open/close/flush and stats.
 #include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
 
 #include "db/grace.h"
 #include "db/guarded.h"
@@ -14,7 +17,89 @@ namespace {
 // that two threads rarely contend, without libcuckoo's 2^16-bucket default.
 constexpr std::size_t kInitialMapCapacity = 1 << 14;
 
+// Every Db::Impl alive in the process, for the exit handler. Allocated once
+// and never destroyed, so it outlives every static destructor.
+struct LiveDbs {
+  std::mutex mu;
+  std::vector<Db::Impl*> impls;
+  bool exiting = false;  // set by the exit handler; ~Db then leaks the Impl
+};
+LiveDbs& live_dbs() {
+  static LiveDbs* const dbs = new LiveDbs();
+  return *dbs;
+}
+
+bool exit_started() {
+  LiveDbs& dbs = live_dbs();
+  std::lock_guard<std::mutex> lock(dbs.mu);
+  return dbs.exiting;
+}
+
+// Registered once, at the end of the first successful open. atexit handlers
+// and static destructors run in the reverse order of registration (of the
+// end of construction), so the handler runs:
+//   - before the destructors of RocksDB's statics built during that first
+//     open (Env::Default and the rest), which RocksDB's Flush and Close need;
+//   - before the destructor of a host global constructed before it (a
+//     namespace-scope std::unique_ptr<Db>), which then finds its Db closed.
+// A Db in a function-local static constructed after it is destroyed first,
+// while RocksDB is still whole, and closes itself as usual.
+void register_exit_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::atexit(&Db::Impl::close_all_at_exit); });
+}
+
 }  // namespace
+
+// ---- calls and close ----
+
+thread_local const Db::Impl::Call* Db::Impl::Call::innermost_ = nullptr;
+
+Db::Impl::Call::Call(const Impl* impl, const char* what, bool write) : impl_(impl) {
+  if (write) {
+    status_ = impl->check_writable(what);
+    if (!status_.ok()) return;
+  }
+  impl->calls_.fetch_add(1, std::memory_order_seq_cst);
+  counted_ = true;
+  if (impl->closed_.load(std::memory_order_seq_cst)) {
+    status_ = closed_status(what);
+    return;
+  }
+  outer_ = innermost_;
+  innermost_ = this;
+}
+
+Db::Impl::Call::~Call() {
+  if (!counted_) return;
+  if (status_.ok()) innermost_ = outer_;
+  impl_->end_call();
+}
+
+const Db::Impl::Call* Db::Impl::Call::innermost() { return innermost_; }
+
+void Db::Impl::end_call() const {
+  // seq_cst: when close() saw this call counted, this load sees closed_.
+  if (calls_.fetch_sub(1, std::memory_order_seq_cst) == 1 && closed_.load(std::memory_order_seq_cst)) {
+    std::lock_guard<std::mutex> lock(drain_mu_);  // close() is waiting or has not checked calls_ yet
+    drained_.notify_all();
+  }
+}
+
+bool Db::Impl::in_call_on_this_thread() const {
+  for (const Call* c = Call::innermost(); c != nullptr; c = c->outer()) {
+    if (c->impl() == this) return true;
+  }
+  return false;
+}
+
+void Db::Impl::close_all_at_exit() {
+  LiveDbs& dbs = live_dbs();
+  // Held throughout, so no ~Impl runs on another thread meanwhile.
+  std::lock_guard<std::mutex> lock(dbs.mu);
+  dbs.exiting = true;
+  for (Impl* impl : dbs.impls) (void)impl->close();
+}
 
 // ---- Db::Impl ----
 
@@ -28,7 +113,17 @@ Db::Impl::Impl(const Options& options, std::unique_ptr<Storage> storage)
       state_(std::make_unique<StateStore>(storage_.get(),
                                           StateStore::Config{options.aggregate_write_period, options.write_buffer_bytes,
                                                              options.sync_writes},
-                                          [this] { return grace_.synchronize_all(); })) {}
+                                          [this] { return grace_.synchronize_all(); })) {
+  LiveDbs& dbs = live_dbs();
+  std::lock_guard<std::mutex> lock(dbs.mu);
+  dbs.impls.push_back(this);
+}
+
+Db::Impl::~Impl() {
+  LiveDbs& dbs = live_dbs();
+  std::lock_guard<std::mutex> lock(dbs.mu);
+  dbs.impls.erase(std::find(dbs.impls.begin(), dbs.impls.end(), this));
+}
 
 Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Options& options, rocksdb::Env* env) {
   return guarded("open", [&]() -> Result<std::unique_ptr<Db>> {
@@ -57,6 +152,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     if (!floor.ok()) return floor.status();
     impl->clock_.raise_floor(std::max(*floor, leaves.max_timestamp));
     if (!options.read_only) impl->state_->start();
+    register_exit_handler();
     return std::unique_ptr<Db>(new Db(std::move(impl)));
   });
 }
@@ -94,20 +190,31 @@ Status Db::Impl::persist_clock_floor() {
 
 Status Db::Impl::flush() {
   return guarded("flush", [&]() -> Status {
-    std::shared_lock lock(lifecycle_);
-    if (Status s = check_writable("flush"); !s.ok()) return s;
+    Call call(this, "flush", /*write=*/true);
+    if (!call.status().ok()) return call.status();
     if (Status s = state_->flush(); !s.ok()) return s;
     return persist_clock_floor();
   });
 }
 
+// Writer-preferring: closed_ is published first, so every call that starts
+// afterwards returns Closed at once, and close() waits only for the calls
+// and signals already in flight. None of them waits for close(): a write
+// from a sink callback is refused (Busy) before it counts itself.
 Status Db::Impl::close() {
   return guarded("close", [&]() -> Status {
     if (grace::in_read_section()) {
       return Status::Busy("close called from inside a ContributionSink callback; call it afterwards");
     }
-    std::unique_lock lock(lifecycle_);
-    if (closed_.exchange(true, std::memory_order_acq_rel)) return Status::OK();
+    if (in_call_on_this_thread()) {
+      return Status::Busy("close called from inside a for_each_left callback of the same Db; call it afterwards");
+    }
+    std::lock_guard<std::mutex> closing(close_mu_);
+    if (closed_.exchange(true, std::memory_order_seq_cst)) return Status::OK();
+    {
+      std::unique_lock<std::mutex> lock(drain_mu_);
+      drained_.wait(lock, [&] { return calls_.load(std::memory_order_seq_cst) == 0; });
+    }
     // Signals that saw the Db open have finished. If the barrier failed, a
     // signal may still be running: the wait still covered every section it
     // could see, the close goes on (the Db stays closed) and reports it.
@@ -151,8 +258,8 @@ Stats Db::Impl::stats() const {
 
 Result<double> Db::Impl::score(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const {
   return guarded("score read", [&]() -> Result<double> {
-    std::shared_lock lifecycle(lifecycle_);
-    if (closed_.load(std::memory_order_acquire)) return closed_status("score read");
+    Call call(this, "score read", /*write=*/false);
+    if (!call.status().ok()) return call.status();
     Result<Units> sum = state_->read(kind, owner, item);
     if (!sum.ok()) return sum.status();
     return units_to_double(*sum);
@@ -163,7 +270,11 @@ Result<double> Db::Impl::score(AggregateKind kind, std::uint64_t owner, std::uin
 
 Db::Db(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Db::~Db() {
-  if (impl_) (void)impl_->close();
+  if (!impl_) return;
+  (void)impl_->close();
+  // Past the exit handler RocksDB's statics may be gone: leave the Impl
+  // (closed, and still listed, so not a leak) to the operating system.
+  if (exit_started()) (void)impl_.release();
 }
 
 Result<std::unique_ptr<Db>> Db::open(const std::string& path, const Options& options) {
@@ -194,6 +305,12 @@ Result<double> Db::community_score(std::uint64_t community_id, std::uint64_t ite
 }
 Status Db::leave_community_layer(std::uint64_t user_id) { return impl_->leave_community_layer(user_id); }
 Status Db::rejoin_community_layer(std::uint64_t user_id) { return impl_->rejoin_community_layer(user_id); }
+Status Db::leave_community_layer(std::span<const std::uint64_t> user_ids) {
+  return impl_->leave_community_layer(user_ids);
+}
+Status Db::rejoin_community_layer(std::span<const std::uint64_t> user_ids) {
+  return impl_->rejoin_community_layer(user_ids);
+}
 Result<CommunityMembership> Db::community_layer_status(std::uint64_t user_id) const {
   return impl_->community_layer_status(user_id);
 }

@@ -7,8 +7,9 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <condition_variable>
 #include <mutex>
-#include <shared_mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,7 @@ class Db::Impl {
   static Result<std::unique_ptr<Db>> open(const std::string& path, const Options& options, rocksdb::Env* env);
 
   Impl(const Options& options, std::unique_ptr<Storage> storage);
+  ~Impl();
 
   Status close();
   Status flush();
@@ -57,6 +59,8 @@ class Db::Impl {
 
   Status leave_community_layer(std::uint64_t user_id);
   Status rejoin_community_layer(std::uint64_t user_id);
+  Status leave_community_layer(std::span<const std::uint64_t> user_ids);
+  Status rejoin_community_layer(std::span<const std::uint64_t> user_ids);
   Result<CommunityMembership> community_layer_status(std::uint64_t user_id) const;
   Result<std::vector<MembershipEvent>> community_layer_history(std::uint64_t user_id) const;
   Result<GateActivity> gate_activity(std::uint64_t user_id) const;
@@ -64,7 +68,16 @@ class Db::Impl {
   Result<VerifyReport> verify() const;
   Stats stats() const;
 
+  // Closes every Db still open; run once by std::atexit (see db.cc).
+  static void close_all_at_exit();
+
  private:
+  class Call;
+  // Ends a Call: the last one out after close() began wakes close().
+  void end_call() const;
+  // True when the calling thread is inside a Call of this Db (in a
+  // for_each_left callback): close() would then wait for itself.
+  bool in_call_on_this_thread() const;
   // What one signal's fan-out carries from path to path.
   struct FanOut {
     SignalOutcome outcome;
@@ -73,6 +86,7 @@ class Db::Impl {
     int buffer = 0;             // the state store buffer every cell of the signal goes to
     std::uint64_t stamp = 0;    // the Db clock reading of its contributions; 0 until the first
     std::int8_t gate = -1;      // the leave gate's answer for this signal; -1 until asked
+    std::string sink_error{};   // set when the sink threw: the fan-out stops there
   };
   // The leave gate: true when the user's signal must not reach a shared
   // aggregate. Probed once per signal, by whichever path asks first.
@@ -80,7 +94,9 @@ class Db::Impl {
   // The two fan-out paths of SPEC §2; each begins with the leave gate.
   void try_cohort_attribution(const Signal& signal, const SignalContext& context, FanOut* fan_out);
   void try_community_forwarding(const Signal& signal, FanOut* fan_out);
-  void report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out);
+  // Reports an addition to the sink; false when the sink threw (the error is
+  // in fan_out->sink_error) and the fan-out must stop.
+  bool report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out);
 
   Status change_membership(std::uint64_t user_id, std::uint64_t community_id, bool join);
   // Checks that apply to every write: open, writable, not inside a sink callback.
@@ -89,17 +105,32 @@ class Db::Impl {
   // Appends the clock floor record of the user's lock stripe to `batch`.
   void put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts);
   Status write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns, const char* what);
+  // Appends the 0x11 record (and its index copy) and the 0x12 history entry.
+  void put_membership(rocksdb::WriteBatch* batch, std::uint64_t user_id, const CommunityMembership& m,
+                      std::uint64_t at_ns) const;
+  // The bulk forms: sorts and dedups the ids, locks their stripes in
+  // ascending order and runs leave_locked or rejoin_locked.
+  Status bulk(const char* what, std::span<const std::uint64_t> user_ids, bool leave);
+  // `users` sorted and distinct, their stripes locked.
+  Status leave_locked(const std::vector<std::uint64_t>& users);
+  Status rejoin_locked(const std::vector<std::uint64_t>& users);
+  // Appends the clock floor records of the stripes in `floors` (0 = untouched).
+  void put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors);
   Status persist_clock_floor();
   CounterStripe& counters();
 
   const Options options_;
   std::unique_ptr<Storage> storage_;
   Clock clock_;
+  // Set first thing by close(); every later call returns Closed. close()
+  // then waits for calls_ to drain, so it is never starved by new callers.
+  // The signal path does not count itself in calls_: close waits it out with
+  // a grace period instead.
   std::atomic<bool> closed_{false};
-  // Writers (membership changes, flush, close) hold it shared; close holds it
-  // exclusively. The signal path never takes it: close waits it out with a
-  // grace period instead.
-  mutable std::shared_mutex lifecycle_;
+  mutable std::atomic<std::uint64_t> calls_{0};  // Calls in flight
+  mutable std::mutex drain_mu_;                 // with drained_: close() sleeps until calls_ is 0
+  mutable std::condition_variable drained_;
+  std::mutex close_mu_;  // a second close() returns once the first has finished
   std::array<std::mutex, 64> user_locks_;  // serializes membership changes of one user
 
   CommunitiesMap communities_;
@@ -111,6 +142,35 @@ class Db::Impl {
 
   std::array<CounterStripe, 16> stripes_;
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};
+};
+
+// One public call that touches storage, counted in calls_ while it runs;
+// close() publishes closed_ and then waits until no Call is left. A Call
+// that is refused (status() not OK) counts nothing. Never blocks.
+//   - closed_ and calls_ are seq_cst on both sides (Dekker): either the
+//     caller sees closed_ and returns Closed, or close() sees the caller
+//     counted and waits for it.
+//   - A write (`write`) also runs check_writable(): Busy from inside a
+//     ContributionSink callback, whose signal close() and leave wait out.
+class Db::Impl::Call {
+ public:
+  Call(const Impl* impl, const char* what, bool write);
+  ~Call();
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+
+  const Status& status() const { return status_; }
+  // The thread's innermost Call (calls nest through for_each_left callbacks).
+  static const Call* innermost();
+  const Impl* impl() const { return impl_; }
+  const Call* outer() const { return outer_; }
+
+ private:
+  static thread_local const Call* innermost_;
+  const Impl* impl_;
+  Status status_;
+  const Call* outer_ = nullptr;
+  bool counted_ = false;
 };
 
 // Meta keys in the default column family.

@@ -1,7 +1,10 @@
 // The signal path (SPEC §2) and the leave gate.
+#include <cxxabi.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <span>
 
 #include "db/grace.h"
@@ -37,8 +40,16 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
     state_->add(fan_out.buffer, AggregateKind::Personal, signal.user_id, signal.item_id, *units);  // never gated
     fan_out.outcome.personal_applied = true;
     try_cohort_attribution(signal, context, &fan_out);
-    try_community_forwarding(signal, &fan_out);
+    if (fan_out.sink_error.empty()) try_community_forwarding(signal, &fan_out);
     fan_out.counters->signals.fetch_add(1, std::memory_order_relaxed);
+    if (!fan_out.sink_error.empty()) {
+      return Status::IOError("signal_with_context: the ContributionSink threw (" + fan_out.sink_error +
+                             ") on the signal of user " + std::to_string(signal.user_id) + " on item " +
+                             std::to_string(signal.item_id) + "; the personal layer, " +
+                             std::to_string(fan_out.outcome.cohorts_attributed) + " cohort and " +
+                             std::to_string(fan_out.outcome.communities_forwarded) +
+                             " community additions were applied, the rest of the fan-out was not");
+    }
     if (fan_out.outcome.gated) {
       const std::uint64_t now = clock_.now();
       held_back_.upsert(
@@ -73,7 +84,7 @@ void Db::Impl::try_cohort_attribution(const Signal& signal, const SignalContext&
     state_->add(fan_out->buffer, AggregateKind::Cohort, cohort, signal.item_id, fan_out->units);
     state_->add_ledger(fan_out->buffer, signal.user_id, AggregateKind::Cohort, cohort, signal.item_id, fan_out->units);
     ++fan_out->outcome.cohorts_attributed;
-    report(signal, ContributionTarget::Cohort, cohort, fan_out);
+    if (!report(signal, ContributionTarget::Cohort, cohort, fan_out)) break;
   }
   if (fan_out->outcome.cohorts_attributed != 0) {
     fan_out->counters->cohort_attributions.fetch_add(fan_out->outcome.cohorts_attributed, std::memory_order_relaxed);
@@ -108,7 +119,7 @@ void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
     state_->add_ledger(fan_out->buffer, signal.user_id, AggregateKind::Community, community, signal.item_id,
                        fan_out->units);
     ++fan_out->outcome.communities_forwarded;
-    report(signal, ContributionTarget::Community, community, fan_out);
+    if (!report(signal, ContributionTarget::Community, community, fan_out)) break;
   }
   if (fan_out->outcome.communities_forwarded != 0) {
     fan_out->counters->community_forwards.fetch_add(fan_out->outcome.communities_forwarded,
@@ -116,11 +127,22 @@ void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
   }
 }
 
-void Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out) {
+bool Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out) {
   ContributionSink* sink = options_.contribution_sink.get();
-  if (sink == nullptr) return;
+  if (sink == nullptr) return true;
   if (fan_out->stamp == 0) fan_out->stamp = clock_.now();
-  sink->on_contribution({signal.user_id, target, target_id, signal.item_id, signal.weight, fan_out->stamp});
+  try {
+    sink->on_contribution({signal.user_id, target, target_id, signal.item_id, signal.weight, fan_out->stamp});
+    return true;
+  } catch (abi::__forced_unwind&) {
+    throw;  // thread cancellation / pthread_exit must keep unwinding
+  } catch (const std::exception& e) {
+    fan_out->sink_error = e.what();
+  } catch (...) {
+    fan_out->sink_error = "an exception not derived from std::exception";
+  }
+  if (fan_out->sink_error.empty()) fan_out->sink_error = "an exception with an empty message";
+  return false;
 }
 
 }  // namespace tidal

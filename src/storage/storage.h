@@ -8,9 +8,13 @@
 #ifndef TIDAL_STORAGE_STORAGE_H_
 #define TIDAL_STORAGE_STORAGE_H_
 
+#include <sys/types.h>
+
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <rocksdb/db.h>
@@ -78,7 +82,9 @@ class Storage {
  private:
   Storage() = default;
   std::string path_;
-  std::string registry_key_;  // canonical path while open for writing
+  // The directory's (st_dev, st_ino) in the registry of Dbs open for
+  // writing, while this handle holds it.
+  std::optional<std::pair<dev_t, ino_t>> registry_id_;
   bool read_only_ = false;
   std::unique_ptr<rocksdb::DB> db_;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;

@@ -1,0 +1,123 @@
+// The Db process of the hostile file system tests (tests/hostile_fs_test.cc):
+// a full or failing disk must fail calls, never abort the process, so the
+// parent runs the Db here and sees an abort as a test failure instead of
+// dying of it. Reads one command per line on stdin and answers each with one
+// line on stdout (one write(2)):
+//   open <path>          "ok" | "err <status>"  (default Options plus a sink)
+//   open-ro <path>       the same, read-only
+//   leave <user>         "ok" | "err <status>"
+//   fill <from> <to>     leaves users from, from+1, ... up to `to` and stops
+//                        at the first error: "filled <acknowledged> <status>"
+//   gated <user>         one signal of the user with the sink: "gated" when
+//                        the gate held it back and no contribution reached the
+//                        sink, "open" when it went through, "err ..." else
+//   left <from> <to>     "left <n>": how many of the users are Left
+//   verify               "ok" | "err <problem or status>"
+//   flush | close        "ok" | "err <status>"
+// At end of input it closes the Db and exits 0.
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "tidal/db.h"
+
+namespace {
+
+void say(const std::string& line) {
+  const std::string out = line + "\n";
+  std::size_t done = 0;
+  while (done < out.size()) {
+    const ssize_t n = ::write(STDOUT_FILENO, out.data() + done, out.size() - done);
+    if (n <= 0) std::_Exit(4);
+    done += static_cast<std::size_t>(n);
+  }
+}
+
+std::string result(const tidal::Status& s) { return s.ok() ? "ok" : "err " + s.to_string(); }
+
+class CountingSink : public tidal::ContributionSink {
+ public:
+  void on_contribution(const tidal::Contribution&) override { count.fetch_add(1); }
+  std::atomic<std::uint64_t> count{0};
+};
+
+}  // namespace
+
+int main() {
+  auto sink = std::make_shared<CountingSink>();
+  std::unique_ptr<tidal::Db> db;
+  std::string path;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string cmd;
+    std::uint64_t a = 0;
+    std::uint64_t b = 0;
+    in >> cmd;
+    if (cmd == "open" || cmd == "open-ro") {
+      in >> path;
+      tidal::Options options;
+      options.contribution_sink = sink;
+      options.read_only = cmd == "open-ro";
+      auto opened = tidal::Db::open(path, options);
+      if (opened.ok()) db = std::move(*opened);
+      say(result(opened.status()));
+    } else if (db == nullptr) {
+      say("err no open Db");
+    } else if (cmd == "leave") {
+      in >> a;
+      say(result(db->leave_community_layer(a)));
+    } else if (cmd == "fill") {
+      in >> a >> b;
+      std::uint64_t acknowledged = 0;
+      tidal::Status s;
+      for (std::uint64_t user = a; user <= b && s.ok(); ++user) {
+        s = db->leave_community_layer(user);
+        if (s.ok()) ++acknowledged;
+      }
+      say("filled " + std::to_string(acknowledged) + " " + result(s));
+    } else if (cmd == "gated") {
+      in >> a;
+      const std::uint64_t before = sink->count.load();
+      auto out = db->signal_with_context({a, 7, 1.0}, tidal::SignalContext{{42}});
+      const std::uint64_t delta = sink->count.load() - before;
+      if (!out.ok()) {
+        say(result(out.status()));
+      } else if (out->gated) {
+        say(delta == 0 ? "gated" : "err gated yet " + std::to_string(delta) + " contributions reached the sink");
+      } else {
+        say(delta > 0 ? "open" : "err not gated yet no contribution reached the sink");
+      }
+    } else if (cmd == "left") {
+      in >> a >> b;
+      std::uint64_t n = 0;
+      for (std::uint64_t user = a; user <= b; ++user) {
+        auto st = db->community_layer_status(user);
+        if (st.ok() && st->status == tidal::MembershipStatus::Left) ++n;
+      }
+      say("left " + std::to_string(n));
+    } else if (cmd == "verify") {
+      auto report = db->verify();
+      if (!report.ok()) {
+        say(result(report.status()));
+      } else {
+        say(report->ok() ? "ok" : "err " + report->problems.front());
+      }
+    } else if (cmd == "flush") {
+      say(result(db->flush()));
+    } else if (cmd == "close") {
+      say(result(db->close()));
+      db.reset();
+    } else {
+      say("err unknown command: " + line);
+    }
+  }
+  if (db != nullptr) (void)db->close();
+  return 0;
+}

@@ -1,0 +1,550 @@
+// Hostile file systems (issue 9 items 3, 4, 10): a full or failing disk fails
+// calls and never aborts the host (G6 holds), a small disk holds a Db, one
+// writer per Db whatever the path names it, and repeated opens do not pile up
+// files. The Db under a failing disk runs in tidal_hostile_child (fork+exec):
+// an abort there is a test failure, not the end of the test process. Tests
+// that mount file systems need root and are skipped otherwise.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+#ifndef TIDAL_HOSTILE_CHILD
+#error "TIDAL_HOSTILE_CHILD must name the tidal_hostile_child executable"
+#endif
+#ifndef TIDAL_OPEN_PROBE
+#error "TIDAL_OPEN_PROBE must name the tidal_open_probe executable"
+#endif
+
+extern char** environ;
+
+namespace tidal {
+namespace {
+
+using testing::TempDir;
+namespace fs = std::filesystem;
+
+// Whether this process may mount file systems (root with CAP_SYS_ADMIN).
+bool can_mount() {
+  if (::geteuid() != 0) return false;
+  TempDir dir;
+  if (::mount("tidal-test", dir.path().c_str(), "tmpfs", 0, "size=64k") != 0) return false;
+  ::umount2(dir.path().c_str(), 0);
+  return true;
+}
+
+#define SKIP_UNLESS_ROOT(what)                                                                          \
+  do {                                                                                                  \
+    if (!can_mount()) GTEST_SKIP() << "needs root (with CAP_SYS_ADMIN) to " << (what) << "; run as root to test it"; \
+  } while (0)
+
+bool starts_with(const std::string& s, const std::string& prefix) { return s.rfind(prefix, 0) == 0; }
+
+std::string describe_wait(int status) {
+  if (WIFEXITED(status)) return "exit " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return "killed by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
+  }
+  return "wait status " + std::to_string(status);
+}
+
+// tidal_hostile_child, driven one command per line over a socket (a send to
+// a dead child fails instead of raising SIGPIPE in the test process).
+class DbProcess {
+ public:
+  DbProcess() {
+    int fds[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) std::abort();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDIN_FILENO);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+    char* argv[] = {const_cast<char*>(TIDAL_HOSTILE_CHILD), nullptr};
+    const int rc = ::posix_spawn(&pid_, TIDAL_HOSTILE_CHILD, &actions, nullptr, argv, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(fds[1]);
+    fd_ = fds[0];
+    if (rc != 0) {
+      ADD_FAILURE() << "posix_spawn " << TIDAL_HOSTILE_CHILD << ": " << std::strerror(rc);
+      pid_ = -1;
+    }
+  }
+  ~DbProcess() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      (void)reap();
+    }
+    ::close(fd_);
+  }
+
+  // Sends `command`; returns the answer line, or "died: <how>" when the
+  // process ended first (an abort reads "died: killed by signal 6 (Aborted)").
+  std::string call(const std::string& command) {
+    const std::string out = command + "\n";
+    if (pid_ <= 0 || ::send(fd_, out.data(), out.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(out.size())) {
+      return died();
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (;;) {
+      if (const std::size_t nl = pending_.find('\n'); nl != std::string::npos) {
+        std::string line = pending_.substr(0, nl);
+        pending_.erase(0, nl + 1);
+        return line;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      pollfd p{fd_, POLLIN, 0};
+      if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) == 0) return "timeout: " + command;
+      char buf[4096];
+      const ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
+      if (n <= 0) return died();
+      pending_.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+
+  // Ends input (the child closes its Db and exits); returns how it ended.
+  std::string finish() {
+    ::shutdown(fd_, SHUT_WR);
+    return pid_ > 0 ? describe_wait(reap()) : "ended earlier";
+  }
+  // SIGKILL: a crash with the Db open.
+  void crash() {
+    ::kill(pid_, SIGKILL);
+    (void)reap();
+  }
+
+ private:
+  std::string died() { return pid_ > 0 ? "died: " + describe_wait(reap()) : "died: not running"; }
+  int reap() {
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+    return status;
+  }
+
+  pid_t pid_ = -1;
+  int fd_ = -1;
+  std::string pending_;
+};
+
+// The count from an answer "<word> <n> ..." (npos when it is not one).
+std::uint64_t count_in(const std::string& answer, const std::string& word) {
+  if (!starts_with(answer, word + " ")) return std::string::npos;
+  return std::strtoull(answer.c_str() + word.size() + 1, nullptr, 10);
+}
+
+bool run(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()) == 0; }
+
+// A file system mounted on a fresh directory for one test, unmounted (and
+// its directory removed) on destruction.
+class Mount {
+ public:
+  // A tmpfs of `bytes`.
+  static std::unique_ptr<Mount> tmpfs(std::size_t bytes) {
+    auto m = std::unique_ptr<Mount>(new Mount());
+    const std::string data = "size=" + std::to_string(bytes);
+    if (::mount("tidal-test", m->dir().c_str(), "tmpfs", 0, data.c_str()) != 0) {
+      ADD_FAILURE() << "mount tmpfs on " << m->dir() << ": " << std::strerror(errno);
+      return nullptr;
+    }
+    m->mounted_ = true;
+    return m;
+  }
+  // An ext4 image of `bytes` on a loop device, errors=remount-ro. Null (and
+  // a failure) when mkfs.ext4 or the loop mount is unavailable.
+  static std::unique_ptr<Mount> ext4(std::size_t bytes) {
+    auto m = std::unique_ptr<Mount>(new Mount());
+    m->image_ = m->scratch_.sub("ext4.img");
+    if (!run("truncate -s " + std::to_string(bytes) + " " + m->image_) || !run("mkfs.ext4 -q -F " + m->image_)) {
+      ADD_FAILURE() << "cannot make an ext4 image (mkfs.ext4 missing?)";
+      return nullptr;
+    }
+    if (!m->mount_image()) return nullptr;
+    return m;
+  }
+  // `source` bound on a fresh directory (mount --bind).
+  static std::unique_ptr<Mount> bind(const std::string& source) {
+    auto m = std::unique_ptr<Mount>(new Mount());
+    if (::mount(source.c_str(), m->dir().c_str(), nullptr, MS_BIND, nullptr) != 0) {
+      ADD_FAILURE() << "mount --bind " << source << " " << m->dir() << ": " << std::strerror(errno);
+      return nullptr;
+    }
+    m->mounted_ = true;
+    return m;
+  }
+  ~Mount() {
+    if (mounted_ && ::umount2(dir().c_str(), 0) != 0) {
+      ADD_FAILURE() << "umount " << dir() << ": " << std::strerror(errno) << " (detaching it)";
+      ::umount2(dir().c_str(), MNT_DETACH);
+    }
+  }
+
+  std::string dir() const { return scratch_.sub("mnt"); }
+  // Whether creating a file fails with EROFS (since Linux 6.10 an ext4 that
+  // turned read-only on an error no longer reports ST_RDONLY to statvfs).
+  bool read_only() const {
+    const std::string probe = dir() + "/.write-probe";
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return errno == EROFS;
+    ::close(fd);
+    ::unlink(probe.c_str());
+    return false;
+  }
+  // ext4 only: reports a file system error, as a failing disk does; with
+  // errors=remount-ro the kernel aborts the journal and makes it read-only.
+  bool trigger_error() {
+    const std::string dev = fs::path(source()).filename().string();
+    std::ofstream("/sys/fs/ext4/" + dev + "/trigger_fs_error") << "tidal hostile_fs_test" << std::flush;
+    return read_only();
+  }
+  // ext4 only: unmounts, repairs (e2fsck) and mounts it read-write again, as
+  // an operator does after the error.
+  bool repair_and_remount() {
+    if (::umount2(dir().c_str(), 0) != 0) return false;
+    mounted_ = false;
+    (void)run("e2fsck -fy " + image_);  // 1 = errors fixed
+    return mount_image() && !read_only();
+  }
+  // Fills the file system with a file until `keep` bytes are left.
+  void fill_leaving(std::size_t keep) {
+    const int fd = ::open(filler().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    const std::vector<char> block(1 << 16, 'x');
+    off_t size = 0;
+    for (ssize_t n; (n = ::write(fd, block.data(), block.size())) > 0;) size += n;
+    ASSERT_EQ(errno, ENOSPC);
+    ASSERT_EQ(::ftruncate(fd, size > static_cast<off_t>(keep) ? size - static_cast<off_t>(keep) : 0), 0);
+    ::close(fd);
+  }
+  void free_space() { fs::remove(filler()); }
+
+ private:
+  Mount() { fs::create_directory(dir()); }
+  std::string filler() const { return dir() + "/filler"; }
+  std::string source() const {
+    std::string out;
+    if (FILE* p = ::popen(("findmnt -no SOURCE " + dir()).c_str(), "r")) {
+      char buf[256];
+      while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
+      ::pclose(p);
+    }
+    while (!out.empty() && out.back() == '\n') out.pop_back();
+    return out;
+  }
+  bool mount_image() {
+    if (!run("mount -o loop,errors=remount-ro " + image_ + " " + dir())) {
+      ADD_FAILURE() << "cannot loop-mount " << image_;
+      return false;
+    }
+    mounted_ = true;
+    return true;
+  }
+
+  TempDir scratch_;
+  std::string image_;
+  bool mounted_ = false;
+};
+
+// Runs the open_probe program (another process) on `path`; returns its exit
+// code and output.
+std::pair<int, std::string> probe_from_another_process(const std::string& path) {
+  const std::string cmd = std::string(TIDAL_OPEN_PROBE) + " '" + path + "' 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[512];
+  while (p != nullptr && std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  const int rc = p != nullptr ? ::pclose(p) : -1;
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
+}
+
+// ---- Item 3: a full or failing disk fails calls, never aborts the host ----
+
+TEST(HostileFsTest, FullDiskFailsTheLeaveKeepsTheGateClosedAndNeverAborts) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  auto disk = Mount::tmpfs(16 << 20);
+  ASSERT_NE(disk, nullptr);
+  const std::string db = disk->dir() + "/db";
+  {
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok");
+    ASSERT_EQ(p.call("fill 1 100"), "filled 100 ok");
+    disk->fill_leaving(64 << 10);
+    const std::string filled = p.call("fill 101 1000000");
+    ASSERT_TRUE(starts_with(filled, "filled ")) << filled;
+    EXPECT_NE(filled.find("err IOError"), std::string::npos) << filled;
+    const std::uint64_t acknowledged = 100 + count_in(filled, "filled");
+    const std::string failed = std::to_string(acknowledged + 1);
+    std::printf("full tmpfs: %llu leaves acknowledged, then: %s\n", static_cast<unsigned long long>(acknowledged),
+                filled.c_str());
+    // G6: the failed leave's user and every acknowledged one stay gated; a
+    // user who never left is not.
+    EXPECT_EQ(p.call("gated " + failed), "gated");
+    EXPECT_EQ(p.call("gated 1"), "gated");
+    EXPECT_EQ(p.call("gated " + std::to_string(acknowledged)), "gated");
+    EXPECT_EQ(p.call("gated 5000000"), "open");
+    // Every later call answers (an error), none aborts.
+    EXPECT_TRUE(starts_with(p.call("leave 5000001"), "err IOError")) << "a leave after the disk filled";
+    EXPECT_EQ(p.call("gated 5000001"), "gated");
+    const std::string flush = p.call("flush");
+    EXPECT_FALSE(starts_with(flush, "died")) << flush;
+    // Space comes back while the Db is open (RocksDB may try to recover).
+    disk->free_space();
+    const std::string after_free = p.call("leave 5000002");
+    EXPECT_FALSE(starts_with(after_free, "died")) << after_free;
+    EXPECT_EQ(p.call("gated 5000002"), "gated");
+    disk->fill_leaving(0);
+    const std::string close = p.call("close");
+    EXPECT_FALSE(starts_with(close, "died")) << close;
+    std::printf("  flush: %s\n  leave once space was freed: %s\n  close on the full disk: %s\n", flush.c_str(),
+                after_free.c_str(), close.c_str());
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+  {
+    // Reopen while the disk is full (the close freed some), and create a new
+    // Db there: answers, not aborts.
+    disk->fill_leaving(0);
+    DbProcess p;
+    const std::string open = p.call("open " + db);
+    EXPECT_FALSE(starts_with(open, "died")) << open;
+    std::printf("  reopen on the full disk: %s\n", open.c_str());
+    if (open == "ok") {
+      EXPECT_FALSE(starts_with(p.call("close"), "died"));
+    }
+    const std::string create = p.call("open " + disk->dir() + "/new-db");
+    EXPECT_FALSE(starts_with(create, "died")) << create;
+    std::printf("  new Db on the full disk: %s\n", create.c_str());
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+  disk->free_space();
+  {
+    // Space freed: every acknowledged leave survived, and the Db works.
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok");
+    EXPECT_EQ(p.call("gated 1"), "gated");
+    const std::string left = p.call("left 1 100");
+    EXPECT_EQ(left, "left 100");
+    EXPECT_EQ(p.call("verify"), "ok");
+    EXPECT_EQ(p.call("leave 6000000"), "ok");
+    EXPECT_EQ(p.call("close"), "ok");
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+}
+
+TEST(HostileFsTest, DiskTurnedReadOnlyByAnErrorFailsTheLeaveKeepsTheGateClosedAndNeverAborts) {
+  SKIP_UNLESS_ROOT("loop-mount an ext4 image and make it fail");
+  auto disk = Mount::ext4(64 << 20);
+  ASSERT_NE(disk, nullptr);
+  const std::string db = disk->dir() + "/db";
+  {
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok");
+    ASSERT_EQ(p.call("fill 1 50"), "filled 50 ok");
+    ASSERT_TRUE(disk->trigger_error()) << "the ext4 did not turn read-only after a reported error";
+    const std::string leave = p.call("leave 51");
+    EXPECT_TRUE(starts_with(leave, "err IOError")) << leave;
+    std::printf("read-only ext4: leave: %s\n", leave.c_str());
+    EXPECT_EQ(p.call("gated 51"), "gated");
+    EXPECT_EQ(p.call("gated 1"), "gated");
+    EXPECT_EQ(p.call("gated 5000000"), "open");
+    const std::string flush = p.call("flush");
+    EXPECT_FALSE(starts_with(flush, "died")) << flush;
+    const std::string close = p.call("close");
+    EXPECT_FALSE(starts_with(close, "died")) << close;
+    std::printf("  flush: %s\n  close: %s\n", flush.c_str(), close.c_str());
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+  {
+    // Still read-only: a writable open fails, a read-only one sees every
+    // acknowledged leave.
+    DbProcess p;
+    const std::string open = p.call("open " + db);
+    EXPECT_TRUE(starts_with(open, "err")) << open;
+    EXPECT_EQ(p.call("open-ro " + db), "ok");
+    EXPECT_EQ(p.call("left 1 50"), "left 50");
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+  ASSERT_TRUE(disk->repair_and_remount());
+  {
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok");
+    EXPECT_EQ(p.call("left 1 50"), "left 50");
+    EXPECT_EQ(p.call("gated 50"), "gated");
+    EXPECT_EQ(p.call("verify"), "ok");
+    EXPECT_EQ(p.call("leave 6000000"), "ok");
+    EXPECT_EQ(p.call("close"), "ok");
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+}
+
+// RocksDB preallocated ~70 MiB per WAL: on a 64 MiB ext4 (which keeps a
+// partial fallocate) the first WAL took the whole disk, and after a crash the
+// reopen had no room to recover in.
+TEST(HostileFsTest, SixtyFourMibDiskOpensWorksAndReopensAfterACrash) {
+  SKIP_UNLESS_ROOT("loop-mount a 64 MiB ext4 image");
+  auto disk = Mount::ext4(64 << 20);
+  ASSERT_NE(disk, nullptr);
+  const std::string db = disk->dir() + "/db";
+  {
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok");
+    ASSERT_EQ(p.call("fill 1 500"), "filled 500 ok");
+    EXPECT_EQ(p.call("flush"), "ok");
+    ASSERT_EQ(p.call("fill 501 1000"), "filled 500 ok");
+    struct statvfs st {};
+    ASSERT_EQ(::statvfs(disk->dir().c_str(), &st), 0);
+    std::printf("64 MiB ext4 with the Db open, 1000 leaves: %.1f of %.1f MiB free\n",
+                static_cast<double>(st.f_bavail * st.f_frsize) / (1 << 20),
+                static_cast<double>(st.f_blocks * st.f_frsize) / (1 << 20));
+    p.crash();
+  }
+  for (int round = 0; round < 2; ++round) {
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok") << "reopen " << round;
+    EXPECT_EQ(p.call("left 1 1000"), "left 1000");
+    EXPECT_EQ(p.call("verify"), "ok");
+    EXPECT_EQ(p.call("close"), "ok");
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+}
+
+// ---- Item 10: repeated opens do not pile up files ----
+
+TEST(HostileFsTest, TwoHundredOpenCloseCyclesLeaveABoundedNumberOfFiles) {
+  TempDir dir;
+  const std::string db = dir.sub("db");
+  for (int i = 0; i < 200; ++i) {
+    auto opened = Db::open(db);
+    ASSERT_OK(opened);
+    if (i % 50 == 0) ASSERT_OK((*opened)->leave_community_layer(static_cast<std::uint64_t>(i)));
+    ASSERT_OK((*opened)->close());
+  }
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(db)) names.push_back(e.path().filename().string());
+  std::string listing;
+  for (const auto& n : names) listing += n + " ";
+  std::printf("after 200 open/close cycles: %zu files\n", names.size());
+  // The fixed files (CURRENT, IDENTITY, LOCK, MANIFEST, WAL, 2 OPTIONS, 2
+  // info logs) and each column family's SSTs, which compactions bound.
+  EXPECT_LE(names.size(), 32u) << listing;
+  std::uintmax_t log_bytes = 0;
+  for (const char* log : {"LOG", "LOG.old"}) {
+    std::error_code ec;
+    const std::uintmax_t n = fs::file_size(db + "/" + log, ec);
+    if (!ec) log_bytes += n;
+  }
+  EXPECT_LE(log_bytes, std::uintmax_t{3} << 20);
+}
+
+// A Db directory that RocksDB's own logger filled with LOG.old.<time> files
+// (an older tidal) is cleaned at the next open.
+TEST(HostileFsTest, AnExistingPileOfOldInfoLogsIsRemovedAtOpen) {
+  TempDir dir;
+  const std::string db = dir.sub("db");
+  ASSERT_NE(testing::open_db(db), nullptr);
+  for (int i = 0; i < 50; ++i) std::ofstream(db + "/LOG.old." + std::to_string(1796000000000000 + i)) << "old";
+  ASSERT_NE(testing::open_db(db), nullptr);
+  int old_logs = 0;
+  for (const auto& e : fs::directory_iterator(db)) old_logs += starts_with(e.path().filename().string(), "LOG.old.");
+  EXPECT_EQ(old_logs, 0);
+}
+
+// ---- Item 4: one writer per Db whatever the path ----
+
+// Opens the held Db at `alias` and expects Busy naming `canonical`; then
+// checks that another process is still refused (the lock was not dropped).
+void expect_alias_refused(const std::string& alias, const std::string& canonical, const std::string& held) {
+  auto second = Db::open(alias);
+  ASSERT_FALSE(second.ok()) << "a second writer opened the held Db through '" << alias << "'";
+  EXPECT_EQ(second.status().code(), StatusCode::Busy) << second.status().to_string();
+  EXPECT_NE(second.status().message().find("'" + canonical + "'"), std::string::npos)
+      << second.status().message();
+  auto [rc, out] = probe_from_another_process(held);
+  EXPECT_EQ(rc, 1) << "another process opened the held Db after the refused open through '" << alias
+                   << "': " << out;
+  EXPECT_NE(out.find("Busy"), std::string::npos) << out;
+}
+
+// The held Db works, closes, and reopens clean (no second writer corrupted it).
+void expect_reopens_clean(std::unique_ptr<Db> held, const std::string& path, std::uint64_t user) {
+  ASSERT_OK(held->leave_community_layer(user));
+  ASSERT_OK(held->close());
+  auto again = Db::open(path);
+  ASSERT_OK(again);
+  auto st = (*again)->community_layer_status(user);
+  ASSERT_OK(st);
+  EXPECT_EQ(st->status, MembershipStatus::Left);
+  auto report = (*again)->verify();
+  ASSERT_OK(report);
+  EXPECT_TRUE(report->ok()) << report->problems.front();
+  ASSERT_OK((*again)->close());
+}
+
+TEST(HostileFsTest, OpenThroughASymlinkIsBusyAndKeepsTheLock) {
+  TempDir dir;
+  const std::string db = fs::canonical(dir.path()).string() + "/db";
+  auto held = testing::open_db(db);
+  ASSERT_NE(held, nullptr);
+  fs::create_directory_symlink(db, dir.sub("link"));
+  fs::create_directory_symlink(dir.path(), dir.sub("parent-link"));
+  expect_alias_refused(dir.sub("link"), db, db);
+  expect_alias_refused(dir.sub("parent-link") + "/db", db, db);
+  expect_reopens_clean(std::move(held), dir.sub("link"), 11);
+}
+
+TEST(HostileFsTest, OpenAfterTheDirectoryWasRenamedIsBusyAndKeepsTheLock) {
+  TempDir dir;
+  const std::string db = fs::canonical(dir.path()).string() + "/db";
+  auto held = testing::open_db(db);
+  ASSERT_NE(held, nullptr);
+  const std::string moved = fs::canonical(dir.path()).string() + "/moved";
+  fs::rename(db, moved);
+  auto second = Db::open(moved);
+  ASSERT_FALSE(second.ok()) << "a second writer opened the held Db after a rename";
+  EXPECT_EQ(second.status().code(), StatusCode::Busy) << second.status().to_string();
+  auto [rc, out] = probe_from_another_process(moved);
+  EXPECT_EQ(rc, 1) << out;
+  fs::rename(moved, db);  // RocksDB names new files by the path it opened
+  expect_reopens_clean(std::move(held), db, 12);
+}
+
+TEST(HostileFsTest, OpenThroughABindMountIsBusyAndKeepsTheLock) {
+  SKIP_UNLESS_ROOT("bind-mount a Db directory");
+  TempDir dir;
+  const std::string db = fs::canonical(dir.path()).string() + "/db";
+  auto held = testing::open_db(db);
+  ASSERT_NE(held, nullptr);
+  auto bound = Mount::bind(db);
+  ASSERT_NE(bound, nullptr);
+  expect_alias_refused(bound->dir(), db, db);
+  expect_alias_refused(bound->dir() + "/", db, bound->dir());
+  expect_reopens_clean(std::move(held), db, 13);
+}
+
+TEST(HostileFsTest, TrailingSlashDotAndDoubleSlashAreBusyAndKeepTheLock) {
+  TempDir dir;
+  const std::string db = fs::canonical(dir.path()).string() + "/db";
+  auto held = testing::open_db(db);
+  ASSERT_NE(held, nullptr);
+  for (const char* tail : {"/", "/.", "//", "/../db"}) expect_alias_refused(db + tail, db, db);
+  expect_reopens_clean(std::move(held), db + "/", 14);
+}
+
+}  // namespace
+}  // namespace tidal
