@@ -23,6 +23,8 @@ std::string be64(std::uint64_t v) {
 
 std::string user_text(std::uint64_t user_id) { return "user " + std::to_string(user_id); }
 
+Status annotate(const Status& s, const std::string& where) { return {s.code(), where + ": " + s.message()}; }
+
 }  // namespace
 
 // ---- community memberships ----
@@ -118,11 +120,13 @@ Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
     held_back_.erase(user_id);
     gate_.close(user_id);
     grace::synchronize();
-    const std::uint64_t left_at = clock_.now();
-    const CommunityMembership left{user_id, MembershipStatus::Left, left_at};
-    // On error the gate stays closed (G6) and the map keeps the last durable
+    // On error (here: a clock that cannot issue a later time; below: the
+    // write) the gate stays closed (G6) and the map keeps the last durable
     // state, so a retry writes again instead of reporting a no-op.
-    if (Status s = write_membership(user_id, left, left_at, "leave_community_layer"); !s.ok()) return s;
+    const Result<std::uint64_t> left_at = clock_.now();
+    if (!left_at.ok()) return annotate(left_at.status(), "leave_community_layer(" + user_text(user_id) + ")");
+    const CommunityMembership left{user_id, MembershipStatus::Left, *left_at};
+    if (Status s = write_membership(user_id, left, *left_at, "leave_community_layer"); !s.ok()) return s;
     leave_status_.insert_or_assign(user_id, left);
     leaves_.fetch_add(1, std::memory_order_relaxed);
     return Status::OK();
@@ -140,9 +144,10 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
     // after a failed leave; the rejoin is then written, as its outcome is unknown.
     if (current.status == MembershipStatus::Active && !gate_.closed_for(user_id)) return Status::OK();
 
-    const std::uint64_t at = clock_.now();
+    const Result<std::uint64_t> at = clock_.now();  // on error nothing is written and the gate stays closed
+    if (!at.ok()) return annotate(at.status(), "rejoin_community_layer(" + user_text(user_id) + ")");
     const CommunityMembership active{user_id, MembershipStatus::Active, current.left_at_ns};
-    if (Status s = write_membership(user_id, active, at, "rejoin_community_layer"); !s.ok()) return s;
+    if (Status s = write_membership(user_id, active, *at, "rejoin_community_layer"); !s.ok()) return s;
     leave_status_.insert_or_assign(user_id, active);
     gate_.open(user_id);
     rejoins_.fetch_add(1, std::memory_order_relaxed);

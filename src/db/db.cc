@@ -21,7 +21,7 @@ constexpr std::size_t kInitialMapCapacity = 1 << 14;
 Db::Impl::Impl(const Options& options, std::unique_ptr<Storage> storage)
     : options_(options),
       storage_(std::move(storage)),
-      clock_(options.clock),
+      clock_(options.clock, [this](std::uint64_t floor) { return store_clock_lease(floor); }),
       communities_(kInitialMapCapacity),
       leave_status_(kInitialMapCapacity),
       held_back_(kInitialMapCapacity) {}
@@ -53,7 +53,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     }
     Result<std::uint64_t> floor = read_clock_floor(st);
     if (!floor.ok()) return floor.status();
-    impl->clock_.raise_floor(std::max(*floor, leaves.max_timestamp));
+    impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
     return std::unique_ptr<Db>(new Db(std::move(impl)));
   });
 }
@@ -79,13 +79,21 @@ void Db::Impl::put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id
   batch->Put(storage_->meta(), key, value);
 }
 
+// Serialized by the clock's lease lock; the clock only ever passes a larger
+// floor while the Db is open (and last() at close).
+Status Db::Impl::store_clock_lease(std::uint64_t floor) {
+  std::string value;
+  put_u64_le(&value, floor);
+  rocksdb::WriteBatch batch;
+  batch.Put(storage_->meta(), kClockLeaseKey, value);
+  return storage_->write(&batch, Storage::durable_if(options_.sync_writes),
+                         "clock lease (floor " + std::to_string(floor) + " ns)");
+}
+
+// The clock's lease covers every time handed out, so the aggregates carry no
+// clock floor of their own.
 Status Db::Impl::persist_aggregates() {
   rocksdb::WriteBatch batch;
-  std::string key = kClockFloorPrefix;
-  key += "flush";
-  std::string value;
-  put_u64_le(&value, clock_.last());
-  batch.Put(storage_->meta(), key, value);
   return aggregates_.persist(*storage_, &batch);
 }
 
@@ -106,6 +114,7 @@ Status Db::Impl::close() {
     if (closed_.exchange(true, std::memory_order_acq_rel)) return Status::OK();
     grace::synchronize();  // signals that saw the Db open have finished
     Status result = options_.read_only ? Status::OK() : persist_aggregates();
+    if (!options_.read_only && result.ok()) result = clock_.release_lease();  // no time is handed out now
     Status s = storage_->close();
     return result.ok() ? s : result;
   });
