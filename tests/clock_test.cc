@@ -4,6 +4,7 @@
 #include "db/clock.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -162,7 +163,7 @@ TEST(ClockLease, ConcurrentRenewalsNeverLowerTheStoredFloor) {
   // race; the store checks that each floor exceeds the one before.
   Clock clock([&] { return wall.fetch_add(Clock::kLeaseMargin / 3); },
               [&](std::uint64_t floor) {
-                std::this_thread::yield();  // widen the window between renewals
+                std::this_thread::sleep_for(std::chrono::microseconds(5));  // widen the race window
                 std::lock_guard<std::mutex> lock(log.mu);
                 if (floor <= previous) lowered.fetch_add(1);
                 previous = floor;
@@ -173,7 +174,7 @@ TEST(ClockLease, ConcurrentRenewalsNeverLowerTheStoredFloor) {
   std::vector<std::thread> threads;
   for (int i = 0; i < 4; ++i) {
     threads.emplace_back([&] {
-      for (int n = 0; n < 2000; ++n) {
+      for (int n = 0; n < 3000; ++n) {
         Result<std::uint64_t> t = clock.leased_now();
         if (!t.ok() || *t > log.stored()) uncovered.fetch_add(1);
       }
