@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "db/impl.h"
+#include "fault_fs.h"
 #include "storage/keys.h"
 #include "storage/storage.h"
 #include "test_util.h"
@@ -420,6 +421,73 @@ TEST(DbClock, TheStoredLeaseCoversEveryStampHandedOut) {
   }
   ASSERT_EQ(sink->seen.size(), 200u);
   for (const Contribution& c : sink->seen) EXPECT_LE(c.forwarded_at_ns, lease);
+}
+
+// A lease that cannot be stored fails the signal whole: no stamp is handed
+// out, nothing is applied.
+TEST(DbClock, ASignalWhoseLeaseCannotBeStoredFailsWithNothingApplied) {
+  TempDir dir;
+  auto sink = std::make_shared<RecordingSink>();
+  reliability::FaultEnv fault = reliability::FaultEnv::make();
+  Result<std::unique_ptr<Db>> db = Db::Impl::open(dir.path(), with_sink(sink), fault.env.get());
+  ASSERT_OK(db);
+  fault.fs->set_fail_wal_append(true);
+  Result<SignalOutcome> out = cohort_signal(**db, 1);
+  fault.fs->clear_faults();
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::IOError) << out.status().to_string();
+  EXPECT_TRUE(mentions(out.status(), "clock lease")) << out.status().to_string();
+  EXPECT_TRUE(sink->seen.empty());
+  EXPECT_EQ((*db)->personal_score(1, 7), 0.0);
+  EXPECT_EQ((*db)->cohort_score(42, 7), 0.0);
+  EXPECT_EQ((*db)->stats().signals, 0u);
+}
+
+// Counts contributions without keeping them.
+class CountingSink : public ContributionSink {
+ public:
+  void on_contribution(const Contribution&) override { seen.fetch_add(1, std::memory_order_relaxed); }
+  std::atomic<std::uint64_t> seen{0};
+};
+
+// The figure for tests/RELIABILITY.md: lease writes per second of signaling
+// with the system clock. Signals write nothing else, so every file
+// operation of the Db during the run (a WAL Append and Sync per synced
+// write) belongs to a lease renewal.
+TEST(DbClock, LeaseWritesPerSecondOfSignaling) {
+  TempDir dir;
+  reliability::FaultEnv fault = reliability::FaultEnv::make();
+  Result<std::unique_ptr<Db>> db =
+      Db::Impl::open(dir.path(), with_sink(std::make_shared<CountingSink>()), fault.env.get());
+  ASSERT_OK(db);
+  ASSERT_OK((*db)->join_community(1, 10));
+  ASSERT_OK((*db)->join_community(2, 10));
+  fault.fs->clear_faults();  // starts the operation count
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> signals{0}, failures{0};
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (std::uint64_t user : {1u, 2u}) {
+    threads.emplace_back([&, user] {
+      std::uint64_t n = 0;
+      for (; !stop.load(std::memory_order_relaxed); ++n) {
+        // No cohort: the sink stays small; the community contribution is stamped.
+        if (!(*db)->signal_with_context({user, n % 64, 1.0}, {}).ok()) failures.fetch_add(1);
+      }
+      signals.fetch_add(n);
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  stop = true;
+  for (auto& t : threads) t.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::uint64_t ops = fault.fs->ops_since_arm();
+  EXPECT_EQ(failures.load(), 0u);
+  // At most one renewal per (margin - renew-ahead) of wall time, plus the first.
+  const double bound = seconds * 1e9 / static_cast<double>(Clock::kLeaseMargin - Clock::kRenewAhead) + 1;
+  EXPECT_LE(static_cast<double>(ops) / 2, bound + 1) << ops << " file operations in " << seconds << " s";
+  std::cout << "[lease] " << signals.load() << " signals on 2 threads in " << seconds << " s; file operations: " << ops
+            << " (lease writes: " << ops / 2 << ", " << static_cast<double>(ops) / 2 / seconds << "/s)\n";
 }
 
 }  // namespace
