@@ -120,7 +120,12 @@ struct Options {
   // every write call returns InvalidArgument. Default: false.
   bool read_only = false;
   // Wall-clock source in ns since the Unix epoch (for tests). The Db makes
-  // its readings strictly increasing. Default (empty): the system clock.
+  // its readings strictly increasing, and above every time it stored or
+  // handed out, across crashes too. It never wraps: a reading above 2^63-1
+  // (2262-04-11) is refused, and once the Db's clock has reached that limit
+  // no later time exists; a call that needs a new time then fails with
+  // InvalidArgument naming the clock and the value, and changes nothing.
+  // Default (empty): the system clock.
   std::function<std::uint64_t()> clock;
 };
 
@@ -190,7 +195,10 @@ class Db {
   Result<std::vector<std::uint64_t>> communities_of(std::uint64_t user_id) const;
 
   // Applies a signal (SPEC §2). InvalidArgument for a non-finite weight,
-  // with nothing changed.
+  // with nothing changed. With a contribution_sink, the signal first takes
+  // the time its contributions carry; when it cannot (an exhausted clock, or
+  // the clock's floor, written about once a second, could not be stored) it
+  // fails with that error and nothing changed.
   Result<SignalOutcome> signal_with_context(const Signal& signal, const SignalContext& context);
   // Sums of weights; 0 for what was never touched or on a closed Db.
   double personal_score(std::uint64_t user_id, std::uint64_t item_id) const;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <optional>
 #include <span>
 
 #include "db/grace.h"
@@ -27,6 +28,20 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
       return Status::InvalidArgument("signal_with_context: the Db at '" + storage_->path() + "' is open read-only");
     }
     FanOut fan_out{{}, &counters()};
+    // Stamp before anything changes: a signal whose contributions cannot
+    // carry a time below every later leave (G3) fails whole, with nothing
+    // applied, rather than reach the sink unstamped. The stamp is leased, so
+    // it stays below every leave after a crash too.
+    if (options_.contribution_sink && !leave_gate_closed(signal, &fan_out)) {
+      Result<std::uint64_t> stamp = clock_.leased_now();
+      if (!stamp.ok()) {
+        return Status(stamp.status().code(), "signal_with_context: the signal of user " +
+                                                 std::to_string(signal.user_id) + " on item " +
+                                                 std::to_string(signal.item_id) + " was not applied: " +
+                                                 stamp.status().message());
+      }
+      fan_out.stamp = *stamp;
+    }
     aggregates_.add(AggregateKind::Personal, {signal.user_id, signal.item_id}, signal.weight);  // never gated
     fan_out.outcome.personal_applied = true;
     try_cohort_attribution(signal, context, &fan_out);
@@ -41,14 +56,16 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
                              " community additions were applied, the rest of the fan-out was not");
     }
     if (fan_out.outcome.gated) {
-      const std::uint64_t now = clock_.now();
+      // In memory only, so not leased; an exhausted clock leaves the last time as it was.
+      const Result<std::uint64_t> now = clock_.now();
+      const std::optional<std::uint64_t> at = now.ok() ? std::optional<std::uint64_t>(*now) : std::nullopt;
       held_back_.upsert(
           signal.user_id,
-          [now](GateActivity& a) {
+          [at](GateActivity& a) {
             ++a.held_back_signals;
-            a.last_held_back_ns = now;
+            if (at) a.last_held_back_ns = at;
           },
-          GateActivity{1, now});
+          GateActivity{1, at});
     }
     return fan_out.outcome;
   });
@@ -116,8 +133,7 @@ void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
 
 bool Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out) {
   ContributionSink* sink = options_.contribution_sink.get();
-  if (sink == nullptr) return true;
-  if (fan_out->stamp == 0) fan_out->stamp = clock_.now();
+  if (sink == nullptr) return true;  // with a sink, fan_out->stamp was taken before the fan-out
   try {
     sink->on_contribution({signal.user_id, target, target_id, signal.item_id, signal.weight, fan_out->stamp});
     return true;
