@@ -17,6 +17,13 @@
 //     signals user i % 64 on item i with weight 1 and cohort i % 8, and after
 //     each returned prints "A <i> <CLOCK_MONOTONIC ns>" and pauses 100 us
 //     (a steady few thousand signals a second, so rounds stay short).
+//   tidal_crash_child stamps <db-path> <speed>
+//     Opens the Db with a ContributionSink that prints "S <forwarded_at_ns>"
+//     for every contribution it is handed, and a clock running `speed` times
+//     faster than the wall clock from the current time (so the clock's lease
+//     is renewed often), prints "R", joins users 1 and 2 to community 10,
+//     then signals them from two threads forever (each signal: one cohort
+//     and one community contribution).
 //   tidal_crash_child open <db-path>
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
@@ -25,8 +32,10 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "tidal/db.h"
 
@@ -89,6 +98,40 @@ int run_signals(const std::string& path, std::uint64_t period_ms) {
   }
 }
 
+class PrintingSink : public tidal::ContributionSink {
+ public:
+  void on_contribution(const tidal::Contribution& c) override { say("S " + std::to_string(c.forwarded_at_ns)); }
+};
+
+int run_stamps(const std::string& path, std::uint64_t speed) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto wall0 = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
+  tidal::Options options;
+  options.contribution_sink = std::make_shared<PrintingSink>();
+  options.clock = [start, wall0, speed] {
+    const auto elapsed = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+    return wall0 + static_cast<std::uint64_t>(elapsed.count()) * speed;
+  };
+  auto db = tidal::Db::open(path, options);
+  if (!db.ok()) fail("open", db.status());
+  say("R");
+  for (std::uint64_t user : {1u, 2u}) {
+    if (tidal::Status s = (*db)->join_community(user, 10); !s.ok()) fail("join", s);
+  }
+  auto signal_forever = [&](std::uint64_t user) {
+    for (std::uint64_t item = 0;; ++item) {
+      auto out = (*db)->signal_with_context({user, item % 100, 1.0}, tidal::SignalContext{{42}});
+      if (!out.ok()) fail("signal", out.status());
+    }
+  };
+  std::thread other(signal_forever, 2);
+  signal_forever(1);
+  other.join();
+  return 0;  // not reached: the parent kills the child
+}
+
 int run_open(const std::string& path) {
   auto db = tidal::Db::open(path);
   if (!db.ok()) fail("open", db.status());
@@ -105,8 +148,9 @@ int main(int argc, char** argv) {
   if (mode == "ops" && argc == 5) {
     return run_ops(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
+  if (mode == "stamps" && argc == 4) return run_stamps(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "open" && argc == 3) return run_open(argv[2]);
   if (mode == "signals" && argc == 4) return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10));
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | open <db>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db>");
   return 2;
 }

@@ -18,6 +18,7 @@
 #include <optional>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -399,6 +400,66 @@ void crash_during_open(bool indexed) {
   if (!indexed) {
     EXPECT_GT(backfill_interrupted, 0) << "no kill landed mid-backfill";
   }
+}
+
+// ---- G3 across a crash and a clock step-back (issue 9 item 6) ----
+
+// The child signals with a sink that prints every stamp (forwarded_at_ns)
+// it is handed and is SIGKILLed; the parent reopens with a wall clock 10 s
+// behind the largest stamp printed, and a leave must still get a left_at_ns
+// above every stamp. Only the clock's lease (a floor stored ahead of every
+// stamp) carries that across the crash. The child's clock runs 1x or 100x
+// (a lease renewal every ~7.5 ms), so kills land right after renewals too.
+TEST(CrashTest, StampsStayBelowTheNextLeaveAfterSigkillAndAClockStepBack) {
+  TempDir dir;
+  const std::string path = dir.path() + "/db";
+  const int rounds = std::max(10, crash_rounds() / 10);
+  constexpr std::uint64_t kStepBack = 10'000'000'000;  // 10 s
+  std::mt19937_64 rng(20261130);
+  std::uint64_t stamps = 0, checked_rounds = 0, max_ahead = 0;
+  for (int round = 0; round < rounds && !::testing::Test::HasFailure(); ++round) {
+    std::uint64_t largest = 0;
+    {
+      Child child({"stamps", path, round % 2 == 0 ? "100" : "1"});
+      std::optional<Clock::time_point> kill_at;
+      std::vector<std::string> lines;
+      for (bool open = true; open;) {
+        const auto now = Clock::now();
+        if (kill_at && now >= *kill_at) {
+          child.kill();
+          kill_at = Clock::time_point::max();
+        }
+        lines.clear();
+        open = child.read_lines(std::chrono::milliseconds(5), &lines);
+        for (const auto& l : lines) {
+          if (l == "R" && !kill_at) kill_at = Clock::now() + std::chrono::milliseconds(5 + rng() % 46);
+          if (l[0] == 'E') ADD_FAILURE() << "round " << round << ": child: " << l;
+          if (l[0] == 'S') {
+            largest = std::max<std::uint64_t>(largest, std::strtoull(l.c_str() + 2, nullptr, 10));
+            ++stamps;
+          }
+        }
+      }
+      EXPECT_TRUE(WIFSIGNALED(child.wait())) << "round " << round;
+    }
+    if (largest == 0) continue;  // killed before the first stamp
+    ++checked_rounds;
+    Options options;
+    options.clock = [t = largest - kStepBack] { return t; };  // the wall clock stepped back 10 s
+    auto db = Db::open(path, options);
+    ASSERT_TRUE(db.ok()) << "round " << round << ": " << db.status().to_string();
+    ASSERT_OK((*db)->leave_community_layer(1));
+    const std::uint64_t left_at = *(*db)->community_layer_status(1)->left_at_ns;
+    EXPECT_GT(left_at, largest) << "round " << round << ": a leave after the crash sorts below a stamp handed out "
+                                << largest - std::min(largest, left_at) << " ns earlier";
+    max_ahead = std::max(max_ahead, left_at > largest ? left_at - largest : 0);
+    ASSERT_OK((*db)->rejoin_community_layer(1));
+    ASSERT_OK((*db)->close());
+  }
+  std::cout << "[crash stamps] rounds (SIGKILLs): " << rounds << ", with stamps: " << checked_rounds
+            << ", stamps reported: " << stamps << ", largest lead of the first leave over the last stamp: "
+            << max_ahead / 1000 << " us\n";
+  EXPECT_GE(checked_rounds, static_cast<std::uint64_t>(rounds) / 2) << "too few rounds got to signal";
 }
 
 TEST(CrashTest, KillDuringOpenOf50kLeavers) { crash_during_open(true); }

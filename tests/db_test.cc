@@ -501,27 +501,5 @@ TEST(Signals, ScoresSurviveFlushAndCloseReopen) {
   EXPECT_EQ(value_of(db->community_score(10, 9)), 1.0);
 }
 
-TEST(Clock, ReadingsIncreaseStrictlyEvenWhenTheWallClockStepsBack) {
-  TempDir dir;
-  std::atomic<std::uint64_t> wall{1'000'000};
-  Options options;
-  options.clock = [&] { return wall.load(); };
-  std::uint64_t first_leave = 0;
-  {
-    auto db = open_db(dir.path(), options);
-    ASSERT_OK(db->leave_community_layer(1));
-    first_leave = *db->community_layer_status(1)->left_at_ns;
-    EXPECT_EQ(first_leave, 1'000'000u);
-    wall = 10;  // the wall clock steps back
-    ASSERT_OK(db->leave_community_layer(2));
-    EXPECT_GT(*db->community_layer_status(2)->left_at_ns, first_leave);
-    ASSERT_OK(db->close());
-  }
-  // After a reopen the clock never goes below what is stored.
-  auto db = open_db(dir.path(), options);
-  ASSERT_OK(db->leave_community_layer(3));
-  EXPECT_GT(*db->community_layer_status(3)->left_at_ns, first_leave + 1);
-}
-
 }  // namespace
 }  // namespace tidal

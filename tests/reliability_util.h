@@ -36,6 +36,12 @@ using CountingSink = tidal::testing::RecordingSink;
 inline std::optional<bool> probe_gate(Db& db, CountingSink& sink, std::uint64_t user) {
   const std::uint64_t before = sink.count_for(user);
   Result<SignalOutcome> out = db.signal_with_context({user, 7, 1.0}, SignalContext{{42}});
+  // On a failing disk a signal past an open gate fails whole when its stamp
+  // cannot be leased (the clock's floor is not stored): the gate was open.
+  if (!out.ok() && out.status().code() == StatusCode::IOError &&
+      out.status().message().find("clock lease") != std::string::npos && sink.count_for(user) == before) {
+    return false;
+  }
   if (!out.ok()) {
     ADD_FAILURE() << "signal of user " << user << ": " << out.status().to_string();
     return std::nullopt;

@@ -125,7 +125,12 @@ struct Options {
   // every write call returns InvalidArgument. Default: false.
   bool read_only = false;
   // Wall-clock source in ns since the Unix epoch (for tests). The Db makes
-  // its readings strictly increasing. Default (empty): the system clock.
+  // its readings strictly increasing, and above every time it stored or
+  // handed out, across crashes too. It never wraps: a reading above 2^63-1
+  // (2262-04-11) is refused, and once the Db's clock has reached that limit
+  // no later time exists; a call that needs a new time then fails with
+  // InvalidArgument naming the clock and the value, and changes nothing.
+  // Default (empty): the system clock.
   std::function<std::uint64_t()> clock;
   // Longest a signal's aggregate updates wait in memory before the background
   // writer stores them (the crash window). Default: 1 s.
@@ -217,6 +222,10 @@ class Db {
   // writer. InvalidArgument for a weight that is not finite or exceeds 1e12
   // in magnitude, with nothing changed. When the write buffers are full it
   // waits for the writer; if the writer is failing, it returns its error.
+  // With a contribution_sink, the signal first takes the time its
+  // contributions carry; when it cannot (an exhausted clock, or the clock's
+  // floor, written about once a second, could not be stored) it fails with
+  // that error and nothing changed.
   Result<SignalOutcome> signal_with_context(const Signal& signal, const SignalContext& context);
   // Exact sums of the accepted weights (integers of 1e-9), converted to the
   // nearest double: the order of signals never changes a score. 0 for what

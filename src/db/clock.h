@@ -1,30 +1,96 @@
 // The Db clock: wall-clock ns since the Unix epoch, made strictly increasing
-// within a Db and never below a floor (the largest timestamp already stored),
-// so a wall clock that steps back cannot reorder history (G3).
+// within a Db and never below a floor (every timestamp already stored or
+// handed out), so a wall clock that steps back cannot reorder history (G3).
+//
+// Two rules make it safe at its edges:
+// - It never wraps. Times stop at kMaxTimestamp: a wall-clock reading above
+//   it is refused, and once the clock has reached it every request fails.
+//   The caller then writes and forwards nothing (a leave keeps its gate
+//   closed, G6).
+// - It survives a crash. Times handed out without being stored with a
+//   record (the stamps of contributions, given to the ContributionSink) are
+//   covered by a lease: before leased_now() returns a time above the stored
+//   floor, it stores a floor kLeaseMargin ahead. A Db reopened after a crash
+//   starts above the stored floor, so above every time ever handed out, even
+//   when the wall clock has stepped back.
 #ifndef TIDAL_DB_CLOCK_H_
 #define TIDAL_DB_CLOCK_H_
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <limits>
+#include <mutex>
+
+#include "tidal/status.h"
 
 namespace tidal {
 
 class Clock {
  public:
-  // `source` returns wall-clock ns; empty means the system clock.
-  explicit Clock(std::function<std::uint64_t()> source);
+  // The largest time the clock issues: 2^63 - 1 ns, 2262-04-11, where a
+  // signed 64-bit ns count (std::chrono::system_clock, most hosts) ends.
+  // Anything above it is not a wall-clock time but a bug or a corrupt value.
+  static constexpr std::uint64_t kMaxTimestamp = std::numeric_limits<std::int64_t>::max();
+  // How far ahead of a reading a lease renewal sets the stored floor. One
+  // renewal (one floor write, fsynced when sync_writes) per margin of wall
+  // time; the cost is that a reopen after a crash may start up to a margin
+  // ahead of the wall clock.
+  static constexpr std::uint64_t kLeaseMargin = 1'000'000'000;  // 1 s
+  // A reading this close to the lease's end renews it early, by the first
+  // thread to get the renewal lock; the others go on under the old lease.
+  // So, at a steady rate, no caller waits for a renewal.
+  static constexpr std::uint64_t kRenewAhead = kLeaseMargin / 4;
 
-  // A reading strictly greater than every earlier reading and the floor.
-  std::uint64_t now();
-  // Later readings will be greater than `ts`.
-  void raise_floor(std::uint64_t ts);
-  // The largest reading (or floor) so far.
+  // Returns the wall clock in ns since the Unix epoch.
+  using Source = std::function<std::uint64_t()>;
+  // Stores `floor` (as durably as the Db's writes): a Db reopened after a
+  // crash starts above it.
+  using StoreFloor = std::function<Status(std::uint64_t floor)>;
+
+  // An empty `source` means the system clock.
+  Clock(Source source, StoreFloor store_floor);
+  Clock(const Clock&) = delete;
+  Clock& operator=(const Clock&) = delete;
+
+  // A time strictly greater than every earlier one and the floor, for a
+  // caller that stores it (with its record) before anyone sees it.
+  // InvalidArgument naming the value when the wall clock reads above
+  // kMaxTimestamp (the clock does not move) or the clock has reached it.
+  Result<std::uint64_t> now();
+  // now(), covered by the lease: when it returns a time, the stored floor is
+  // at or above it. Also fails with store_floor's error; then no time is
+  // handed out (the clock itself has moved on, which is harmless).
+  Result<std::uint64_t> leased_now();
+
+  // At open, before any reading: `stored` is the largest time stored (the
+  // floor, lease included). Later readings exceed it. A stored value at or
+  // above kMaxTimestamp leaves an exhausted clock: every request fails.
+  void start_above(std::uint64_t stored);
+  // At a clean close, once no time will be handed out: stores last() as the
+  // floor when the lease reaches beyond it, so that a reopen does not start
+  // up to a margin ahead of the wall clock. The only write that lowers the
+  // stored lease, and safe because nothing above last() was handed out.
+  Status release_lease();
+
+  // The largest time issued (or the floor).
   std::uint64_t last() const { return last_.load(std::memory_order_acquire); }
+  // Renewals that stored a floor (for tests and benchmarks).
+  std::uint64_t lease_renewals() const { return renewals_.load(std::memory_order_relaxed); }
 
  private:
-  std::function<std::uint64_t()> source_;
+  // Stores a floor above `t` unless the lease already reaches kRenewAhead
+  // beyond it. Requires lease_mu_.
+  Status renew(std::uint64_t t);
+
+  Source source_;
+  StoreFloor store_floor_;
   std::atomic<std::uint64_t> last_{0};
+  // The largest floor known stored. Written only under lease_mu_, so the
+  // stored lease only ever grows (until release_lease); read without it.
+  std::atomic<std::uint64_t> lease_{0};
+  std::mutex lease_mu_;
+  std::atomic<std::uint64_t> renewals_{0};
 };
 
 }  // namespace tidal

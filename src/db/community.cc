@@ -23,6 +23,8 @@ std::string be64(std::uint64_t v) {
 
 std::string user_text(std::uint64_t user_id) { return "user " + std::to_string(user_id); }
 
+Status annotate(const Status& s, const std::string& where) { return {s.code(), where + ": " + s.message()}; }
+
 }  // namespace
 
 // ---- community memberships ----
@@ -125,11 +127,13 @@ Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
     // Only sections of this user (or of an unknown one) can have seen its
     // gate open. If the barrier fails the gate stays closed (G6).
     if (Status s = grace_.synchronize(user_id); !s.ok()) return s;
-    const std::uint64_t left_at = clock_.now();
-    const CommunityMembership left{user_id, MembershipStatus::Left, left_at};
-    // On error the gate stays closed (G6) and the map keeps the last durable
+    // On error (here: a clock that cannot issue a later time; below: the
+    // write) the gate stays closed (G6) and the map keeps the last durable
     // state, so a retry writes again instead of reporting a no-op.
-    if (Status s = write_membership(user_id, left, left_at, "leave_community_layer"); !s.ok()) return s;
+    const Result<std::uint64_t> left_at = clock_.now();
+    if (!left_at.ok()) return annotate(left_at.status(), "leave_community_layer(" + user_text(user_id) + ")");
+    const CommunityMembership left{user_id, MembershipStatus::Left, *left_at};
+    if (Status s = write_membership(user_id, left, *left_at, "leave_community_layer"); !s.ok()) return s;
     leave_status_.insert_or_assign(user_id, left);
     leaves_.fetch_add(1, std::memory_order_relaxed);
     return Status::OK();
@@ -147,9 +151,10 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
     // after a failed leave; the rejoin is then written, as its outcome is unknown.
     if (current.status == MembershipStatus::Active && !gate_.closed_for(user_id)) return Status::OK();
 
-    const std::uint64_t at = clock_.now();
+    const Result<std::uint64_t> at = clock_.now();  // on error nothing is written and the gate stays closed
+    if (!at.ok()) return annotate(at.status(), "rejoin_community_layer(" + user_text(user_id) + ")");
     const CommunityMembership active{user_id, MembershipStatus::Active, current.left_at_ns};
-    if (Status s = write_membership(user_id, active, at, "rejoin_community_layer"); !s.ok()) return s;
+    if (Status s = write_membership(user_id, active, *at, "rejoin_community_layer"); !s.ok()) return s;
     leave_status_.insert_or_assign(user_id, active);
     gate_.open(user_id);
     rejoins_.fetch_add(1, std::memory_order_relaxed);
@@ -242,10 +247,11 @@ Status Db::Impl::leave_locked(const std::vector<std::uint64_t>& users) {
     std::vector<std::uint64_t> floors(user_locks_.size(), 0);
     written.clear();
     for (std::size_t i = begin; i < end; ++i) {
-      const std::uint64_t left_at = clock_.now();
-      written.push_back({todo[i], MembershipStatus::Left, left_at});
-      put_membership(&batch, todo[i], written.back(), left_at);
-      floors[todo[i] % floors.size()] = left_at;
+      const Result<std::uint64_t> left_at = clock_.now();
+      if (!left_at.ok()) return bulk_failure(left_at.status(), "leave_community_layer", begin, todo.size());
+      written.push_back({todo[i], MembershipStatus::Left, *left_at});
+      put_membership(&batch, todo[i], written.back(), *left_at);
+      floors[todo[i] % floors.size()] = *left_at;
     }
     put_clock_floors(&batch, floors);
     if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
@@ -278,10 +284,11 @@ Status Db::Impl::rejoin_locked(const std::vector<std::uint64_t>& users) {
     for (std::size_t i = begin; i < end; ++i) {
       CommunityMembership current{todo[i], MembershipStatus::Active, std::nullopt};
       leave_status_.find(todo[i], current);
-      const std::uint64_t at = clock_.now();
+      const Result<std::uint64_t> at = clock_.now();
+      if (!at.ok()) return bulk_failure(at.status(), "rejoin_community_layer", begin, todo.size());
       written.push_back({todo[i], MembershipStatus::Active, current.left_at_ns});
-      put_membership(&batch, todo[i], written.back(), at);
-      floors[todo[i] % floors.size()] = at;
+      put_membership(&batch, todo[i], written.back(), *at);
+      floors[todo[i] % floors.size()] = *at;
     }
     put_clock_floors(&batch, floors);
     if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),

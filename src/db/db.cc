@@ -106,7 +106,7 @@ void Db::Impl::close_all_at_exit() {
 Db::Impl::Impl(const Options& options, std::unique_ptr<Storage> storage)
     : options_(options),
       storage_(std::move(storage)),
-      clock_(options.clock),
+      clock_(options.clock, [this](std::uint64_t floor) { return store_clock_lease(floor); }),
       communities_(kInitialMapCapacity),
       leave_status_(kInitialMapCapacity),
       held_back_(kInitialMapCapacity),
@@ -150,7 +150,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     impl->corrupt_treated_as_left_.store(leaves.corrupt_treated_as_left, std::memory_order_relaxed);
     Result<std::uint64_t> floor = read_clock_floor(st);
     if (!floor.ok()) return floor.status();
-    impl->clock_.raise_floor(std::max(*floor, leaves.max_timestamp));
+    impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
     if (!options.read_only) impl->state_->start();
     register_exit_handler();
     return std::unique_ptr<Db>(new Db(std::move(impl)));
@@ -178,22 +178,22 @@ void Db::Impl::put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id
   batch->Put(storage_->meta(), key, value);
 }
 
-Status Db::Impl::persist_clock_floor() {
-  rocksdb::WriteBatch batch;
-  std::string key = kClockFloorPrefix;
-  key += "flush";
+// Serialized by the clock's lease lock; the clock only ever passes a larger
+// floor while the Db is open (and last() at close).
+Status Db::Impl::store_clock_lease(std::uint64_t floor) {
   std::string value;
-  put_u64_le(&value, clock_.last());
-  batch.Put(storage_->meta(), key, value);
-  return storage_->write(&batch, Storage::durable_if(options_.sync_writes), "clock floor write of '" + storage_->path() + "'");
+  put_u64_le(&value, floor);
+  rocksdb::WriteBatch batch;
+  batch.Put(storage_->meta(), kClockLeaseKey, value);
+  return storage_->write(&batch, Storage::durable_if(options_.sync_writes),
+                         "clock lease (floor " + std::to_string(floor) + " ns)");
 }
 
 Status Db::Impl::flush() {
   return guarded("flush", [&]() -> Status {
     Call call(this, "flush", /*write=*/true);
     if (!call.status().ok()) return call.status();
-    if (Status s = state_->flush(); !s.ok()) return s;
-    return persist_clock_floor();
+    return state_->flush();
   });
 }
 
@@ -220,7 +220,7 @@ Status Db::Impl::close() {
     // could see, the close goes on (the Db stays closed) and reports it.
     const Status barrier = grace_.synchronize_all();
     Status result = options_.read_only ? Status::OK() : state_->stop();
-    if (result.ok() && !options_.read_only) result = persist_clock_floor();
+    if (!options_.read_only && result.ok()) result = clock_.release_lease();  // no time is handed out now
     Status s = storage_->close();
     if (!barrier.ok()) return barrier;
     return result.ok() ? s : result;

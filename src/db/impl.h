@@ -84,7 +84,7 @@ class Db::Impl {
     CounterStripe* counters;
     Units units = 0;            // the weight, exact
     int buffer = 0;             // the state store buffer every cell of the signal goes to
-    std::uint64_t stamp = 0;    // the Db clock reading of its contributions; 0 until the first
+    std::uint64_t stamp = 0;    // leased time of its contributions, taken before the fan-out (sink set)
     std::int8_t gate = -1;      // the leave gate's answer for this signal; -1 until asked
     std::string sink_error{};   // set when the sink threw: the fan-out stops there
   };
@@ -104,6 +104,8 @@ class Db::Impl {
   std::mutex& user_lock(std::uint64_t user_id) { return user_locks_[user_id % user_locks_.size()]; }
   // Appends the clock floor record of the user's lock stripe to `batch`.
   void put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts);
+  // Writes the clock's lease record (Clock::StoreFloor).
+  Status store_clock_lease(std::uint64_t floor);
   Status write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns, const char* what);
   // Appends the 0x11 record (and its index copy) and the 0x12 history entry.
   void put_membership(rocksdb::WriteBatch* batch, std::uint64_t user_id, const CommunityMembership& m,
@@ -116,7 +118,6 @@ class Db::Impl {
   Status rejoin_locked(const std::vector<std::uint64_t>& users);
   // Appends the clock floor records of the stripes in `floors` (0 = untouched).
   void put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors);
-  Status persist_clock_floor();
   CounterStripe& counters();
 
   const Options options_;
@@ -175,7 +176,13 @@ class Db::Impl::Call {
 
 // Meta keys in the default column family.
 inline constexpr char kIndexVersionKey[] = "index_version";
+// Clock floors: every record under the prefix holds 8 bytes LE, and a
+// reopened Db's clock starts above the largest. One record per user lock
+// stripe (the last leave/rejoin time of the stripe, written with it), and
+// the lease (Clock::leased_now), written alone. Older versions also wrote
+// "clock_floor/flush"; it is still read.
 inline constexpr char kClockFloorPrefix[] = "clock_floor/";
+inline constexpr char kClockLeaseKey[] = "clock_floor/lease";
 
 }  // namespace tidal
 

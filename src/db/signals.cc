@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <span>
 
 #include "db/grace.h"
@@ -35,6 +36,20 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
     grace::ReadSection section(grace_, signal.user_id);
     if (closed_.load(std::memory_order_relaxed)) return closed_status("signal_with_context");
     FanOut fan_out{{}, &counters()};
+    // Stamp before anything changes: a signal whose contributions cannot
+    // carry a time below every later leave (G3) fails whole, with nothing
+    // applied, rather than reach the sink unstamped. The stamp is leased, so
+    // it stays below every leave after a crash too.
+    if (options_.contribution_sink && !leave_gate_closed(signal, &fan_out)) {
+      Result<std::uint64_t> stamp = clock_.leased_now();
+      if (!stamp.ok()) {
+        return Status(stamp.status().code(), "signal_with_context: the signal of user " +
+                                                 std::to_string(signal.user_id) + " on item " +
+                                                 std::to_string(signal.item_id) + " was not applied: " +
+                                                 stamp.status().message());
+      }
+      fan_out.stamp = *stamp;
+    }
     fan_out.units = *units;
     fan_out.buffer = state_->begin_signal();
     state_->add(fan_out.buffer, AggregateKind::Personal, signal.user_id, signal.item_id, *units);  // never gated
@@ -51,14 +66,16 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
                              " community additions were applied, the rest of the fan-out was not");
     }
     if (fan_out.outcome.gated) {
-      const std::uint64_t now = clock_.now();
+      // In memory only, so not leased; an exhausted clock leaves the last time as it was.
+      const Result<std::uint64_t> now = clock_.now();
+      const std::optional<std::uint64_t> at = now.ok() ? std::optional<std::uint64_t>(*now) : std::nullopt;
       held_back_.upsert(
           signal.user_id,
-          [now](GateActivity& a) {
+          [at](GateActivity& a) {
             ++a.held_back_signals;
-            a.last_held_back_ns = now;
+            if (at) a.last_held_back_ns = at;
           },
-          GateActivity{1, now});
+          GateActivity{1, at});
     }
     return fan_out.outcome;
   });
@@ -129,8 +146,7 @@ void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
 
 bool Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out) {
   ContributionSink* sink = options_.contribution_sink.get();
-  if (sink == nullptr) return true;
-  if (fan_out->stamp == 0) fan_out->stamp = clock_.now();
+  if (sink == nullptr) return true;  // with a sink, fan_out->stamp was taken before the fan-out
   try {
     sink->on_contribution({signal.user_id, target, target_id, signal.item_id, signal.weight, fan_out->stamp});
     return true;
