@@ -133,9 +133,17 @@ std::unique_ptr<Db> make_state_store_db(std::size_t write_buffer_bytes) {
   }
 }
 
+// Every database the benchmarks keep open across repetitions. main() closes
+// them before returning: RocksDB must not be closed from a static destructor
+// (its own statics may be gone by then; closing there segfaults in EnvLogger).
+std::vector<std::pair<std::size_t, std::unique_ptr<Db>>> g_state_dbs;
+std::unique_ptr<struct HandWritten> g_hand_written;
+std::unique_ptr<struct InMemory> g_in_memory;
+std::unique_ptr<struct ReadFixture> g_read_fixtures[2];
+
 // The default Options (64 MiB of write buffers), or `write_buffer_bytes`.
 Db& state_store_db(std::size_t write_buffer_bytes = Options{}.write_buffer_bytes) {
-  static std::vector<std::pair<std::size_t, std::unique_ptr<Db>>> dbs;
+  auto& dbs = g_state_dbs;
   for (auto& [bytes, db] : dbs) {
     if (bytes == write_buffer_bytes) return *db;
   }
@@ -245,12 +253,14 @@ void BM_Throughput(benchmark::State& state) {
       state.counters["backpressure_waits"] =
           static_cast<double>(after.backpressure_waits - before.backpressure_waits);
     } else if (impl == 1) {
-      static HandWritten hw;
-      signal_s = run_signals(per_thread, [](const DemoSignal& s) { hw.signal(s); });
+      if (!g_hand_written) g_hand_written = std::make_unique<HandWritten>();
+      HandWritten& hw = *g_hand_written;
+      signal_s = run_signals(per_thread, [&hw](const DemoSignal& s) { hw.signal(s); });
     } else {
-      static InMemory im;
+      if (!g_in_memory) g_in_memory = std::make_unique<InMemory>();
+      InMemory& im = *g_in_memory;
       Aggregates agg;
-      signal_s = run_signals(per_thread, [&agg](const DemoSignal& s) { InMemory::signal(agg, im, s); });
+      signal_s = run_signals(per_thread, [&agg, &im](const DemoSignal& s) { InMemory::signal(agg, im, s); });
       const auto t = Clock::now();
       rocksdb::WriteBatch extra;
       check(agg.persist(*im.storage, &extra), "persist");
@@ -443,9 +453,10 @@ ReadFixture make_read_fixture(bool in_sst) {
 
 void BM_ScoreRead(benchmark::State& state) {
   const bool in_sst = state.range(0) != 0;
-  static ReadFixture fixtures[2] = {make_read_fixture(false), make_read_fixture(true)};
-  Db* db = fixtures[in_sst ? 1 : 0].db.get();
-  const auto& cells = fixtures[in_sst ? 1 : 0].cells;
+  auto& fixture = g_read_fixtures[in_sst ? 1 : 0];
+  if (!fixture) fixture = std::make_unique<ReadFixture>(make_read_fixture(in_sst));
+  Db* db = fixture->db.get();
+  const auto& cells = fixture->cells;
   std::vector<std::uint32_t> ns;
   ns.reserve(1 << 22);
   std::size_t i = 0;
@@ -468,4 +479,15 @@ BENCHMARK(BM_ScoreRead)->ArgName("in_sst")->Arg(0)->Arg(1)->Unit(benchmark::kMic
 }  // namespace
 }  // namespace tidal::bench
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  using namespace tidal::bench;
+  g_state_dbs.clear();
+  g_hand_written.reset();
+  g_in_memory.reset();
+  for (auto& f : g_read_fixtures) f.reset();
+  return 0;
+}
