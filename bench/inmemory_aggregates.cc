@@ -1,4 +1,4 @@
-#include "db/aggregates.h"
+#include "inmemory_aggregates.h"
 
 #include <cstring>
 #include <utility>

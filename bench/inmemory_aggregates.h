@@ -2,8 +2,8 @@
 // (owner, item), held in libcuckoo maps (exact under concurrent signals) and
 // persisted to the `aggregates` column family by persist() (Db::flush and
 // Db::close). A crash loses what changed since the last persist.
-#ifndef TIDAL_DB_AGGREGATES_H_
-#define TIDAL_DB_AGGREGATES_H_
+#ifndef TIDAL_BENCH_INMEMORY_AGGREGATES_H_
+#define TIDAL_BENCH_INMEMORY_AGGREGATES_H_
 
 #include <cstdint>
 #include <string>
@@ -11,12 +11,11 @@
 #include <libcuckoo/cuckoohash_map.hh>
 #include <rocksdb/write_batch.h>
 
+#include "storage/state_format.h"  // AggregateKind
 #include "storage/storage.h"
 #include "tidal/status.h"
 
 namespace tidal {
-
-enum class AggregateKind : std::uint8_t { Personal = 1, Cohort = 2, Community = 3 };
 
 // Key of an aggregate: (user | cohort | community id, item id).
 struct AggregateKey {
@@ -67,4 +66,4 @@ class Aggregates {
 
 }  // namespace tidal
 
-#endif  // TIDAL_DB_AGGREGATES_H_
+#endif  // TIDAL_BENCH_INMEMORY_AGGREGATES_H_

@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include <sys/resource.h>
+
 #include "cli_util.h"
 
 namespace {
@@ -489,5 +491,10 @@ int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // keep the report in order with stderr progress
   const int rc = run(*cfg);
   std::printf("total %.2f s\n", seconds_since(start));
+  rusage usage{};
+  if (::getrusage(RUSAGE_SELF, &usage) == 0) {
+    // ru_maxrss is in KiB on Linux: the high-water mark of the whole run.
+    std::printf("peak RSS %.1f MiB\n", static_cast<double>(usage.ru_maxrss) / 1024.0);
+  }
   return rc;
 }
