@@ -73,7 +73,7 @@ struct Record {
 void write_raw(const std::string& path, const std::vector<Record>& records, bool drop_marker) {
   rocksdb::Options o;
   std::vector<rocksdb::ColumnFamilyDescriptor> d;
-  for (const char* n : {"default", "users", "by_tag", "aggregates"}) d.emplace_back(n, rocksdb::ColumnFamilyOptions());
+  for (const char* n : {"default", "users", "by_tag", "aggregates", "ledger"}) d.emplace_back(n, rocksdb::ColumnFamilyOptions());
   std::vector<rocksdb::ColumnFamilyHandle*> cfs;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(o, path, d, &cfs, &raw);

@@ -29,6 +29,7 @@
 
 #include "db/impl.h"
 #include "entities/community.h"
+#include "raw_db.h"
 #include "reliability_util.h"
 #include "storage/keys.h"
 #include "tidal/db.h"
@@ -210,31 +211,7 @@ TEST(CrashTest, AcknowledgedLeavesAndRejoinsSurviveSigkill) {
 
 // ---- compound: SIGKILL while the Db opens (state rebuild, index backfill) ----
 
-const std::vector<std::string> kColumnFamilies = {"default", "users", "by_tag", "aggregates"};
-
-struct RawDb {
-  std::unique_ptr<rocksdb::DB> db;
-  std::vector<rocksdb::ColumnFamilyHandle*> cfs;
-  explicit RawDb(const std::string& path) {
-    rocksdb::Options o;
-    std::vector<rocksdb::ColumnFamilyDescriptor> d;
-    for (const auto& n : kColumnFamilies) d.emplace_back(n, rocksdb::ColumnFamilyOptions());
-    rocksdb::DB* raw = nullptr;
-    rocksdb::Status s = rocksdb::DB::Open(o, path, d, &cfs, &raw);
-    if (!s.ok()) {
-      ADD_FAILURE() << "raw open of " << path << ": " << s.ToString();
-      return;
-    }
-    db.reset(raw);
-  }
-  ~RawDb() {
-    if (!db) return;
-    rocksdb::FlushOptions fo;
-    (void)db->Flush(fo, cfs);
-    for (auto* h : cfs) (void)db->DestroyColumnFamilyHandle(h);
-    (void)db->Close();
-  }
-};
+using testing::RawDb;
 
 rocksdb::Slice sl(const std::string& s) { return {s.data(), s.size()}; }
 
@@ -261,13 +238,13 @@ AckModel build_big_db(const std::string& path, std::uint64_t n, std::vector<std:
     const CommunityMembership m{user, ev.back().status, left_at};
     const auto value = serialize_membership(m);
     const rocksdb::Slice v(value.data(), value.size());
-    batch.Put(raw.cfs[1], sl(encode_key(EntityId(user), Tag::CommunityLeave)), v);
-    batch.Put(raw.cfs[2], sl(encode_index_key(EntityId(user), Tag::CommunityLeave)), v);
+    batch.Put(raw.handles[1], sl(encode_key(EntityId(user), Tag::CommunityLeave)), v);
+    batch.Put(raw.handles[2], sl(encode_index_key(EntityId(user), Tag::CommunityLeave)), v);
     for (const auto& e : ev) {
       std::string suffix;
       put_u64_be(&suffix, e.at_ns);
       const char h = serialize_history_status(e.status);
-      batch.Put(raw.cfs[1], sl(encode_key(EntityId(user), Tag::CommunityLeaveHistory, suffix)), rocksdb::Slice(&h, 1));
+      batch.Put(raw.handles[1], sl(encode_key(EntityId(user), Tag::CommunityLeaveHistory, suffix)), rocksdb::Slice(&h, 1));
     }
     if (batch.Count() >= 30000) {
       EXPECT_TRUE(raw.db->Write(rocksdb::WriteOptions(), &batch).ok());
@@ -283,9 +260,9 @@ void drop_index(const std::string& path) {
   RawDb raw(path);
   if (!raw.db) return;
   rocksdb::WriteBatch batch;
-  batch.Delete(raw.cfs[0], kIndexVersionKey);
+  batch.Delete(raw.handles[0], kIndexVersionKey);
   const std::string lo(1, '\0'), hi(1, '\xff');
-  batch.DeleteRange(raw.cfs[2], lo, hi + std::string(16, '\xff'));
+  batch.DeleteRange(raw.handles[2], lo, hi + std::string(16, '\xff'));
   EXPECT_TRUE(raw.db->Write(rocksdb::WriteOptions(), &batch).ok());
 }
 
@@ -298,8 +275,8 @@ IndexState index_state(const std::string& path) {
   RawDb raw(path);
   if (!raw.db) return st;
   std::string v;
-  st.marker = raw.db->Get(rocksdb::ReadOptions(), raw.cfs[0], kIndexVersionKey, &v).ok();
-  std::unique_ptr<rocksdb::Iterator> it(raw.db->NewIterator(rocksdb::ReadOptions(), raw.cfs[2]));
+  st.marker = raw.db->Get(rocksdb::ReadOptions(), raw.handles[0], kIndexVersionKey, &v).ok();
+  std::unique_ptr<rocksdb::Iterator> it(raw.db->NewIterator(rocksdb::ReadOptions(), raw.handles[2]));
   const char tag = static_cast<char>(Tag::CommunityLeave);
   for (it->Seek(rocksdb::Slice(&tag, 1)); it->Valid() && it->key()[0] == tag; it->Next()) ++st.leave_entries;
   return st;

@@ -8,6 +8,7 @@
 
 #include "db/impl.h"
 #include "fault_fs.h"
+#include "raw_db.h"
 #include "storage/state_format.h"
 #include "test_util.h"
 
@@ -178,27 +179,7 @@ TEST(WriteBehind, ConcurrentSignalsPastTheBufferBoundWaitAndStayExact) {
 
 // ---- invariant I1 and malformed values ----
 
-// Opens `path` as a plain RocksDB database with tidal's column families.
-struct RawDb {
-  explicit RawDb(const std::string& path) {
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* name : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
-    cfs[3].options.merge_operator = new_units_add_operator();
-    rocksdb::Options options;
-    options.create_if_missing = true;
-    options.create_missing_column_families = true;
-    rocksdb::DB* raw = nullptr;
-    rocksdb::Status s = rocksdb::DB::Open(options, path, cfs, &handles, &raw);
-    EXPECT_TRUE(s.ok()) << s.ToString();
-    db.reset(raw);
-  }
-  ~RawDb() {
-    for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
-    (void)db->Close();
-  }
-  std::unique_ptr<rocksdb::DB> db;
-  std::vector<rocksdb::ColumnFamilyHandle*> handles;
-};
+using testing::RawDb;
 
 TEST(Invariant, VerifyFindsAnAggregateThatDisagreesWithItsLedger) {
   TempDir dir;

@@ -15,6 +15,8 @@ namespace {
 constexpr std::size_t kInitialBufferCapacity = 1 << 14;
 // Bytes a buffered cell costs, with libcuckoo's slack: sizes the bounds.
 constexpr std::size_t kBytesPerCell = 128;
+// The longest pause admit() adds to one signal below the hard bound.
+constexpr std::uint64_t kMaxPauseMicros = 1000;
 
 }  // namespace
 
@@ -22,7 +24,7 @@ StateStore::StateStore(Storage* storage, const Config& config, std::function<Sta
     : storage_(storage),
       config_(config),
       quiesce_(std::move(quiesce)),
-      soft_limit_(std::max<std::uint64_t>(1, config.buffer_bytes / 2 / kBytesPerCell / 2)),
+      soft_limit_(std::max<std::uint64_t>(1, config.buffer_bytes / 2 / kBytesPerCell / 4)),
       hard_limit_(std::max<std::uint64_t>(2, config.buffer_bytes / 2 / kBytesPerCell)),
       buffers_{Buffer(kInitialBufferCapacity), Buffer(kInitialBufferCapacity)} {}
 
@@ -99,15 +101,28 @@ void StateStore::run_writer() {
 }
 
 Status StateStore::admit() {
-  const int a = active_.load(std::memory_order_acquire);
-  if (entries_[a].load(std::memory_order_relaxed) < hard_limit_) return Status::OK();
-  backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+  const std::uint64_t fill = entries_[active_.load(std::memory_order_acquire)].load(std::memory_order_relaxed);
+  if (fill < soft_limit_) return Status::OK();
   wake_writer();
+  if (fill < hard_limit_) {
+    // Between the soft and the hard bound, slow each signal a little, more
+    // the fuller the buffer, so that the writer catches up before anyone
+    // would have to wait for a whole write.
+    const std::uint64_t over = fill - soft_limit_;
+    const auto pause = std::chrono::microseconds(over * kMaxPauseMicros / (hard_limit_ - soft_limit_));
+    if (pause.count() > 0) {
+      backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+      std::this_thread::sleep_for(pause);
+    }
+    return Status::OK();
+  }
+  // Past the hard bound: wait for the writer to swap the buffers.
+  backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
   std::unique_lock<std::mutex> lock(writer_mu_);
   while (entries_[active_.load(std::memory_order_acquire)].load(std::memory_order_relaxed) >= hard_limit_) {
     if (!last_error_.ok()) return last_error_;
     if (stop_) return Status::Closed("signal_with_context: the Db is closing");
-    drained_cv_.wait_for(lock, std::chrono::milliseconds(100));
+    drained_cv_.wait_for(lock, std::chrono::milliseconds(10));
   }
   return Status::OK();
 }
@@ -151,47 +166,62 @@ Status StateStore::drain_locked() {
   return write_frozen_locked(frozen);
 }
 
-Status StateStore::write_frozen_locked(int frozen) {
-  Buffer& buffer = buffers_[frozen];
-  rocksdb::WriteBatch batch;
+void StateStore::build_batch(const std::vector<std::pair<Cell, Units>>& cells, std::uint64_t epoch,
+                             rocksdb::WriteBatch* batch, std::uint64_t* keys) const {
   struct LedgerCell {
     std::uint64_t user;
     LedgerEntry entry;
   };
+  std::vector<std::pair<std::string, Units>> aggregates;
   std::vector<LedgerCell> ledger;
-  std::uint64_t cells = 0;
-  {
-    auto locked = buffer.lock_table();  // uncontended: no signal adds to it any more
-    for (const auto& [cell, units] : locked) {
-      if (cell.kind <= static_cast<std::uint8_t>(AggregateKind::Community)) {
-        std::string value;
-        put_units(&value, units);
-        batch.Merge(storage_->aggregates(), encode_aggregate_key(static_cast<AggregateKind>(cell.kind), cell.a, cell.b),
-                    value);
-        ++cells;
-      } else {
-        ledger.push_back({cell.a, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units}});
-      }
+  aggregates.reserve(cells.size());
+  for (const auto& [cell, units] : cells) {
+    if (cell.kind <= static_cast<std::uint8_t>(AggregateKind::Community)) {
+      aggregates.emplace_back(encode_aggregate_key(static_cast<AggregateKind>(cell.kind), cell.a, cell.b), units);
+    } else {
+      ledger.push_back({cell.a, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units}});
     }
   }
-  // One ledger record per user: its cells of this batch, sorted. The epoch (a
-  // sequence number above every earlier batch's) keeps records of different
-  // batches apart.
+  // Key order: RocksDB inserts a sorted batch into its memtables with a hint
+  // per batch (Storage::WriteMode's *Sorted forms), far cheaper than random keys.
+  std::sort(aggregates.begin(), aggregates.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  // One ledger record per user: its cells of this batch, sorted. The epoch
+  // (a sequence number above every earlier batch's) keeps records of
+  // different batches apart.
   std::sort(ledger.begin(), ledger.end(), [](const LedgerCell& x, const LedgerCell& y) {
     return std::tie(x.user, x.entry.target, x.entry.target_id, x.entry.item) <
            std::tie(y.user, y.entry.target, y.entry.target_id, y.entry.item);
   });
-  const std::uint64_t epoch = storage_->db()->GetLatestSequenceNumber() + 1;
   std::string value;
+  for (const auto& [key, units] : aggregates) {
+    value.clear();
+    put_units(&value, units);
+    batch->Merge(storage_->aggregates(), key, value);
+  }
+  *keys = aggregates.size();
+  value.clear();
   for (std::size_t i = 0; i < ledger.size(); ++i) {
     put_ledger_entry(&value, ledger[i].entry);
     if (i + 1 == ledger.size() || ledger[i + 1].user != ledger[i].user) {
-      batch.Put(storage_->ledger(), encode_ledger_key(ledger[i].user, epoch), value);
+      batch->Put(storage_->ledger(), encode_ledger_key(ledger[i].user, epoch), value);
       value.clear();
-      ++cells;
+      ++*keys;
     }
   }
-  Status s = storage_->write(&batch, Storage::durable_if(config_.sync), "aggregate write of '" + storage_->path() + "'");
+}
+
+Status StateStore::write_frozen_locked(int frozen) {
+  Buffer& buffer = buffers_[frozen];
+  std::vector<std::pair<Cell, Units>> cells;
+  {
+    auto locked = buffer.lock_table();  // uncontended: no signal adds to it any more
+    cells.assign(locked.begin(), locked.end());
+  }
+  rocksdb::WriteBatch batch;
+  std::uint64_t keys = 0;
+  build_batch(cells, storage_->db()->GetLatestSequenceNumber() + 1, &batch, &keys);
+  Status s = storage_->write(&batch, config_.sync ? Storage::WriteMode::SyncSorted : Storage::WriteMode::AsyncSorted,
+                             "aggregate write of '" + storage_->path() + "'");
   if (!s.ok()) {
     write_failures_.fetch_add(1, std::memory_order_relaxed);
     return s;  // the frozen buffer stays live: readers still see it, the next drain retries it
@@ -205,7 +235,7 @@ Status StateStore::write_frozen_locked(int frozen) {
   buffer.clear();
   entries_[frozen].store(0, std::memory_order_relaxed);
   writes_.fetch_add(1, std::memory_order_relaxed);
-  cells_written_.fetch_add(cells, std::memory_order_relaxed);
+  cells_written_.fetch_add(keys, std::memory_order_relaxed);
   return Status::OK();
 }
 

@@ -83,7 +83,8 @@ class StateStore {
   // error of the failing writer when it cannot drain.
   Status admit();
 
-  // Inside a signal's read section: the buffer every cell of the signal goes to.
+  // Inside a signal's read section: the buffer every cell of the signal goes
+  // to (read once per signal, so every batch holds whole signals).
   int begin_signal() const { return active_.load(std::memory_order_acquire); }
   void add(int buffer, AggregateKind kind, std::uint64_t owner, std::uint64_t item, Units units) {
     add_cell(buffer, Cell{static_cast<std::uint8_t>(kind), owner, item, 0}, units);
@@ -136,6 +137,9 @@ class StateStore {
   // Caller holds drain_mu_.
   Status drain_locked();
   Status write_frozen_locked(int frozen);
+  // Builds the batch of the frozen buffer's cells (in key order); counts its keys.
+  void build_batch(const std::vector<std::pair<Cell, Units>>& cells, std::uint64_t epoch, rocksdb::WriteBatch* batch,
+                   std::uint64_t* keys) const;
 
   Storage* const storage_;
   const Config config_;

@@ -260,6 +260,10 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   if (config.env != nullptr) options.env = config.env;
   // A read-only open writes nothing, not even a LOG (RocksDB then logs nowhere).
   if (!config.read_only) set_hostile_fs_options(path, &options);
+  // The state store writes large batches: pipelined writes let a small
+  // synced write (a leave) go to the WAL while a large batch is still being
+  // inserted into the memtables, instead of queueing behind it.
+  options.enable_pipelined_write = true;
 
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
   for (const char* name : kColumnFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
@@ -319,8 +323,9 @@ Storage::~Storage() {
 Status Storage::write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
   rocksdb::WriteOptions wo;
-  wo.sync = mode == WriteMode::Sync;
+  wo.sync = mode == WriteMode::Sync || mode == WriteMode::SyncSorted;
   wo.disableWAL = mode == WriteMode::NoWal;
+  wo.memtable_insert_hint_per_batch = mode == WriteMode::SyncSorted || mode == WriteMode::AsyncSorted;
   return from_rocksdb(db_->Write(wo, batch), what);
 }
 
