@@ -579,12 +579,13 @@ TEST(CrashTest, PurgesAreAllOrNothingAndAcknowledgedOnesSurviveSigkill) {
     std::map<std::uint64_t, std::uint64_t> done;  // user -> entries removed
     {
       Child child({"purges", path, std::to_string(first)});
-      std::optional<Clock::time_point> kill_at;
+      bool armed = false;
+      Clock::time_point kill_at{};
       std::vector<std::string> lines;
       for (bool open = true; open;) {
-        if (kill_at && Clock::now() >= *kill_at) {
+        if (armed && Clock::now() >= kill_at) {
           child.kill();
-          kill_at.reset();
+          armed = false;
         }
         lines.clear();
         open = child.read_lines(std::chrono::milliseconds(5), &lines);
@@ -595,6 +596,7 @@ TEST(CrashTest, PurgesAreAllOrNothingAndAcknowledgedOnesSurviveSigkill) {
           in >> kind >> u >> n;
           if (kind == "R") {
             kill_at = Clock::now() + std::chrono::milliseconds(20 + rng() % 200);
+            armed = true;
           } else if (kind == "F") {
             flushed.insert(u);
           } else if (kind == "B") {
@@ -630,9 +632,11 @@ TEST(CrashTest, PurgesAreAllOrNothingAndAcknowledgedOnesSurviveSigkill) {
       } else {
         ++(purged ? in_flight_done : in_flight_not);
       }
-      if (purged) EXPECT_EQ((*receipts)[0].entries_removed, 4u) << ctx << ": user " << u;
+      if (purged) {
+        EXPECT_EQ((*receipts)[0].entries_removed, 4u) << ctx << ": user " << u;
+      }
       // All or nothing: both cells of the cohort and of the community.
-      for (std::uint64_t item : {1, 2}) {
+      for (std::uint64_t item : {std::uint64_t{1}, std::uint64_t{2}}) {
         const double full = item == 1 ? 1.5 : 0.25;
         EXPECT_EQ(testing::value_of((*db)->cohort_score(u, item)), purged ? 0.0 : full) << ctx << ": user " << u;
         EXPECT_EQ(testing::value_of((*db)->community_score(u, item)), purged ? 0.0 : full) << ctx << ": user " << u;
@@ -642,7 +646,9 @@ TEST(CrashTest, PurgesAreAllOrNothingAndAcknowledgedOnesSurviveSigkill) {
       EXPECT_EQ(again->entries_removed, purged ? 0u : 4u) << ctx << ": second purge of user " << u;
     }
     for (std::uint64_t u : flushed) {
-      if (begun.count(u) == 0) EXPECT_EQ(testing::value_of((*db)->cohort_score(u, 1)), 1.5) << ctx << ": user " << u;
+      if (begun.count(u) == 0) {
+        EXPECT_EQ(testing::value_of((*db)->cohort_score(u, 1)), 1.5) << ctx << ": user " << u;
+      }
     }
     ASSERT_OK((*db)->close());
   }

@@ -80,11 +80,11 @@ std::size_t count_shared_differences(Db& a, Db& b) {
   std::size_t differ = 0;
   for (std::uint64_t item = 0; item < kItems; ++item) {
     for (std::uint64_t c = 0; c < kCohorts; ++c) {
-      differ += bits(value_of(a.cohort_score(c, item))) != bits(value_of(b.cohort_score(c, item))) ? 1 : 0;
+      differ += bits(value_of(a.cohort_score(c, item))) != bits(value_of(b.cohort_score(c, item))) ? 1u : 0u;
     }
     for (std::uint64_t m = 0; m < kCommunities; ++m) {
       differ += bits(value_of(a.community_score(100 + m, item))) != bits(value_of(b.community_score(100 + m, item)))
-                    ? 1 : 0;
+                    ? 1u : 0u;
     }
   }
   return differ;
@@ -178,7 +178,7 @@ TEST(Purge, ReceiptsAreKeptOldestFirstAcrossRestartsAndASecondPurgeWritesNothing
     first = *r;
     EXPECT_EQ(r->entries_removed, 5u);  // cohorts 1, 2 item 1; cohort 1 item 2; community 50 items 1, 2
     EXPECT_EQ(r->cohort_weight_removed, 0.4);
-    EXPECT_EQ(r->community_weight_removed, 0.1 + 0.2);
+    EXPECT_EQ(r->community_weight_removed, 0.3);  // the exact sum, not 0.1 + 0.2 in doubles
     Result<PurgeReceipt> again = db->purge_community_contributions(5);
     ASSERT_OK(again);
     EXPECT_EQ(again->entries_removed, 0u);
@@ -502,7 +502,9 @@ TEST(PurgeFaultSweep, APurgeIsDoneOrNotDoneWhateverFileOperationFails) {
     Result<std::vector<PurgeReceipt>> receipts = db->purge_receipts(kLeaver);
     ASSERT_OK(receipts);
     const bool purged = !receipts->empty();
-    if (r.ok()) EXPECT_TRUE(purged) << ctx << ": acknowledged purge without a receipt";
+    if (r.ok()) {
+      EXPECT_TRUE(purged) << ctx << ": acknowledged purge without a receipt";
+    }
     if (!r.ok() && purged) ++failed_but_durable;
     EXPECT_LE(receipts->size(), 1u) << ctx;
     for (std::uint64_t i = 0; i < 20; ++i) {
