@@ -486,7 +486,7 @@ TEST(PurgeFaultSweep, APurgeIsDoneOrNotDoneWhateverFileOperationFails) {
   // failed flush costs RocksDB a 1 s wait at close, and the erasure phase
   // alone has ~60 file operations.
   const char* stride_env = std::getenv("TIDAL_SWEEP_STRIDE");
-  const std::uint64_t stride = stride_env != nullptr ? std::max(1, std::atoi(stride_env)) : 6;
+  const auto stride = static_cast<std::uint64_t>(stride_env != nullptr ? std::max(1, std::atoi(stride_env)) : 6);
   for (std::uint64_t n = 1; n < 3000 && !::testing::Test::HasFailure(); n += n < 16 ? 1 : stride) {
     fs::remove_all(work);
     fs::copy(base, work, fs::copy_options::recursive);
