@@ -55,7 +55,7 @@ echo "== libFuzzer (clang, ASan+UBSan), ${TIDAL_FUZZ_SECONDS:-30} s per target =
 cmake -S . -B build/test-fuzz "${san_flags[@]}" -DCMAKE_CXX_COMPILER=clang++ -DTIDAL_BUILD_FUZZERS=ON \
   -DTIDAL_SANITIZE=address,undefined -DTIDAL_BUILD_TESTS=OFF -DTIDAL_BUILD_TOOLS=OFF >/dev/null
 cmake --build build/test-fuzz -j "$jobs"
-for target in membership_codec history_codec keys open_records; do
+for target in membership_codec history_codec keys open_records receipt_codec; do
   scratch=$(mktemp -d)  # new inputs go here; the committed corpus (fuzz/corpus/) is only read
   log=build/test-fuzz/fuzz_$target.log
   if ! ASAN_OPTIONS="detect_leaks=1" build/test-fuzz/fuzz/fuzz_$target -max_total_time="${TIDAL_FUZZ_SECONDS:-30}" \

@@ -24,6 +24,11 @@
 //     is renewed often), prints "R", joins users 1 and 2 to community 10,
 //     then signals them from two threads forever (each signal: one cohort
 //     and one community contribution).
+//   tidal_crash_child purges <db-path> <first-user>
+//     Opens the Db, prints "R", then for u = first-user, first-user + 1, ...:
+//     joins u to community u, signals u on items 1 (weight 1.5) and 2
+//     (0.25) with cohort u, flushes and prints "F <u>", leaves and prints
+//     "B <u>", purges u and prints "A <u> <entries removed>" (4 expected).
 //   tidal_crash_child open <db-path>
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
@@ -141,6 +146,26 @@ int run_open(const std::string& path) {
   return 0;
 }
 
+int run_purges(const std::string& path, std::uint64_t first) {
+  auto db = tidal::Db::open(path);
+  if (!db.ok()) fail("open", db.status());
+  say("R");
+  for (std::uint64_t u = first;; ++u) {
+    if (tidal::Status s = (*db)->join_community(u, u); !s.ok()) fail("join", s);
+    for (auto [item, weight] : {std::pair<std::uint64_t, double>{1, 1.5}, {2, 0.25}}) {
+      auto out = (*db)->signal_with_context({u, item, weight}, tidal::SignalContext{{u}});
+      if (!out.ok()) fail("signal", out.status());
+    }
+    if (tidal::Status s = (*db)->flush(); !s.ok()) fail("flush", s);
+    say("F " + std::to_string(u));
+    if (tidal::Status s = (*db)->leave_community_layer(u); !s.ok()) fail("leave", s);
+    say("B " + std::to_string(u));
+    auto receipt = (*db)->purge_community_contributions(u);
+    if (!receipt.ok()) fail("purge", receipt.status());
+    say("A " + std::to_string(u) + " " + std::to_string(receipt->entries_removed));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -150,7 +175,8 @@ int main(int argc, char** argv) {
   }
   if (mode == "stamps" && argc == 4) return run_stamps(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "open" && argc == 3) return run_open(argv[2]);
+  if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "signals" && argc == 4) return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10));
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> | purges <db> <first-user>");
   return 2;
 }

@@ -42,11 +42,20 @@ Read-only commands (work while a host service holds the Db open):
                    A host exports live counters from its own Db handle.
   verify           decode every record and cross-check the index; prints one
                    line per problem naming the key, exit 1 if any
+  receipts USER    every purge receipt of the user, oldest first
+  rematerialize    recompute every cohort and community aggregate from the
+                   contribution ledger and compare exactly; one line per
+                   mismatch (key, stored, recomputed), exit 1 if any
 
 Write commands (need the Db to themselves; fail with exit 1 while it is held):
   leave USER       leave the community layer (durable on return; no-op if Left)
   rejoin USER      rejoin the community layer (keeps the history; no-op if Active)
-  leave --from FILE, rejoin --from FILE
+  purge USER       remove every contribution of a Left user from the shared
+                   aggregates, erase their ledger and print the receipt
+  rematerialize --repair
+                   as rematerialize, and rewrite each mismatching aggregate
+                   from the ledger (one synced batch)
+  leave --from FILE, rejoin --from FILE, purge --from FILE
                    one user id per line (FILE '-' reads stdin); blank lines and
                    lines starting with '#' are skipped; bad lines are reported
                    with their line number and skipped, the good ones applied
@@ -54,7 +63,8 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
 Options:
   --db PATH        the Db directory (required; never created)
   --json           machine output: one JSON object (list-left: one per line)
-  --from FILE      bulk input for leave/rejoin
+  --from FILE      bulk input for leave/rejoin/purge
+  --repair         with rematerialize: rewrite the mismatching aggregates
   -h, --help       this help
 
 USER is an unsigned 64-bit decimal integer (0..18446744073709551615).
@@ -65,13 +75,14 @@ file had bad lines; 2 bad usage or a path that is not a tidal Db.
 
 struct Command {
   std::string_view name;
-  bool takes_user;  // status, history, leave, rejoin
-  bool writes;      // leave, rejoin
+  bool takes_user;  // status, history, leave, rejoin, purge, receipts
+  bool writes;      // leave, rejoin, purge (and rematerialize --repair)
 };
 
 constexpr Command kCommands[] = {
     {"status", true, false},    {"history", true, false}, {"list-left", false, false}, {"stats", false, false},
     {"verify", false, false},   {"leave", true, true},    {"rejoin", true, true},
+    {"purge", true, true},      {"receipts", true, false}, {"rematerialize", false, false},
 };
 
 struct Args {
@@ -79,6 +90,7 @@ struct Args {
   std::optional<std::string> from;
   bool json = false;
   bool help = false;
+  bool repair = false;
   std::vector<std::string> positional;  // command, then its operands
 };
 
@@ -109,6 +121,8 @@ std::optional<std::string> parse_args(int argc, char** argv, Args* args) {
       args->help = true;
     } else if (arg == "--json") {
       args->json = true;
+    } else if (arg == "--repair") {
+      args->repair = true;
     } else if (is("--db")) {
       args->db = value_of("--db");
       if (!args->db || args->db->empty()) return "--db needs a PATH";
@@ -255,7 +269,73 @@ int cmd_verify(tidal::Db& db, bool json) {
   return report->ok() ? kExitOk : kExitFailed;
 }
 
+std::string receipt_json(const tidal::PurgeReceipt& r) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "{\"user_id\":%llu,\"left_at_ns\":%llu,\"left_at\":%s,\"purged_at_ns\":%llu,\"purged_at\":%s,"
+                "\"entries_removed\":%llu,\"cohort_weight_removed\":%.17g,\"community_weight_removed\":%.17g}",
+                static_cast<unsigned long long>(r.user_id), static_cast<unsigned long long>(r.left_at_ns),
+                json_time(r.left_at_ns).c_str(), static_cast<unsigned long long>(r.purged_at_ns),
+                json_time(r.purged_at_ns).c_str(), static_cast<unsigned long long>(r.entries_removed),
+                r.cohort_weight_removed, r.community_weight_removed);
+  return buf;
+}
+
+std::string receipt_text(const tidal::PurgeReceipt& r) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "user %llu: purged at %s (%llu ns): %llu ledger entries removed, cohort weight %.17g, community "
+                "weight %.17g; boundary left_at %s (%llu ns)",
+                static_cast<unsigned long long>(r.user_id), text_time(r.purged_at_ns).c_str(),
+                static_cast<unsigned long long>(r.purged_at_ns), static_cast<unsigned long long>(r.entries_removed),
+                r.cohort_weight_removed, r.community_weight_removed, text_time(r.left_at_ns).c_str(),
+                static_cast<unsigned long long>(r.left_at_ns));
+  return buf;
+}
+
+int cmd_receipts(tidal::Db& db, std::uint64_t user, bool json) {
+  tidal::Result<std::vector<tidal::PurgeReceipt>> receipts = db.purge_receipts(user);
+  if (!receipts.ok()) return db_failure("receipts", receipts.status());
+  if (json) {
+    std::string items;
+    for (const auto& r : *receipts) items += (items.empty() ? "" : ",") + receipt_json(r);
+    std::printf("{\"user_id\":%llu,\"receipts\":[%s]}\n", static_cast<unsigned long long>(user), items.c_str());
+  } else {
+    for (const auto& r : *receipts) std::printf("%s\n", receipt_text(r).c_str());
+    std::printf("user %llu: %zu purge receipts\n", static_cast<unsigned long long>(user), receipts->size());
+  }
+  return kExitOk;
+}
+
+int cmd_rematerialize(tidal::Db& db, bool repair, bool json) {
+  tidal::Result<tidal::RematerializeReport> report = db.rematerialize_shared_aggregates(repair);
+  if (!report.ok()) return db_failure("rematerialize", report.status());
+  if (json) {
+    std::string items;
+    for (const std::string& m : report->mismatches) items += (items.empty() ? "" : ",") + json_string(m);
+    std::printf("{\"aggregates_checked\":%llu,\"ledger_entries_read\":%llu,\"mismatches\":[%s],\"repaired\":%s}\n",
+                static_cast<unsigned long long>(report->aggregates_checked),
+                static_cast<unsigned long long>(report->ledger_entries_read), items.c_str(),
+                report->repaired ? "true" : "false");
+  } else {
+    for (const std::string& m : report->mismatches) std::printf("mismatch: %s\n", m.c_str());
+    std::printf("rematerialize: %llu aggregates checked, %llu ledger entries read, %zu mismatches%s\n",
+                static_cast<unsigned long long>(report->aggregates_checked),
+                static_cast<unsigned long long>(report->ledger_entries_read), report->mismatches.size(),
+                report->repaired ? ", all repaired" : "");
+  }
+  // Repaired mismatches are fixed: exit 0; found and left (or unrepairable): 1.
+  return report->mismatches.empty() || report->repaired ? kExitOk : kExitFailed;
+}
+
 // ---- write commands ----
+
+int cmd_purge(tidal::Db& db, std::uint64_t user, bool json) {
+  tidal::Result<tidal::PurgeReceipt> r = db.purge_community_contributions(user);
+  if (!r.ok()) return db_failure("purge", r.status());
+  std::printf("%s\n", json ? receipt_json(*r).c_str() : receipt_text(*r).c_str());
+  return kExitOk;
+}
 
 // Leaves or rejoins one user; `changed` tells whether the state changed.
 tidal::Status apply(tidal::Db& db, bool leave, std::uint64_t user, bool* changed) {
@@ -291,11 +371,13 @@ int cmd_leave_or_rejoin(tidal::Db& db, bool leave, std::uint64_t user, bool json
 struct BadLine {
   std::uint64_t number;
   std::string text;
+  std::string error;  // empty: not a user id
 };
 
 // Users per bulk call: the Db writes each call in synced batches of 10,000,
 // and the progress bar moves once per call.
 constexpr std::size_t kBulkChunk = 10'000;
+constexpr std::size_t kPurgeChunk = 1'000;
 
 // `line` without leading and trailing blanks (spaces, tabs, CR, VT, FF).
 std::string_view trimmed(std::string_view line) {
@@ -308,8 +390,11 @@ std::string_view trimmed(std::string_view line) {
 // surrounding blanks are ignored), through the bulk API in calls of
 // kBulkChunk users. Bad lines are reported and skipped; a Db error stops the
 // run (leave and rejoin are idempotent, so re-running the file is safe).
-int cmd_bulk(tidal::Db& db, bool leave, const std::string& source, const std::vector<std::string>& lines, bool json) {
-  const char* action = leave ? "leave" : "rejoin";
+int cmd_bulk(tidal::Db& db, const std::string& action_name, const std::string& source,
+             const std::vector<std::string>& lines, bool json) {
+  const bool leave = action_name == "leave";
+  const bool purge = action_name == "purge";
+  const char* action = action_name.c_str();
   std::vector<BadLine> bad;
   std::vector<std::uint64_t> users;
   std::vector<std::size_t> line_of;  // 1-based line number of each entry of `users`
@@ -318,8 +403,17 @@ int cmd_bulk(tidal::Db& db, bool leave, const std::string& source, const std::ve
     if (text.empty() || text.front() == '#') continue;  // blank or comment
     std::optional<std::uint64_t> user = tidal::cli::parse_u64(text);
     if (!user) {
-      bad.push_back({i + 1, lines[i]});
+      bad.push_back({i + 1, lines[i], {}});
       continue;
+    }
+    if (purge) {
+      // The Db refuses a whole call when one user is not Left: report such
+      // users as bad lines instead, and purge the rest.
+      tidal::Result<tidal::CommunityMembership> m = db.community_layer_status(*user);
+      if (m.ok() && m->status != tidal::MembershipStatus::Left) {
+        bad.push_back({i + 1, lines[i], "user is Active (only a Left user can be purged)"});
+        continue;
+      }
     }
     users.push_back(*user);
     line_of.push_back(i + 1);
@@ -328,20 +422,36 @@ int cmd_bulk(tidal::Db& db, bool leave, const std::string& source, const std::ve
   std::uint64_t processed = 0, changed_count = 0;
   std::optional<std::string> failure;
   tidal::cli::ProgressBar progress(action, users.size(), /*lines_when_not_tty=*/false);
-  for (std::size_t begin = 0; begin < users.size(); begin += kBulkChunk) {
+  // A purge call pays one flush and one forced compaction: chunks of 1,000
+  // keep the bar moving at little cost.
+  const std::size_t chunk_size = purge ? kPurgeChunk : kBulkChunk;
+  for (std::size_t begin = 0; begin < users.size(); begin += chunk_size) {
     progress.update(begin);
-    const std::size_t n = std::min(kBulkChunk, users.size() - begin);
+    const std::size_t n = std::min(chunk_size, users.size() - begin);
     const std::span<const std::uint64_t> chunk(users.data() + begin, n);
-    const std::uint64_t before = leave ? db.stats().leaves : db.stats().rejoins;
-    tidal::Status s = leave ? db.leave_community_layer(chunk) : db.rejoin_community_layer(chunk);
-    const std::uint64_t changed = (leave ? db.stats().leaves : db.stats().rejoins) - before;
+    std::uint64_t changed = 0;
+    tidal::Status s;
+    if (purge) {
+      // One call per chunk: one flush, one forced compaction for all its users.
+      tidal::Result<std::vector<tidal::PurgeReceipt>> r = db.purge_community_contributions(chunk);
+      if (r.ok()) {
+        for (const auto& receipt : *r) changed += receipt.entries_removed != 0 ? 1 : 0;
+      } else {
+        s = r.status();
+      }
+    } else {
+      const std::uint64_t before = leave ? db.stats().leaves : db.stats().rejoins;
+      s = leave ? db.leave_community_layer(chunk) : db.rejoin_community_layer(chunk);
+      changed = (leave ? db.stats().leaves : db.stats().rejoins) - before;
+    }
     changed_count += changed;
     if (!s.ok()) {
       processed += changed;  // the users of the chunk known to be applied
       failure = source + ":" + std::to_string(line_of[begin]) + "-" + std::to_string(line_of[begin + n - 1]) + ": " +
                 action + " of " + std::to_string(n) + " users failed: " + s.to_string() +
                 "; stopped here, the users on earlier lines were applied (" + action +
-                " is idempotent: re-run the file once fixed)";
+                " is idempotent: re-run the file once fixed" + (purge ? "; purge_receipts lists what was done" : "") +
+                ")";
       break;
     }
     processed += n;
@@ -350,7 +460,7 @@ int cmd_bulk(tidal::Db& db, bool leave, const std::string& source, const std::ve
 
   for (const BadLine& b : bad) {
     std::fprintf(stderr, "tidalctl: %s:%llu: %s\n", source.c_str(), static_cast<unsigned long long>(b.number),
-                 invalid_user_text(b.text).c_str());
+                 b.error.empty() ? invalid_user_text(b.text).c_str() : (b.text + ": " + b.error).c_str());
   }
   if (failure) std::fprintf(stderr, "tidalctl: %s\n", failure->c_str());
   const auto unchanged = processed - changed_count;
@@ -359,7 +469,7 @@ int cmd_bulk(tidal::Db& db, bool leave, const std::string& source, const std::ve
     for (const BadLine& b : bad) {
       items += (items.empty() ? "{" : ",{") + std::string("\"line\":") + std::to_string(b.number) +
                ",\"text\":" + json_string(b.text) +
-               ",\"error\":\"invalid user id\"}";
+               ",\"error\":" + json_string(b.error.empty() ? "invalid user id" : b.error) + "}";
     }
     std::printf("{\"action\":\"%s\",\"source\":%s,\"processed\":%llu,\"changed\":%llu,\"unchanged\":%llu,"
                 "\"bad_lines\":[%s],\"error\":%s}\n",
@@ -367,10 +477,11 @@ int cmd_bulk(tidal::Db& db, bool leave, const std::string& source, const std::ve
                 static_cast<unsigned long long>(changed_count), static_cast<unsigned long long>(unchanged),
                 items.c_str(), failure ? json_string(*failure).c_str() : "null");
   } else {
-    std::printf("%s: %llu users processed from %s: %llu %s, %llu already %s; %zu bad lines%s\n", action,
+    std::printf("%s: %llu users processed from %s: %llu %s, %llu %s; %zu bad lines%s\n", action,
                 static_cast<unsigned long long>(processed), source.c_str(),
-                static_cast<unsigned long long>(changed_count), leave ? "left" : "rejoined",
-                static_cast<unsigned long long>(unchanged), leave ? "Left" : "Active", bad.size(),
+                static_cast<unsigned long long>(changed_count), purge ? "purged" : leave ? "left" : "rejoined",
+                static_cast<unsigned long long>(unchanged),
+                purge ? "had nothing to remove" : leave ? "already Left" : "already Active", bad.size(),
                 failure ? "; STOPPED on a Db error" : "");
   }
   return bad.empty() && !failure ? kExitOk : kExitFailed;
@@ -423,7 +534,8 @@ int run(int argc, char** argv) {
   const std::vector<std::string> operands(args.positional.begin() + 1, args.positional.end());
   std::optional<std::uint64_t> user;
   std::vector<std::string> lines;
-  if (args.from && !command->writes) return usage_error("--from applies to leave and rejoin only, not " + name);
+  if (args.from && !command->writes) return usage_error("--from applies to leave, rejoin and purge only, not " + name);
+  if (args.repair && name != "rematerialize") return usage_error("--repair applies to rematerialize only, not " + name);
   if (args.from) {
     if (!operands.empty()) return usage_error(name + " takes either USER or --from FILE, not both");
     if (!read_lines(*args.from, &lines)) {
@@ -442,7 +554,7 @@ int run(int argc, char** argv) {
   const std::string& path = *args.db;
   tidal::Options options;
   options.create_if_missing = false;
-  options.read_only = !command->writes;
+  options.read_only = !command->writes && !args.repair;
   // verify must run to list what is wrong, so it gates a corrupt leave record
   // instead of failing the open (read-only: nothing is written).
   if (name == "verify") options.corrupt_record_policy = tidal::CorruptRecordPolicy::TreatAsLeft;
@@ -463,7 +575,10 @@ int run(int argc, char** argv) {
   else if (name == "list-left") rc = cmd_list_left(db, args.json);
   else if (name == "stats") rc = cmd_stats(db, args.json);
   else if (name == "verify") rc = cmd_verify(db, args.json);
-  else if (args.from) rc = cmd_bulk(db, name == "leave", *args.from == "-" ? "<stdin>" : *args.from, lines, args.json);
+  else if (name == "receipts") rc = cmd_receipts(db, *user, args.json);
+  else if (name == "rematerialize") rc = cmd_rematerialize(db, args.repair, args.json);
+  else if (args.from) rc = cmd_bulk(db, name, *args.from == "-" ? "<stdin>" : *args.from, lines, args.json);
+  else if (name == "purge") rc = cmd_purge(db, *user, args.json);
   else rc = cmd_leave_or_rejoin(db, name == "leave", *user, args.json);
 
   if (tidal::Status s = db.close(); !s.ok()) {

@@ -177,6 +177,25 @@ struct VerifyReport {
   bool ok() const { return problems.empty(); }
 };
 
+// What purge_community_contributions removed (SPEC §7); kept durably under
+// the user (tag 0x10) and listed by purge_receipts.
+struct PurgeReceipt {
+  std::uint64_t user_id = 0;
+  std::uint64_t left_at_ns = 0;         // the boundary: every removed contribution was forwarded before it
+  std::uint64_t purged_at_ns = 0;       // Db clock
+  std::uint64_t entries_removed = 0;    // ledger entries removed
+  double cohort_weight_removed = 0;     // sum of removed cohort contributions (exact sum, nearest double)
+  double community_weight_removed = 0;  // sum of removed community contributions
+};
+
+// The outcome of rematerialize_shared_aggregates.
+struct RematerializeReport {
+  std::uint64_t aggregates_checked = 0;
+  std::uint64_t ledger_entries_read = 0;
+  std::vector<std::string> mismatches;  // one line each: key, stored, recomputed
+  bool repaired = false;                // true when repair rewrote the mismatching aggregates
+};
+
 class Db {
  public:
   // Opens (or creates) the Db in directory `path`. Fails with a Status naming
@@ -271,6 +290,31 @@ class Db {
   // Decodes every record and cross-checks the leave records against their
   // index. A non-OK Status only when verification itself could not run.
   Result<VerifyReport> verify() const;
+
+  // Retroactive purge (SPEC §7). Requires the user to be Left (else
+  // InvalidArgument naming the user and their status, nothing changed).
+  // Subtracts every contribution the user made to a cohort or community
+  // aggregate (all forwarded before left_at_ns), deletes the user's ledger
+  // entries and writes the receipt, in one synced WriteBatch: a crash leaves
+  // it all done or not done. On return every shared score equals that of a
+  // Db that never received the user's contributions, bit for bit, and no SST
+  // or WAL file of the Db holds a key of the user's ledger (docs/PURGE.md
+  // says what RocksDB's MANIFEST keeps). The personal layer is untouched.
+  // Nothing left to remove: a receipt with entries_removed == 0, nothing
+  // written. Waits for leaves and rejoins of the user, and they for it.
+  Result<PurgeReceipt> purge_community_contributions(std::uint64_t user_id);
+  // Bulk form: every listed user must be Left (else InvalidArgument, nothing
+  // changed); one flush, batches of whole users, one forced compaction over
+  // the union of their ledger ranges. Receipts in ascending user order
+  // (duplicates purged once). On a storage error the users of the batches
+  // written before it are purged (their receipts exist), the rest untouched.
+  Result<std::vector<PurgeReceipt>> purge_community_contributions(std::span<const std::uint64_t> user_ids);
+  // Every receipt of the user, oldest first.
+  Result<std::vector<PurgeReceipt>> purge_receipts(std::uint64_t user_id) const;
+  // Recomputes every cohort and community aggregate from the ledger and
+  // compares exactly; with `repair`, rewrites the differing ones in one synced
+  // batch. No aggregate write interleaves (the background writer waits).
+  Result<RematerializeReport> rematerialize_shared_aggregates(bool repair = false);
 
   Stats stats() const;
 

@@ -322,6 +322,20 @@ Status Db::for_each_left(const std::function<bool(const CommunityMembership&)>& 
   return impl_->for_each_left(fn);
 }
 Result<VerifyReport> Db::verify() const { return impl_->verify(); }
+Result<PurgeReceipt> Db::purge_community_contributions(std::uint64_t user_id) {
+  Result<std::vector<PurgeReceipt>> r = impl_->purge("purge_community_contributions", {&user_id, 1});
+  if (!r.ok()) return r.status();
+  return r->front();
+}
+Result<std::vector<PurgeReceipt>> Db::purge_community_contributions(std::span<const std::uint64_t> user_ids) {
+  return impl_->purge("purge_community_contributions", user_ids);
+}
+Result<std::vector<PurgeReceipt>> Db::purge_receipts(std::uint64_t user_id) const {
+  return impl_->purge_receipts(user_id);
+}
+Result<RematerializeReport> Db::rematerialize_shared_aggregates(bool repair) {
+  return impl_->rematerialize_shared_aggregates(repair);
+}
 Stats Db::stats() const { return impl_->stats(); }
 
 }  // namespace tidal

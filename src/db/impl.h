@@ -66,6 +66,10 @@ class Db::Impl {
   Result<GateActivity> gate_activity(std::uint64_t user_id) const;
   Status for_each_left(const std::function<bool(const CommunityMembership&)>& fn) const;
   Result<VerifyReport> verify() const;
+  // §7, in db/purge.cc.
+  Result<std::vector<PurgeReceipt>> purge(const char* what, std::span<const std::uint64_t> user_ids);
+  Result<std::vector<PurgeReceipt>> purge_receipts(std::uint64_t user_id) const;
+  Result<RematerializeReport> rematerialize_shared_aggregates(bool repair);
   Stats stats() const;
 
   // Closes every Db still open; run once by std::atexit (see db.cc).
@@ -119,6 +123,10 @@ class Db::Impl {
   // Appends the clock floor records of the stripes in `floors` (0 = untouched).
   void put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors);
   CounterStripe& counters();
+  // db/purge.cc: `users` sorted, distinct, Left, their stripes locked.
+  Result<std::vector<PurgeReceipt>> purge_locked(const char* what, const std::vector<std::uint64_t>& users);
+  // Makes sure no SST or WAL file holds a key in [begin, end) of the ledger.
+  Status erase_ledger_range(const std::string& begin, const std::string& end);
 
   const Options options_;
   std::unique_ptr<Storage> storage_;

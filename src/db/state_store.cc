@@ -289,4 +289,16 @@ Status StateStore::verify(VerifyReport* report) const {
   return s;
 }
 
+Status StateStore::exclusive(const std::function<Status()>& fn) {
+  std::lock_guard<std::mutex> drain(drain_mu_);
+  Status s = drain_locked();
+  {
+    std::lock_guard<std::mutex> lock(writer_mu_);
+    last_error_ = s;
+  }
+  drained_cv_.notify_all();
+  if (!s.ok()) return s;
+  return fn();
+}
+
 }  // namespace tidal

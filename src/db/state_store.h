@@ -109,6 +109,13 @@ class StateStore {
   // one snapshot. Adds a line per problem to `report`.
   Status verify(VerifyReport* report) const;
 
+  // Writes everything pending (one drain, as flush()), then runs `fn` while
+  // holding the drain lock: no batch of the writer lands between fn's reads
+  // and its writes (purge, re-materialization). Signals go on meanwhile,
+  // into the buffers, up to their bound. The drain's error, fn not run,
+  // when the drain fails.
+  Status exclusive(const std::function<Status()>& fn);
+
  private:
   // kind 1-3: an aggregate (a = owner, b = item). kind 4-5 (cohort or
   // community + kLedgerKindOffset): a ledger cell (a = user, b = target id, c = item).

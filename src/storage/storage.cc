@@ -229,6 +229,10 @@ void apply_state_store_options(const Storage::Config& config, std::vector<rocksd
   table.pin_l0_filter_and_index_blocks_in_cache = true;
   for (auto& cf : *cfs) cf.options.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
   (*cfs)[3].options.merge_operator = new_units_add_operator();
+  // A purge force-compacts the purged user's key range of the ledger, which
+  // rewrites every SST file overlapping it: small files keep that rewrite
+  // (and the purge's latency) small. 4 MiB instead of RocksDB's 64 MiB.
+  (*cfs)[4].options.target_file_size_base = 4 << 20;
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ t --db "$DB" --bogus status 1; rc_is 2; err_has "unknown option '--bogus'"
 t --db "$DB" status; rc_is 2; err_has 'exactly one USER'
 t --db "$DB" status 1 2; rc_is 2; err_has 'exactly one USER'
 t --db "$DB" list-left 7; rc_is 2; err_has 'takes no arguments'
-t --db "$DB" status --from /dev/null; rc_is 2; err_has 'leave and rejoin only'
+t --db "$DB" status --from /dev/null; rc_is 2; err_has 'leave, rejoin and purge only'
 t --db "$DB" leave 1 --from /dev/null; rc_is 2; err_has 'either USER or --from'
 before=$(fingerprint "$DB")
 for bad in -1 +1 '' ' 1' '1 ' 1x 0x10 18446744073709551616 99999999999999999999 1.5; do
@@ -146,6 +146,25 @@ last="tidalctl --db $DB --json leave --from - (one bad line)"
 printf '10\nx1\n' | "$CTL" --db "$DB" --json leave --from - >"$OUT" 2>"$ERR"; rc=$?
 rc_is 1; json 'd["processed"] == 1 and d["bad_lines"] == [{"line": 2, "text": "x1", "error": "invalid user id"}]'
 err_has "<stdin>:2: invalid user id 'x1'"
+
+# ---- purge, receipts, rematerialize ----
+t --db "$DB" purge; rc_is 2; err_has 'exactly one USER'
+t --db "$DB" purge x; rc_is 2; err_has "invalid user id 'x'"
+t --db "$DB" receipts 2 --repair; rc_is 2; err_has -- '--repair applies to rematerialize only'
+t --db "$DB" purge 1; rc_is 1; err_has 'user 1 is Active'
+t --db "$DB" purge 2; rc_is 0; out_has '^user 2: purged at .*: 0 ledger entries removed'
+t --db "$DB" --json purge 2; rc_is 0; json 'd["user_id"] == 2 and d["entries_removed"] == 0 and d["left_at_ns"] > 0'
+t --db "$DB" receipts 2; rc_is 0; out_has '^user 2: 0 purge receipts$'  # nothing removed: nothing written
+t --db "$DB" --json receipts 2; rc_is 0; json 'd["user_id"] == 2 and d["receipts"] == []'
+printf '%s\n' 2 ' 12 ' 1 zz '' 13 >"$WORK/purge.txt"
+t --db "$DB" purge --from "$WORK/purge.txt"; rc_is 1
+out_has '^purge: 3 users processed from .*purge.txt: 0 purged, 3 had nothing to remove; 2 bad lines$'
+err_has 'purge.txt:3: 1: user is Active'; err_has "purge.txt:4: invalid user id 'zz'"
+last="tidalctl --db $DB --json purge --from - <<< '12 13'"
+printf '12\n13\n' | "$CTL" --db "$DB" --json purge --from - >"$OUT" 2>"$ERR"; rc=$?
+rc_is 0; json 'd["action"] == "purge" and d["processed"] == 2 and d["bad_lines"] == []'
+t --db "$DB" rematerialize; rc_is 0; out_has '^rematerialize: [0-9]+ aggregates checked, [0-9]+ ledger entries read, 0 mismatches$'
+t --db "$DB" --json rematerialize --repair; rc_is 0; json 'd["mismatches"] == [] and d["repaired"] is False'
 
 # ---- read-only while a host holds the Db; writes refused ----
 FIFO=$WORK/hold.fifo

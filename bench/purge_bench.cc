@@ -1,0 +1,212 @@
+// Purge and re-materialization (issue 12, SPEC §7) on a Db holding
+// TIDAL_PURGE_BENCH_ENTRIES ledger entries (default 10M):
+//   BM_PurgeOneUser/100, /10000   one purge_community_contributions call for a
+//                                 Left user with that many ledger entries
+//   BM_BulkPurge/10000            one bulk call over 10,000 Left users spread
+//                                 over the whole key space (10 entries each)
+//   BM_Rematerialize              rematerialize_shared_aggregates(false) over
+//                                 the whole ledger; counter entries/s
+// The Db is built once, fast: the ledger records and the aggregates that
+// equal their sums (I1) are written as SST files with rocksdb::SstFileWriter
+// and ingested, then opened as a tidal Db.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <rocksdb/db.h>
+#include <rocksdb/sst_file_writer.h>
+
+#include "bench_util.h"
+#include "storage/state_format.h"
+
+namespace tidal::bench {
+namespace {
+
+constexpr std::uint64_t kEntriesPerBackgroundUser = 10;
+constexpr std::uint64_t kTargets = 1000, kItems = 100;
+// Special users, above every background user: 20 with 1e2 entries, 20 with 1e4.
+constexpr std::uint64_t kSmallBase = 1ULL << 40, kLargeBase = 2ULL << 40, kSpecialUsers = 20;
+
+std::uint64_t total_entries() {
+  const char* v = std::getenv("TIDAL_PURGE_BENCH_ENTRIES");
+  return v != nullptr ? std::strtoull(v, nullptr, 10) : 10'000'000;
+}
+std::uint64_t background_users() { return total_entries() / kEntriesPerBackgroundUser; }
+
+void check(const rocksdb::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::abort();
+  }
+}
+
+// One ledger record of `n` entries for `user`, epoch `epoch`; adds them to `totals`.
+std::string make_record(std::uint64_t user, std::uint64_t n, std::uint64_t salt, std::map<std::string, Units>* totals) {
+  std::vector<LedgerEntry> entries;
+  entries.reserve(n);
+  for (std::uint64_t j = 0; j < n; ++j) {
+    const std::uint64_t k = salt + j;
+    entries.push_back({j % 2 ? AggregateKind::Community : AggregateKind::Cohort, (user + k) % kTargets,
+                       (k / kTargets + user * 7) % kItems, static_cast<Units>(1'000'000'000 + (k % 7))});
+  }
+  std::sort(entries.begin(), entries.end(), [](const LedgerEntry& a, const LedgerEntry& b) {
+    return std::tie(a.target, a.target_id, a.item) < std::tie(b.target, b.target_id, b.item);
+  });
+  // Distinct cells only (a record holds one entry per cell).
+  entries.erase(std::unique(entries.begin(), entries.end(),
+                            [](const LedgerEntry& a, const LedgerEntry& b) {
+                              return a.target == b.target && a.target_id == b.target_id && a.item == b.item;
+                            }),
+                entries.end());
+  std::string value;
+  for (const LedgerEntry& e : entries) {
+    put_ledger_entry(&value, e);
+    (*totals)[encode_aggregate_key(e.target, e.target_id, e.item)] += e.units;
+  }
+  return value;
+}
+
+struct Fixture {
+  std::string path;
+  std::unique_ptr<Db> db;
+  std::uint64_t next_small = 0, next_large = 0;
+};
+
+Fixture& fixture() {
+  static Fixture* f = [] {
+    auto* out = new Fixture();
+    out->path = scratch_dir("purge_bench") + "/db";
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!must_open(out->path)->close().ok()) std::abort();  // column families and the format mark
+    rocksdb::Options options;
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    for (const char* n : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+    cfs[3].options.merge_operator = new_units_add_operator();
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    check(rocksdb::DB::Open(options, out->path, cfs, &handles, &raw), "open");
+    std::map<std::string, Units> totals;
+    std::uint64_t entries = 0;
+    {
+      rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[4]);
+      const std::string file = out->path + "/../ledger.sst";
+      check(writer.Open(file), "sst open");
+      const std::uint64_t users = background_users();
+      for (std::uint64_t u = 0; u < users; ++u) {
+        const std::string v = make_record(u, kEntriesPerBackgroundUser, 0, &totals);
+        entries += v.size() / kLedgerEntrySize;
+        check(writer.Put(encode_ledger_key(u, 1), v), "sst put");
+      }
+      for (std::uint64_t base : {kSmallBase, kLargeBase}) {
+        const std::uint64_t n = base == kSmallBase ? 100 : 10'000;
+        for (std::uint64_t s = 0; s < kSpecialUsers; ++s) {
+          // In records of at most 100 entries, as the writer's batches would make them.
+          for (std::uint64_t r = 0; r < n / 100; ++r) {
+            const std::string v = make_record(base + s, 100, r * 100, &totals);
+            entries += v.size() / kLedgerEntrySize;
+            check(writer.Put(encode_ledger_key(base + s, r + 1), v), "sst put");
+          }
+        }
+      }
+      check(writer.Finish(), "sst finish");
+      check(raw->IngestExternalFile(handles[4], {file}, rocksdb::IngestExternalFileOptions()), "ingest ledger");
+    }
+    {
+      rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[3]);
+      const std::string file = out->path + "/../aggregates.sst";
+      check(writer.Open(file), "sst open");
+      std::string v;
+      for (const auto& [key, units] : totals) {
+        v.clear();
+        put_units(&v, units);
+        check(writer.Put(key, v), "sst put");
+      }
+      check(writer.Finish(), "sst finish");
+      check(raw->IngestExternalFile(handles[3], {file}, rocksdb::IngestExternalFileOptions()), "ingest aggregates");
+    }
+    for (auto* h : handles) check(raw->DestroyColumnFamilyHandle(h), "handle");
+    check(raw->Close(), "close");
+    delete raw;
+    out->db = must_open(out->path);
+    std::vector<std::uint64_t> special;
+    for (std::uint64_t s = 0; s < kSpecialUsers; ++s) {
+      special.push_back(kSmallBase + s);
+      special.push_back(kLargeBase + s);
+    }
+    if (!out->db->leave_community_layer(special).ok()) std::abort();
+    std::fprintf(stderr, "purge_bench: Db of %llu ledger entries (%llu aggregates) built in %.1f s\n",
+                 static_cast<unsigned long long>(entries), static_cast<unsigned long long>(totals.size()),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    return out;
+  }();
+  return *f;
+}
+
+void BM_PurgeOneUser(benchmark::State& state) {
+  Fixture& f = fixture();
+  const bool large = state.range(0) == 10'000;
+  std::uint64_t removed = 0;
+  for (auto _ : state) {
+    std::uint64_t& next = large ? f.next_large : f.next_small;
+    if (next == kSpecialUsers) {
+      state.SkipWithError("out of prepared users");
+      break;
+    }
+    const auto t = std::chrono::steady_clock::now();
+    Result<PurgeReceipt> r = f.db->purge_community_contributions((large ? kLargeBase : kSmallBase) + next++);
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count());
+    if (!r.ok()) state.SkipWithError(r.status().to_string().c_str());
+    removed = r.ok() ? r->entries_removed : 0;
+  }
+  state.counters["entries_removed"] = static_cast<double>(removed);
+}
+BENCHMARK(BM_PurgeOneUser)->Arg(100)->Arg(10'000)->UseManualTime()->Iterations(1)->Repetitions(9)
+    ->Unit(benchmark::kMillisecond)->ReportAggregatesOnly(true);
+
+void BM_BulkPurge(benchmark::State& state) {
+  Fixture& f = fixture();
+  const auto n = static_cast<std::uint64_t>(state.range(0));
+  const std::uint64_t users = background_users();
+  std::vector<std::uint64_t> ids;
+  for (std::uint64_t i = 0; i < n; ++i) ids.push_back(i * (users / n) + 3);  // spread over the key space
+  if (!f.db->leave_community_layer(ids).ok()) std::abort();
+  for (auto _ : state) {
+    Result<std::vector<PurgeReceipt>> r = f.db->purge_community_contributions(ids);
+    if (!r.ok()) state.SkipWithError(r.status().to_string().c_str());
+  }
+}
+BENCHMARK(BM_BulkPurge)->Arg(10'000)->Iterations(1)->Unit(benchmark::kSecond);
+
+void BM_Rematerialize(benchmark::State& state) {
+  Fixture& f = fixture();
+  std::uint64_t entries = 0, mismatches = 0;
+  for (auto _ : state) {
+    Result<RematerializeReport> r = f.db->rematerialize_shared_aggregates(false);
+    if (!r.ok()) state.SkipWithError(r.status().to_string().c_str());
+    entries = r.ok() ? r->ledger_entries_read : 0;
+    mismatches = r.ok() ? r->mismatches.size() : 0;
+  }
+  state.counters["entries/s"] =
+      benchmark::Counter(static_cast<double>(entries), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ledger_entries"] = static_cast<double>(entries);
+  state.counters["mismatches"] = static_cast<double>(mismatches);
+}
+BENCHMARK(BM_Rematerialize)->Iterations(1)->Repetitions(3)->Unit(benchmark::kSecond);
+
+}  // namespace
+}  // namespace tidal::bench
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  tidal::bench::Fixture& f = tidal::bench::fixture();
+  (void)f.db->close();
+  benchmark::Shutdown();
+  return 0;
+}
