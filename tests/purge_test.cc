@@ -7,6 +7,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <chrono>
 #include <thread>
 #include <tuple>
 #include <vector>
@@ -258,7 +259,18 @@ ErasureScan scan_files(const std::string& path, std::uint64_t user) {
       rocksdb::Options options;
       options.merge_operator = new_units_add_operator();
       rocksdb::SstFileReader reader(options);
-      EXPECT_TRUE(reader.Open(entry.path().string()).ok()) << name;
+      // A background flush or compaction of the open Db may be writing a new
+      // file (not yet readable) or deleting an input: wait until the file is
+      // whole or gone. What is gone holds nothing.
+      rocksdb::Status opened = reader.Open(entry.path().string());
+      for (int tries = 0; !opened.ok() && fs::exists(entry.path()) && tries < 200; ++tries) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        opened = reader.Open(entry.path().string());
+      }
+      if (!opened.ok()) {
+        if (fs::exists(entry.path())) ADD_FAILURE() << name << ": " << opened.ToString();
+        continue;
+      }
       std::unique_ptr<rocksdb::Iterator> it(reader.NewIterator(rocksdb::ReadOptions()));
       for (it->SeekToFirst(); it->Valid(); it->Next()) {
         ++out.sst_keys;
