@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "tidal/status.h"
+#include "tidal/version.h"
 
 namespace tidal {
 
