@@ -68,7 +68,7 @@ class Db::Impl {
   Result<VerifyReport> verify() const;
   Stats stats() const;
 
-  // Closes every Db still open; run once by std::atexit (see db.cc).
+  // Closes every Db still open; run once by std::atexit (see db_impl_open.cc).
   static void close_all_at_exit();
 
  private:
