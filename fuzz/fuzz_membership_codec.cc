@@ -1,4 +1,4 @@
-// Fuzzes the 0x11 value codec (SPEC §4): deserialize_membership accepts
+// Fuzzes the 0x11 value codec (docs/FORMAT.md): deserialize_membership accepts
 // exactly the 9-byte values with status 0/1 and no Left without a time, and
 // round-trips what it accepts.
 #include <cstdint>

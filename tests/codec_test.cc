@@ -1,4 +1,4 @@
-// Byte codecs and key encoding (SPEC §4).
+// Byte codecs and key encoding (docs/FORMAT.md).
 #include <algorithm>
 #include <limits>
 #include <string>

@@ -97,7 +97,8 @@ void wal_failure_fails_closed(bool fail_sync) {
     EXPECT_GT(fault.fs->faults_injected(), injected_before);
 
     // The fault is gone, but RocksDB stays in its fatal background-error
-    // state (FACTS.md): later writes may fail; the gate never opens by error.
+    // state (a failed WAL write is fatal to it): later writes may fail; the
+    // gate never opens by error.
     fault.fs->clear_faults();
     Status leave4 = db->leave_community_layer(4);
     unknown[4] = MembershipStatus::Left;

@@ -1,4 +1,4 @@
-// Leave & stop-forward: guarantees G2-G7 of SPEC §3, start-up, verify.
+// Leave & stop-forward: guarantees G2-G7 of docs/CONTRACT.md, start-up, verify.
 // (G1 crash and G6 I/O-fault tests live in the reliability tests.)
 #include <atomic>
 #include <mutex>

@@ -187,295 +187,375 @@ std::optional<Config> parse_args(int argc, char** argv, int* exit_code) {
   return cfg;
 }
 
-int fail_db(const char* what, const tidal::Status& s) {
+// Prints the failed call and returns false (the run stops with exit code 1).
+bool fail_db(const char* what, const tidal::Status& s) {
   std::fprintf(stderr, "tidal-demo: %s failed: %s\n", what, s.to_string().c_str());
-  return 1;
+  return false;
 }
 
-int run(const Config& cfg) {
-  namespace fs = std::filesystem;
-  using Clock = std::chrono::steady_clock;
-  std::printf("tidal-demo: %llu users, %llu communities, %llu signals from %llu threads, Db in '%s'\n",
-              static_cast<unsigned long long>(cfg.users), static_cast<unsigned long long>(cfg.communities),
-              static_cast<unsigned long long>(cfg.signals), static_cast<unsigned long long>(cfg.threads),
-              cfg.dir.c_str());
+// fail_db for the steps that return std::optional<bool> (empty: a call failed).
+std::optional<bool> failed(const char* what, const tidal::Status& s) {
+  fail_db(what, s);
+  return std::nullopt;
+}
+
+using SteadyClock = std::chrono::steady_clock;
+
+// ---- step 1: memberships, bulk-loaded without fsync ----
+
+// A synced join costs ~200 us; 200k of them would take a minute. The
+// memberships are loaded with sync_writes = false, the Db closed (which
+// flushes everything to disk), then reopened with the defaults.
+bool load_memberships(const Config& cfg) {
   if (!cfg.keep) {
     std::error_code ec;
-    fs::remove_all(cfg.dir, ec);
+    std::filesystem::remove_all(cfg.dir, ec);
     if (ec) {
       std::fprintf(stderr, "tidal-demo: cannot wipe '%s': %s\n", cfg.dir.c_str(), ec.message().c_str());
-      return 1;
+      return false;
     }
   }
-
-  // ---- setup: memberships, bulk-loaded without fsync ----
-  // A synced join costs ~200 us; 200k of them would take a minute. The
-  // memberships are loaded with sync_writes = false, the Db closed (which
-  // flushes everything to disk), then reopened with the defaults.
-  const auto setup_start = Clock::now();
-  std::uint64_t memberships = 0;
-  {
-    tidal::Options bulk;
-    bulk.sync_writes = false;
-    tidal::Result<std::unique_ptr<tidal::Db>> db = tidal::Db::open(cfg.dir, bulk);
-    if (!db.ok()) return fail_db("open for setup", db.status());
-    Rng rng{42};
-    tidal::cli::ProgressBar progress("setup", cfg.users, /*lines_when_not_tty=*/false);
-    for (std::uint64_t u = 1; u <= cfg.users; ++u) {
-      const std::uint64_t joins = 1 + rng.below(3);
-      for (std::uint64_t j = 0; j < joins; ++j) {
-        if (tidal::Status s = (*db)->join_community(u, 1 + rng.below(cfg.communities)); !s.ok()) {
-          return fail_db("join_community", s);
-        }
+  const auto start = SteadyClock::now();
+  tidal::Options bulk;
+  bulk.sync_writes = false;
+  tidal::Result<std::unique_ptr<tidal::Db>> db = tidal::Db::open(cfg.dir, bulk);
+  if (!db.ok()) return fail_db("open for setup", db.status());
+  Rng rng{42};
+  tidal::cli::ProgressBar progress("setup", cfg.users, /*lines_when_not_tty=*/false);
+  for (std::uint64_t u = 1; u <= cfg.users; ++u) {
+    const std::uint64_t joins = 1 + rng.below(3);
+    for (std::uint64_t j = 0; j < joins; ++j) {
+      if (tidal::Status s = (*db)->join_community(u, 1 + rng.below(cfg.communities)); !s.ok()) {
+        return fail_db("join_community", s);
       }
-      if (u % 1024 == 0) progress.update(u);
     }
-    progress.finish(cfg.users);
-    if (tidal::Status s = (*db)->close(); !s.ok()) return fail_db("close after setup", s);
+    if (u % 1024 == 0) progress.update(u);
   }
+  progress.finish(cfg.users);
+  if (tidal::Status s = (*db)->close(); !s.ok()) return fail_db("close after setup", s);
   std::printf("setup: memberships bulk-loaded with Options::sync_writes = false, then closed (flushed) and\n"
               "       reopened with default options (synced leaves/rejoins) for the workload: %.2f s\n",
-              seconds_since(setup_start));
+              seconds_since(start));
+  return true;
+}
 
-  // Users who will leave: 1%, at least one; the first quarter of them rejoin.
+// Users who will leave: 1%, at least one, in random order; the first quarter
+// of them rejoin later.
+std::vector<std::uint64_t> pick_leavers(const Config& cfg) {
   std::vector<std::uint64_t> leavers(cfg.users);
   std::iota(leavers.begin(), leavers.end(), 1);
-  {
-    Rng rng{7};
-    for (std::size_t i = leavers.size() - 1; i > 0; --i) std::swap(leavers[i], leavers[rng.below(i + 1)]);
-  }
+  Rng rng{7};
+  for (std::size_t i = leavers.size() - 1; i > 0; --i) std::swap(leavers[i], leavers[rng.below(i + 1)]);
   leavers.resize(std::max<std::uint64_t>(1, cfg.users / 100));
-  const std::size_t rejoiners = leavers.size() / 4;
+  return leavers;
+}
 
-  auto sink = std::make_shared<CheckingSink>(cfg.users, leavers);
-  tidal::Options options;
-  options.create_if_missing = false;
-  options.contribution_sink = sink;
-  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(cfg.dir, options);
-  if (!opened.ok()) return fail_db("open", opened.status());
-  std::unique_ptr<tidal::Db> db = std::move(*opened);
-  {
-    std::uint64_t users_with_communities = 0;
-    for (std::uint64_t u = 1; u <= cfg.users; ++u) {
-      tidal::Result<std::vector<std::uint64_t>> c = db->communities_of(u);
-      if (!c.ok()) return fail_db("communities_of", c.status());
-      memberships += c->size();
-      if (!c->empty()) ++users_with_communities;
-    }
-    std::printf("setup: %llu memberships of %llu users restored at reopen\n",
-                static_cast<unsigned long long>(memberships), static_cast<unsigned long long>(users_with_communities));
+// Reports the memberships the reopened Db restored.
+bool report_memberships(const Config& cfg, const tidal::Db& db) {
+  std::uint64_t memberships = 0, users_with_communities = 0;
+  for (std::uint64_t u = 1; u <= cfg.users; ++u) {
+    tidal::Result<std::vector<std::uint64_t>> c = db.communities_of(u);
+    if (!c.ok()) return fail_db("communities_of", c.status());
+    memberships += c->size();
+    if (!c->empty()) ++users_with_communities;
   }
+  std::printf("setup: %llu memberships of %llu users restored at reopen\n",
+              static_cast<unsigned long long>(memberships), static_cast<unsigned long long>(users_with_communities));
+  return true;
+}
 
-  // ---- workload ----
+// ---- step 2: the workload (signal threads and the leaver) ----
+
+// What the signal threads and the leaver share while the workload runs.
+struct Workload {
+  // The first quarter of `leavers` rejoin.
+  Workload(const Config& c, tidal::Db& d, CheckingSink& s, const std::vector<std::uint64_t>& l)
+      : cfg(c), db(d), sink(s), leavers(l), rejoiners(l.size() / 4) {}
+
+  const Config& cfg;
+  tidal::Db& db;
+  CheckingSink& sink;
+  const std::vector<std::uint64_t>& leavers;
+  std::size_t rejoiners;
+
   std::atomic<std::uint64_t> signals_done{0};
   std::atomic<std::uint64_t> signal_errors{0};
   std::atomic<std::uint64_t> leaves_while_flowing{0};
   std::atomic<bool> leaver_failed{false};
-  std::string leaver_error;
+  std::string leaver_error;  // written by the leaver before leaver_failed
   // The leaver's phase; signal threads wait at 60% of the signals until the
   // leaves are done and at 85% until the rejoins are, so every leave and
   // rejoin happens while signals flow, whatever the machine's speed.
   enum Phase : int { kLeaving, kRejoining, kDone };
   std::atomic<int> phase{kLeaving};
-  const auto leaves_done_mark = cfg.signals * 6 / 10;
-  const auto rejoins_done_mark = cfg.signals * 85 / 100;
-  std::vector<double> leave_ms;  // latency of each leave, written by the leaver only
+  std::vector<double> leave_ms;             // latency of each leave, written by the leaver only
   std::atomic<std::uint64_t> waited_us{0};  // time signal threads spent waiting for the leaver
+  double signal_secs = 0;
 
-  const auto work_start = Clock::now();
-  std::vector<std::thread> threads;
-  for (std::uint64_t t = 0; t < cfg.threads; ++t) {
-    threads.emplace_back([&, t] {
-      Rng rng{1000 + t};
-      const std::uint64_t share = cfg.signals / cfg.threads + (t < cfg.signals % cfg.threads ? 1 : 0);
-      tidal::SignalContext context;
-      std::uint64_t unreported = 0;
-      for (std::uint64_t n = 0; n < share; ++n) {
-        if (unreported == 0) {
-          for (bool waited = false;; waited = true) {
-            const std::uint64_t done = signals_done.load(std::memory_order_relaxed);
-            const int p = phase.load(std::memory_order_acquire);
-            const bool may_pass_leaves = p >= kRejoining || done < leaves_done_mark;
-            const bool may_pass_rejoins = p >= kDone || done < rejoins_done_mark;
-            if ((may_pass_leaves && may_pass_rejoins) || leaver_failed.load()) break;
-            if (waited) waited_us.fetch_add(100, std::memory_order_relaxed);
-            std::this_thread::sleep_for(std::chrono::microseconds(100));
-          }
-        }
-        const tidal::Signal signal{1 + rng.below(cfg.users), 1 + rng.below(kItems),
-                                   0.5 + static_cast<double>(rng.below(100)) / 100.0};
-        context.cohort_ids.resize(rng.below(5));
-        for (std::uint64_t& c : context.cohort_ids) c = 1 + rng.below(kCohorts);
-        if (!db->signal_with_context(signal, context).ok()) signal_errors.fetch_add(1, std::memory_order_relaxed);
-        if (++unreported == 256) {
-          signals_done.fetch_add(unreported, std::memory_order_relaxed);
-          unreported = 0;
-        }
-      }
-      signals_done.fetch_add(unreported, std::memory_order_relaxed);
-    });
+  std::uint64_t leaves_done_mark() const { return cfg.signals * 6 / 10; }
+  std::uint64_t rejoins_done_mark() const { return cfg.signals * 85 / 100; }
+};
+
+// Holds a signal thread while the leaver is behind its phase's mark.
+void wait_for_leaver(Workload& w) {
+  for (bool waited = false;; waited = true) {
+    const std::uint64_t done = w.signals_done.load(std::memory_order_relaxed);
+    const int p = w.phase.load(std::memory_order_acquire);
+    const bool may_pass_leaves = p >= Workload::kRejoining || done < w.leaves_done_mark();
+    const bool may_pass_rejoins = p >= Workload::kDone || done < w.rejoins_done_mark();
+    if ((may_pass_leaves && may_pass_rejoins) || w.leaver_failed.load()) return;
+    if (waited) w.waited_us.fetch_add(100, std::memory_order_relaxed);
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
+}
 
-  // The leaver: leave i when 20%..60% of the signals are done, then the
-  // rejoins at 65%..85%; if signals finish first it simply catches up.
-  threads.emplace_back([&] {
-    auto wait_for = [&](double fraction) {
-      const auto target = static_cast<std::uint64_t>(fraction * static_cast<double>(cfg.signals));
-      while (signals_done.load(std::memory_order_relaxed) < target) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
-    };
-    auto flowing = [&] { return signals_done.load(std::memory_order_relaxed) < cfg.signals; };
-    for (std::size_t i = 0; i < leavers.size(); ++i) {
-      wait_for(0.2 + 0.4 * static_cast<double>(i) / static_cast<double>(leavers.size()));
-      const auto start = Clock::now();
-      tidal::Status s = db->leave_community_layer(leavers[i]);
-      leave_ms.push_back(seconds_since(start) * 1000.0);
-      if (!s.ok()) {
-        leaver_error = s.to_string();
-        leaver_failed = true;
-        return;
-      }
-      sink->set_left_returned(leavers[i], true);
-      if (flowing()) leaves_while_flowing.fetch_add(1, std::memory_order_relaxed);
+// Signal thread `t`: its share of the signals, 0-4 cohort ids each.
+void signal_thread(Workload& w, std::uint64_t t) {
+  const Config& cfg = w.cfg;
+  Rng rng{1000 + t};
+  const std::uint64_t share = cfg.signals / cfg.threads + (t < cfg.signals % cfg.threads ? 1 : 0);
+  tidal::SignalContext context;
+  std::uint64_t unreported = 0;
+  for (std::uint64_t n = 0; n < share; ++n) {
+    if (unreported == 0) wait_for_leaver(w);
+    const tidal::Signal signal{1 + rng.below(cfg.users), 1 + rng.below(kItems),
+                               0.5 + static_cast<double>(rng.below(100)) / 100.0};
+    context.cohort_ids.resize(rng.below(5));
+    for (std::uint64_t& c : context.cohort_ids) c = 1 + rng.below(kCohorts);
+    if (!w.db.signal_with_context(signal, context).ok()) w.signal_errors.fetch_add(1, std::memory_order_relaxed);
+    if (++unreported == 256) {
+      w.signals_done.fetch_add(unreported, std::memory_order_relaxed);
+      unreported = 0;
     }
-    phase.store(kRejoining, std::memory_order_release);
-    for (std::size_t i = 0; i < rejoiners; ++i) {
-      wait_for(0.65 + 0.2 * static_cast<double>(i) / static_cast<double>(rejoiners));
-      sink->set_left_returned(leavers[i], false);  // contributions may resume from here
-      if (tidal::Status s = db->rejoin_community_layer(leavers[i]); !s.ok()) {
-        leaver_error = s.to_string();
-        leaver_failed = true;
-        return;
-      }
-    }
-    phase.store(kDone, std::memory_order_release);
-  });
+  }
+  w.signals_done.fetch_add(unreported, std::memory_order_relaxed);
+}
 
+// The leaver: leave i when 20%..60% of the signals are done, then the
+// rejoins at 65%..85%; if signals finish first it simply catches up.
+void leaver_thread(Workload& w) {
+  auto wait_for = [&](double fraction) {
+    const auto target = static_cast<std::uint64_t>(fraction * static_cast<double>(w.cfg.signals));
+    while (w.signals_done.load(std::memory_order_relaxed) < target) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  };
+  auto give_up = [&](const tidal::Status& s) {
+    w.leaver_error = s.to_string();
+    w.leaver_failed = true;
+  };
+  for (std::size_t i = 0; i < w.leavers.size(); ++i) {
+    wait_for(0.2 + 0.4 * static_cast<double>(i) / static_cast<double>(w.leavers.size()));
+    const auto start = SteadyClock::now();
+    tidal::Status s = w.db.leave_community_layer(w.leavers[i]);
+    w.leave_ms.push_back(seconds_since(start) * 1000.0);
+    if (!s.ok()) return give_up(s);
+    w.sink.set_left_returned(w.leavers[i], true);
+    if (w.signals_done.load(std::memory_order_relaxed) < w.cfg.signals) w.leaves_while_flowing.fetch_add(1, std::memory_order_relaxed);
+  }
+  w.phase.store(Workload::kRejoining, std::memory_order_release);
+  for (std::size_t i = 0; i < w.rejoiners; ++i) {
+    wait_for(0.65 + 0.2 * static_cast<double>(i) / static_cast<double>(w.rejoiners));
+    w.sink.set_left_returned(w.leavers[i], false);  // contributions may resume from here
+    if (tidal::Status s = w.db.rejoin_community_layer(w.leavers[i]); !s.ok()) return give_up(s);
+  }
+  w.phase.store(Workload::kDone, std::memory_order_release);
+}
+
+// Runs the signal threads and the leaver with a progress bar; false when a
+// leave or rejoin failed.
+bool run_workload(Workload& w) {
+  const auto start = SteadyClock::now();
+  std::vector<std::thread> threads;
+  for (std::uint64_t t = 0; t < w.cfg.threads; ++t) threads.emplace_back([&w, t] { signal_thread(w, t); });
+  threads.emplace_back([&w] { leaver_thread(w); });
   {
-    tidal::cli::ProgressBar progress("signals", cfg.signals, /*lines_when_not_tty=*/true);
-    while (signals_done.load(std::memory_order_relaxed) < cfg.signals && signal_errors.load() == 0) {
-      progress.update(signals_done.load(std::memory_order_relaxed));
+    tidal::cli::ProgressBar progress("signals", w.cfg.signals, /*lines_when_not_tty=*/true);
+    while (w.signals_done.load(std::memory_order_relaxed) < w.cfg.signals && w.signal_errors.load() == 0) {
+      progress.update(w.signals_done.load(std::memory_order_relaxed));
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    progress.finish(signals_done.load());
+    progress.finish(w.signals_done.load());
   }
-  const double signal_secs = seconds_since(work_start);
+  w.signal_secs = seconds_since(start);
   for (std::thread& t : threads) t.join();
-  if (leaver_failed) {
-    std::fprintf(stderr, "tidal-demo: leave/rejoin failed: %s\n", leaver_error.c_str());
-    return 1;
-  }
+  if (w.leaver_failed) std::fprintf(stderr, "tidal-demo: leave/rejoin failed: %s\n", w.leaver_error.c_str());
+  return !w.leaver_failed;
+}
 
-  // ---- report ----
-  const tidal::Stats st = db->stats();
+// ---- step 3: the report and the checks ----
+
+void print_report(Workload& w, const tidal::Stats& st) {
   std::printf("\nworkload: %llu signals in %.2f s = %.0f signals/s (%llu threads); %llu errors\n",
-              static_cast<unsigned long long>(st.signals), signal_secs,
-              static_cast<double>(st.signals) / signal_secs, static_cast<unsigned long long>(cfg.threads),
-              static_cast<unsigned long long>(signal_errors.load()));
+              static_cast<unsigned long long>(st.signals), w.signal_secs,
+              static_cast<double>(st.signals) / w.signal_secs, static_cast<unsigned long long>(w.cfg.threads),
+              static_cast<unsigned long long>(w.signal_errors.load()));
   std::printf("  (signal threads paused ~%.2f s in total so that every leave and rejoin happened while\n"
               "   signals flowed; the leaver runs on its own thread on the same cores)\n",
-              static_cast<double>(waited_us.load()) / 1e6);
+              static_cast<double>(w.waited_us.load()) / 1e6);
   std::printf("  leaves: %llu (%llu while signals flowed), rejoins: %llu, users Left now: %llu\n",
-              static_cast<unsigned long long>(st.leaves), static_cast<unsigned long long>(leaves_while_flowing.load()),
+              static_cast<unsigned long long>(st.leaves), static_cast<unsigned long long>(w.leaves_while_flowing.load()),
               static_cast<unsigned long long>(st.rejoins), static_cast<unsigned long long>(st.users_left));
-  if (!leave_ms.empty()) {
-    std::sort(leave_ms.begin(), leave_ms.end());
+  if (!w.leave_ms.empty()) {
+    std::vector<double>& ms = w.leave_ms;
+    std::sort(ms.begin(), ms.end());
     std::printf("  leave latency (durable + effective on return): p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
-                leave_ms[leave_ms.size() / 2], leave_ms[leave_ms.size() * 99 / 100], leave_ms.back());
+                ms[ms.size() / 2], ms[ms.size() * 99 / 100], ms.back());
   }
   std::printf("  contributions forwarded: %llu to communities, %llu to cohorts\n",
               static_cast<unsigned long long>(st.community_forwards),
               static_cast<unsigned long long>(st.cohort_attributions));
   std::printf("  signals held back by the leave gate: %llu (from communities), %llu (from cohorts)\n",
               static_cast<unsigned long long>(st.gated_community), static_cast<unsigned long long>(st.gated_cohort));
+}
 
-  std::printf("\nchecks:\n");
-  bool all_ok = true;
-  all_ok &= check(signal_errors.load() == 0 && st.signals == cfg.signals,
+// Every signal accepted, every contribution seen, none after a leave returned.
+bool check_counts(const Workload& w, const tidal::Stats& st) {
+  bool ok = check(w.signal_errors.load() == 0 && st.signals == w.cfg.signals,
                   "every signal accepted (" + std::to_string(st.signals) + ")");
-  all_ok &= check(sink->contributions() == st.community_forwards + st.cohort_attributions,
-                  "the sink saw every contribution the stats count (" + std::to_string(sink->contributions()) + ")");
-  all_ok &= check(sink->after_leave() == 0, "no contribution of a Left user arrived after its leave returned (" +
-                                                std::to_string(sink->after_leave()) + " did)");
+  ok &= check(w.sink.contributions() == st.community_forwards + st.cohort_attributions,
+              "the sink saw every contribution the stats count (" + std::to_string(w.sink.contributions()) + ")");
+  ok &= check(w.sink.after_leave() == 0, "no contribution of a Left user arrived after its leave returned (" +
+                                             std::to_string(w.sink.after_leave()) + " did)");
+  return ok;
+}
 
-  // Exact boundaries: no contribution of a leaver is stamped inside one of
-  // their Left intervals [left_at_ns, rejoin at_ns] (or after a last leave).
-  std::uint64_t inside = 0, before_leave = 0, after_rejoin = 0, status_mismatches = 0;
-  std::vector<CheckingSink::Record> records = sink->records();
-  std::sort(records.begin(), records.end(),
-            [](const auto& a, const auto& b) { return a.user_id < b.user_id; });
-  for (std::size_t i = 0; i < leavers.size(); ++i) {
-    const std::uint64_t u = leavers[i];
-    tidal::Result<std::vector<tidal::MembershipEvent>> history = db->community_layer_history(u);
-    if (!history.ok()) return fail_db("community_layer_history", history.status());
-    tidal::Result<tidal::CommunityMembership> status = db->community_layer_status(u);
-    if (!status.ok()) return fail_db("community_layer_status", status.status());
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> left_intervals;
-    for (const tidal::MembershipEvent& e : *history) {
-      if (e.status == tidal::MembershipStatus::Left) {
-        left_intervals.emplace_back(e.at_ns, UINT64_MAX);
-      } else if (!left_intervals.empty()) {
-        left_intervals.back().second = e.at_ns;
-      }
-    }
-    const bool rejoined = i < rejoiners;
-    const auto expected = rejoined ? tidal::MembershipStatus::Active : tidal::MembershipStatus::Left;
-    if (status->status != expected || left_intervals.empty() ||
-        status->left_at_ns != std::optional<std::uint64_t>(left_intervals.back().first)) {
-      ++status_mismatches;
-    }
-    auto it = std::lower_bound(records.begin(), records.end(), u,
-                               [](const CheckingSink::Record& r, std::uint64_t v) { return r.user_id < v; });
-    for (; it != records.end() && it->user_id == u; ++it) {
-      const std::uint64_t f = it->forwarded_at_ns;
-      bool in_left = false;
-      for (const auto& [from, to] : left_intervals) in_left |= f >= from && f <= to;
-      if (in_left) ++inside;
-      else if (left_intervals.empty() || f < left_intervals.front().first) ++before_leave;
-      else ++after_rejoin;
+// [left_at_ns, rejoin at_ns] of each leave in `history` (UINT64_MAX: still Left).
+std::vector<std::pair<std::uint64_t, std::uint64_t>> left_intervals(const std::vector<tidal::MembershipEvent>& history) {
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> out;
+  for (const tidal::MembershipEvent& e : history) {
+    if (e.status == tidal::MembershipStatus::Left) {
+      out.emplace_back(e.at_ns, UINT64_MAX);
+    } else if (!out.empty()) {
+      out.back().second = e.at_ns;
     }
   }
-  all_ok &= check(inside == 0, "every boundary exact: of " + std::to_string(records.size()) +
-                                   " contributions of leaving users, " + std::to_string(before_leave) +
-                                   " stamped before the leave, " + std::to_string(after_rejoin) +
-                                   " after a rejoin, " + std::to_string(inside) +
-                                   " inside a Left interval [left_at_ns, rejoin at_ns]");
-  all_ok &= check(status_mismatches == 0,
-                  "status and history of all " + std::to_string(leavers.size()) + " leavers as expected (" +
-                      std::to_string(leavers.size() - rejoiners) + " Left, " + std::to_string(rejoiners) +
-                      " rejoined with left_at_ns kept)");
+  return out;
+}
 
-  // ---- close and reopen: every status restored ----
+struct BoundaryCount {
+  std::uint64_t inside = 0, before_leave = 0, after_rejoin = 0, status_mismatches = 0;
+};
+
+// Classifies one leaver's contributions against its Left intervals and checks
+// its status; `records` sorted by user.
+bool count_boundaries(const Workload& w, std::size_t i, const std::vector<CheckingSink::Record>& records,
+                      BoundaryCount* n) {
+  const std::uint64_t u = w.leavers[i];
+  tidal::Result<std::vector<tidal::MembershipEvent>> history = w.db.community_layer_history(u);
+  if (!history.ok()) return fail_db("community_layer_history", history.status());
+  tidal::Result<tidal::CommunityMembership> status = w.db.community_layer_status(u);
+  if (!status.ok()) return fail_db("community_layer_status", status.status());
+  const auto intervals = left_intervals(*history);
+  const auto expected = i < w.rejoiners ? tidal::MembershipStatus::Active : tidal::MembershipStatus::Left;
+  if (status->status != expected || intervals.empty() ||
+      status->left_at_ns != std::optional<std::uint64_t>(intervals.back().first)) {
+    ++n->status_mismatches;
+  }
+  auto it = std::lower_bound(records.begin(), records.end(), u,
+                             [](const CheckingSink::Record& r, std::uint64_t v) { return r.user_id < v; });
+  for (; it != records.end() && it->user_id == u; ++it) {
+    const std::uint64_t f = it->forwarded_at_ns;
+    bool in_left = false;
+    for (const auto& [from, to] : intervals) in_left |= f >= from && f <= to;
+    if (in_left) ++n->inside;
+    else if (intervals.empty() || f < intervals.front().first) ++n->before_leave;
+    else ++n->after_rejoin;
+  }
+  return true;
+}
+
+// Exact boundaries: no contribution of a leaver is stamped inside one of
+// their Left intervals [left_at_ns, rejoin at_ns] (or after a last leave).
+// Empty when a read failed.
+std::optional<bool> check_boundaries(const Workload& w) {
+  std::vector<CheckingSink::Record> records = w.sink.records();
+  std::sort(records.begin(), records.end(), [](const auto& a, const auto& b) { return a.user_id < b.user_id; });
+  BoundaryCount n;
+  for (std::size_t i = 0; i < w.leavers.size(); ++i) {
+    if (!count_boundaries(w, i, records, &n)) return std::nullopt;
+  }
+  bool ok = check(n.inside == 0, "every boundary exact: of " + std::to_string(records.size()) +
+                                     " contributions of leaving users, " + std::to_string(n.before_leave) +
+                                     " stamped before the leave, " + std::to_string(n.after_rejoin) +
+                                     " after a rejoin, " + std::to_string(n.inside) +
+                                     " inside a Left interval [left_at_ns, rejoin at_ns]");
+  ok &= check(n.status_mismatches == 0,
+              "status and history of all " + std::to_string(w.leavers.size()) + " leavers as expected (" +
+                  std::to_string(w.leavers.size() - w.rejoiners) + " Left, " + std::to_string(w.rejoiners) +
+                  " rejoined with left_at_ns kept)");
+  return ok;
+}
+
+// ---- step 4: close and reopen: every status restored ----
+
+// Closes `db`, reopens the directory and compares every status. Empty when a
+// call failed.
+std::optional<bool> check_reopen(const Config& cfg, std::unique_ptr<tidal::Db> db, std::uint64_t users_left) {
   std::vector<tidal::CommunityMembership> before(cfg.users + 1);
   for (std::uint64_t u = 1; u <= cfg.users; ++u) {
     tidal::Result<tidal::CommunityMembership> m = db->community_layer_status(u);
-    if (!m.ok()) return fail_db("community_layer_status", m.status());
+    if (!m.ok()) return failed("community_layer_status", m.status());
     before[u] = *m;
   }
-  auto phase_start = Clock::now();
-  if (tidal::Status s = db->close(); !s.ok()) return fail_db("close", s);
-  const double close_secs = seconds_since(phase_start);
+  auto start = SteadyClock::now();
+  if (tidal::Status s = db->close(); !s.ok()) return failed("close", s);
+  const double close_secs = seconds_since(start);
   db.reset();
-  phase_start = Clock::now();
-  opened = tidal::Db::open(cfg.dir, tidal::Options{});
-  if (!opened.ok()) return fail_db("reopen", opened.status());
-  const double open_secs = seconds_since(phase_start);
+  start = SteadyClock::now();
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(cfg.dir, tidal::Options{});
+  if (!opened.ok()) return failed("reopen", opened.status());
+  const double open_secs = seconds_since(start);
   db = std::move(*opened);
   std::uint64_t differ = 0, left_after = 0;
   for (std::uint64_t u = 1; u <= cfg.users; ++u) {
     tidal::Result<tidal::CommunityMembership> m = db->community_layer_status(u);
-    if (!m.ok()) return fail_db("community_layer_status after reopen", m.status());
+    if (!m.ok()) return failed("community_layer_status after reopen", m.status());
     if (m->status != before[u].status || m->left_at_ns != before[u].left_at_ns) ++differ;
     if (m->status == tidal::MembershipStatus::Left) ++left_after;
   }
   std::printf("\nclose %.2f s, reopen %.2f s\n", close_secs, open_secs);
-  all_ok &= check(differ == 0, "every status restored after close/reopen: " + std::to_string(cfg.users) +
+  bool ok = check(differ == 0, "every status restored after close/reopen: " + std::to_string(cfg.users) +
                                    " users compared, " + std::to_string(differ) + " differ, " +
                                    std::to_string(left_after) + " Left");
-  all_ok &= check(db->stats().users_left == st.users_left,
-                  "users_left after reopen = before (" + std::to_string(db->stats().users_left) + ")");
-  if (tidal::Status s = db->close(); !s.ok()) return fail_db("final close", s);
+  ok &= check(db->stats().users_left == users_left,
+              "users_left after reopen = before (" + std::to_string(db->stats().users_left) + ")");
+  if (tidal::Status s = db->close(); !s.ok()) return failed("final close", s);
+  return ok;
+}
+
+// The demo, step by step; 0 when every check passed.
+int run(const Config& cfg) {
+  std::printf("tidal-demo: %llu users, %llu communities, %llu signals from %llu threads, Db in '%s'\n",
+              static_cast<unsigned long long>(cfg.users), static_cast<unsigned long long>(cfg.communities),
+              static_cast<unsigned long long>(cfg.signals), static_cast<unsigned long long>(cfg.threads),
+              cfg.dir.c_str());
+  if (!load_memberships(cfg)) return 1;
+  const std::vector<std::uint64_t> leavers = pick_leavers(cfg);
+  auto sink = std::make_shared<CheckingSink>(cfg.users, leavers);
+  tidal::Options options;
+  options.create_if_missing = false;
+  options.contribution_sink = sink;
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(cfg.dir, options);
+  if (!opened.ok()) {
+    fail_db("open", opened.status());
+    return 1;
+  }
+  std::unique_ptr<tidal::Db> db = std::move(*opened);
+  if (!report_memberships(cfg, *db)) return 1;
+
+  Workload w(cfg, *db, *sink, leavers);
+  if (!run_workload(w)) return 1;
+  const tidal::Stats st = db->stats();
+  print_report(w, st);
+  std::printf("\nchecks:\n");
+  bool all_ok = check_counts(w, st);
+  const std::optional<bool> boundaries = check_boundaries(w);
+  if (!boundaries) return 1;
+  all_ok &= *boundaries;
+  const std::optional<bool> reopen = check_reopen(cfg, std::move(db), st.users_left);
+  if (!reopen) return 1;
+  all_ok &= *reopen;
 
   std::printf("\n%s\n", all_ok ? "PASS" : "FAIL");
   return all_ok ? 0 : 1;

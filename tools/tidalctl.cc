@@ -241,8 +241,13 @@ int cmd_stats(tidal::Db& db, bool json) {
   if (json) {
     std::string out = "{";
     for (const auto& [name, value] : rows) {
+      // Appended piece by piece: GCC 12 at -O2 reports a false -Wrestrict for
+      // `"\"" + std::string(name) + ...` (a temporary appended to itself).
       if (out.size() > 1) out += ',';
-      out += "\"" + std::string(name) + "\":" + std::to_string(value);
+      out += '"';
+      out += name;
+      out += "\":";
+      out += std::to_string(value);
     }
     std::printf("%s}\n", out.c_str());
     return kExitOk;
@@ -258,7 +263,10 @@ int cmd_verify(tidal::Db& db, bool json) {
   if (!report.ok()) return db_failure("verify", report.status());
   if (json) {
     std::string problems;
-    for (const std::string& p : report->problems) problems += (problems.empty() ? "" : ",") + json_string(p);
+    for (const std::string& p : report->problems) {
+      if (!problems.empty()) problems += ',';
+      problems += json_string(p);  // appended, not concatenated: see cmd_stats
+    }
     std::printf("{\"ok\":%s,\"records_checked\":%llu,\"problems\":[%s]}\n", report->ok() ? "true" : "false",
                 static_cast<unsigned long long>(report->records_checked), problems.c_str());
   } else {

@@ -4,8 +4,9 @@
 // directory (a RocksDB database). Signals update the user's personal layer
 // and fan out to shared cohort and community aggregates; a user can leave
 // the community layer, after which none of their signals reach a shared
-// aggregate until they rejoin (the "leave gate"). See SPEC.md §3 for the
-// guarantees G1-G8.
+// aggregate until they rejoin (the "leave gate"). The guarantees G1-G8 cited
+// below, and those of the aggregates, are listed with the tests that prove
+// them in docs/CONTRACT.md; the bytes on disk are in docs/FORMAT.md.
 //
 // Durability: community memberships, leaves and rejoins are written to the
 // RocksDB write-ahead log (fsynced when Options::sync_writes) before the call
@@ -30,6 +31,7 @@
 #include <vector>
 
 #include "tidal/status.h"
+#include "tidal/version.h"
 
 namespace tidal {
 

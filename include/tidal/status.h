@@ -42,15 +42,23 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
-// A T or a non-OK Status. Accessing the value of a non-OK Result is a
-// programming error (asserted in debug builds).
+// A T or a non-OK Status (Abseil's StatusOr model). Two programming errors,
+// both asserted in debug builds:
+//   - accessing the value of a non-OK Result;
+//   - building a Result from an OK Status: there is no value to be OK with.
+//     A release build keeps the Result non-OK (InvalidArgument, "Result built
+//     from an OK Status without a value ...") so that it is never read as a
+//     value; fix the caller, which must return a T or an error.
 template <class T>
 class [[nodiscard]] Result {
  public:
   Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
   Result(Status status) : status_(std::move(status)) {  // NOLINT: implicit by design
     assert(!status_.ok() && "a Result built from a Status must carry an error");
-    if (status_.ok()) status_ = Status::InvalidArgument("Result built from an OK Status without a value");
+    if (status_.ok()) {
+      status_ = Status::InvalidArgument(
+          "Result built from an OK Status without a value (a programming error in the caller)");
+    }
   }
 
   [[nodiscard]] bool ok() const { return status_.ok(); }

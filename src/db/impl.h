@@ -72,7 +72,7 @@ class Db::Impl {
   Result<RematerializeReport> rematerialize_shared_aggregates(bool repair);
   Stats stats() const;
 
-  // Closes every Db still open; run once by std::atexit (see db.cc).
+  // Closes every Db still open; run once by std::atexit (see db_impl_open.cc).
   static void close_all_at_exit();
 
  private:
@@ -95,7 +95,7 @@ class Db::Impl {
   // The leave gate: true when the user's signal must not reach a shared
   // aggregate. Probed once per signal, by whichever path asks first.
   bool leave_gate_closed(const Signal& signal, FanOut* fan_out) const noexcept;
-  // The two fan-out paths of SPEC §2; each begins with the leave gate.
+  // The two fan-out paths of the signal path; each begins with the leave gate.
   void try_cohort_attribution(const Signal& signal, const SignalContext& context, FanOut* fan_out);
   void try_community_forwarding(const Signal& signal, FanOut* fan_out);
   // Reports an addition to the sink; false when the sink threw (the error is

@@ -1,4 +1,4 @@
-// The signal path (SPEC §2) and the leave gate.
+// Db::Impl: the signal path and the leave gate (docs/CONTRACT.md: G2, G3, S1).
 #include <cxxabi.h>
 
 #include <algorithm>

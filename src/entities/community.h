@@ -1,4 +1,4 @@
-// Byte codecs of the community-layer records (SPEC §4).
+// Byte codecs of the community-layer records (docs/FORMAT.md).
 #ifndef TIDAL_ENTITIES_COMMUNITY_H_
 #define TIDAL_ENTITIES_COMMUNITY_H_
 

@@ -1,6 +1,6 @@
 // The RocksDB database behind one Db and its column families:
 //   default     meta records (index state, clock floor)
-//   users       the users partition (SPEC §4)
+//   users       the users partition (docs/FORMAT.md)
 //   by_tag      the index: a copy of the users records of the indexed tags,
 //               keyed tag-first, written in the same WriteBatch
 //   aggregates  personal/cohort/community sums (merge operands of an integer add)

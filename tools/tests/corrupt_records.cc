@@ -1,7 +1,7 @@
 // Test helper for the tidalctl CLI tests: writes undecodable records into a
 // closed tidal Db with RocksDB directly (the only program here that goes
 // around the public API, as tests may to corrupt stored bytes). Keys follow
-// the pinned format of SPEC.md §4: [user_id 8 bytes BE][tag][suffix] in the
+// the format of docs/FORMAT.md: [user_id 8 bytes BE][tag][suffix] in the
 // "users" column family; the leave record's mirror is [tag][user_id] in "by_tag".
 //
 //   corrupt_records PATH history   user 7: a 0x12 history entry with status byte 7

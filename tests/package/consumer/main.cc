@@ -4,6 +4,8 @@
 
 #include <tidal/db.h>
 
+static_assert(TIDAL_VERSION_MAJOR >= 0 && TIDAL_VERSION_MINOR >= 0, "db.h brings tidal/version.h");
+
 int main(int argc, char** argv) {
   if (argc != 2) return 2;
   const std::string path = argv[1];

@@ -1,5 +1,7 @@
-// Community memberships and the community layer: join/exit, leave, rejoin,
-// status, history, and the operator reads (for_each_left, verify).
+// Db::Impl: the community layer. Leave and rejoin (single and bulk), then
+// the reads: status, history, gate activity, for_each_left. A leave closes
+// the gate, waits out the signals that passed it, reads the clock and writes
+// one atomic batch (0x11, its index copy, 0x12, the stripe's clock floor).
 #include <algorithm>
 
 #include "db/grace.h"
@@ -13,6 +15,7 @@ namespace tidal {
 namespace {
 
 rocksdb::Slice slice(std::string_view s) { return {s.data(), s.size()}; }
+
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
 
 std::string be64(std::uint64_t v) {
@@ -27,88 +30,7 @@ Status annotate(const Status& s, const std::string& where) { return {s.code(), w
 
 }  // namespace
 
-// ---- community memberships ----
-
-Status Db::Impl::join_community(std::uint64_t user_id, std::uint64_t community_id) {
-  return change_membership(user_id, community_id, /*join=*/true);
-}
-
-Status Db::Impl::exit_community(std::uint64_t user_id, std::uint64_t community_id) {
-  return change_membership(user_id, community_id, /*join=*/false);
-}
-
-// Writes the 0x01 record (and its index copy) or deletes it, then updates
-// the map; a join of a member or an exit of a non-member changes nothing.
-Status Db::Impl::change_membership(std::uint64_t user_id, std::uint64_t community_id, bool join) {
-  const char* what = join ? "join_community" : "exit_community";
-  return guarded(what, [&]() -> Status {
-    Call call(this, what, /*write=*/true);
-    if (!call.status().ok()) return call.status();
-    std::lock_guard<std::mutex> lock(user_lock(user_id));
-    bool member = false;
-    communities_.find_fn(user_id, [&](const std::vector<std::uint64_t>& ids) {
-      member = std::binary_search(ids.begin(), ids.end(), community_id);
-    });
-    if (member == join) return Status::OK();
-
-    const std::string suffix = be64(community_id);
-    rocksdb::WriteBatch batch;
-    if (join) {
-      storage_->put_record(&batch, EntityId(user_id), Tag::CommunityMember, suffix, "");
-    } else {
-      storage_->delete_record(&batch, EntityId(user_id), Tag::CommunityMember, suffix);
-    }
-    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
-                                   std::string(what) + "(" + user_text(user_id) + ", community " +
-                                       std::to_string(community_id) + ")");
-        !s.ok()) {
-      return s;
-    }
-    if (join) {
-      communities_.upsert(
-          user_id,
-          [&](std::vector<std::uint64_t>& ids) {
-            ids.insert(std::upper_bound(ids.begin(), ids.end(), community_id), community_id);
-          },
-          std::vector<std::uint64_t>{community_id});
-    } else {
-      communities_.erase_fn(user_id, [&](std::vector<std::uint64_t>& ids) {
-        ids.erase(std::lower_bound(ids.begin(), ids.end(), community_id));
-        return ids.empty();
-      });
-    }
-    return Status::OK();
-  });
-}
-
-Result<std::vector<std::uint64_t>> Db::Impl::communities_of(std::uint64_t user_id) const {
-  return guarded("communities_of", [&]() -> Result<std::vector<std::uint64_t>> {
-    if (closed_.load(std::memory_order_acquire)) return closed_status("communities_of");
-    std::vector<std::uint64_t> ids;
-    communities_.find(user_id, ids);
-    return ids;
-  });
-}
-
-// ---- leave & rejoin ----
-
-// One atomic WriteBatch: the 0x11 record, its index copy, the 0x12 history
-// entry and the stripe's clock floor; fsynced when sync_writes.
-void Db::Impl::put_membership(rocksdb::WriteBatch* batch, std::uint64_t user_id, const CommunityMembership& m,
-                              std::uint64_t at_ns) const {
-  const auto value = serialize_membership(m);
-  const char history = serialize_history_status(m.status);
-  storage_->put_record(batch, EntityId(user_id), Tag::CommunityLeave, {}, {value.data(), value.size()});
-  storage_->put_record(batch, EntityId(user_id), Tag::CommunityLeaveHistory, be64(at_ns), {&history, 1});
-}
-
-Status Db::Impl::write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns,
-                                  const char* what) {
-  rocksdb::WriteBatch batch;
-  put_membership(&batch, user_id, m, at_ns);
-  put_clock_floor(&batch, user_id, at_ns);
-  return storage_->write(&batch, Storage::durable_if(options_.sync_writes), std::string(what) + "(" + user_text(user_id) + ")");
-}
+// ---- leave & rejoin: one user ----
 
 Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
   return guarded("leave_community_layer", [&]() -> Status {
@@ -160,6 +82,37 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
     rejoins_.fetch_add(1, std::memory_order_relaxed);
     return Status::OK();
   });
+}
+
+// ---- the batch a leave or rejoin writes ----
+
+// One atomic WriteBatch: the 0x11 record, its index copy, the 0x12 history
+// entry and the stripe's clock floor; fsynced when sync_writes.
+Status Db::Impl::write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns,
+                                  const char* what) {
+  rocksdb::WriteBatch batch;
+  put_membership(&batch, user_id, m, at_ns);
+  put_clock_floor(&batch, user_id, at_ns);
+  return storage_->write(&batch, Storage::durable_if(options_.sync_writes), std::string(what) + "(" + user_text(user_id) + ")");
+}
+
+// Appends the 0x11 record, its index copy and the 0x12 history entry.
+void Db::Impl::put_membership(rocksdb::WriteBatch* batch, std::uint64_t user_id, const CommunityMembership& m,
+                              std::uint64_t at_ns) const {
+  const auto value = serialize_membership(m);
+  const char history = serialize_history_status(m.status);
+  storage_->put_record(batch, EntityId(user_id), Tag::CommunityLeave, {}, {value.data(), value.size()});
+  storage_->put_record(batch, EntityId(user_id), Tag::CommunityLeaveHistory, be64(at_ns), {&history, 1});
+}
+
+void Db::Impl::put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts) {
+  // One record per lock stripe: writes to it are serialized by that stripe's
+  // lock, so each record only ever grows.
+  std::string key = kClockFloorPrefix;
+  put_u64_be(&key, user_id % user_locks_.size());
+  std::string value;
+  put_u64_le(&value, ts);
+  batch->Put(storage_->meta(), key, value);
 }
 
 // ---- bulk leave & rejoin ----
@@ -362,90 +315,6 @@ Status Db::Impl::for_each_left(const std::function<bool(const CommunityMembershi
                           return Status::OK();
                         });
     return s;
-  });
-}
-
-// ---- verify ----
-
-Result<VerifyReport> Db::Impl::verify() const {
-  return guarded("verify", [&]() -> Result<VerifyReport> {
-    Call call(this, "verify", /*write=*/false);
-    if (!call.status().ok()) return call.status();
-    VerifyReport report;
-    auto problem = [&](std::string_view cf, std::string_view key, const std::string& what) {
-      report.problems.push_back(std::string(cf) + " key " + hex(key) + ": " + what);
-    };
-    std::string index_version;
-    Status s = storage_->get(storage_->meta(), kIndexVersionKey, &index_version);
-    if (!s.ok() && s.code() != StatusCode::NotFound) return s;
-    const bool indexed = s.ok();
-
-    // Every users record decodes, and every indexed one has its index copy.
-    auto it = storage_->iterator(storage_->users());
-    for (it->SeekToFirst(); it->Valid(); it->Next()) {
-      ++report.records_checked;
-      const std::string_view k = view(it->key());
-      const std::string_view v = view(it->value());
-      auto key = decode_key(k);
-      if (!key) {
-        problem("users", k, "key shorter than 9 bytes");
-        continue;
-      }
-      const Tag tag = static_cast<Tag>(key->tag);
-      switch (tag) {
-        case Tag::CommunityMember:
-          if (key->suffix.size() != 8 || !v.empty()) problem("users", k, "malformed community membership record");
-          break;
-        case Tag::CommunityLeave:
-          if (!key->suffix.empty() || !deserialize_membership(key->user_id, v)) {
-            problem("users", k, "community leave record (0x11) does not decode: value " + hex(v));
-          }
-          break;
-        case Tag::CommunityLeaveHistory:
-          if (key->suffix.size() != 8 || !deserialize_history_status(v)) {
-            problem("users", k, "community leave history record (0x12) does not decode: value " + hex(v));
-          }
-          break;
-        default:
-          break;  // PurgeManifest and tags this version does not know
-      }
-      if (indexed && is_indexed(tag)) {
-        std::string copy;
-        Status g = storage_->get(storage_->by_tag(), encode_index_key(EntityId(key->user_id), tag, key->suffix), &copy);
-        if (g.code() == StatusCode::NotFound) {
-          problem("users", k, "record missing from the by_tag index");
-        } else if (!g.ok()) {
-          return g;
-        } else if (copy != v) {
-          problem("users", k, "index copy differs: " + hex(copy) + " vs " + hex(v));
-        }
-      }
-    }
-    if (s = from_rocksdb(it->status(), "verify scan of users"); !s.ok()) return s;
-
-    // Every index record has its users original.
-    if (indexed) {
-      auto ix = storage_->iterator(storage_->by_tag());
-      for (ix->SeekToFirst(); ix->Valid(); ix->Next()) {
-        ++report.records_checked;
-        const std::string_view k = view(ix->key());
-        auto key = decode_index_key(k);
-        if (!key || !is_indexed(static_cast<Tag>(key->tag))) {
-          problem("by_tag", k, "not a key of an indexed tag");
-          continue;
-        }
-        std::string original;
-        Status g = storage_->get(storage_->users(), encode_key(EntityId(key->user_id), static_cast<Tag>(key->tag), key->suffix), &original);
-        if (g.code() == StatusCode::NotFound) {
-          problem("by_tag", k, "index record without a users record");
-        } else if (!g.ok()) {
-          return g;
-        }
-      }
-      if (s = from_rocksdb(ix->status(), "verify scan of by_tag"); !s.ok()) return s;
-    }
-    if (s = state_->verify(&report); !s.ok()) return s;
-    return report;
   });
 }
 

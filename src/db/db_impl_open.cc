@@ -1,0 +1,233 @@
+// Db::Impl's lifecycle: construction and open (start-up rebuild), the Call
+// that counts every public call, flush, close, and the exit handler that
+// closes every Db still open when the process exits.
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <vector>
+
+#include "db/grace.h"
+#include "db/guarded.h"
+#include "db/impl.h"
+#include "db/state_rebuild.h"
+#include "storage/keys.h"
+
+namespace tidal {
+namespace {
+
+// Initial capacity of each libcuckoo map: enough buckets (and bucket locks)
+// that two threads rarely contend, without libcuckoo's 2^16-bucket default.
+constexpr std::size_t kInitialMapCapacity = 1 << 14;
+
+// Every Db::Impl alive in the process, for the exit handler. Allocated once
+// and never destroyed, so it outlives every static destructor.
+struct LiveDbs {
+  std::mutex mu;
+  std::vector<Db::Impl*> impls;
+  bool exiting = false;  // set by the exit handler; ~Db then leaks the Impl
+};
+LiveDbs& live_dbs() {
+  static LiveDbs* const dbs = new LiveDbs();
+  return *dbs;
+}
+
+bool exit_started() {
+  LiveDbs& dbs = live_dbs();
+  std::lock_guard<std::mutex> lock(dbs.mu);
+  return dbs.exiting;
+}
+
+// Registered once, at the end of the first successful open. atexit handlers
+// and static destructors run in the reverse order of registration (of the
+// end of construction), so the handler runs:
+//   - before the destructors of RocksDB's statics built during that first
+//     open (Env::Default and the rest), which RocksDB's Flush and Close need;
+//   - before the destructor of a host global constructed before it (a
+//     namespace-scope std::unique_ptr<Db>), which then finds its Db closed.
+// A Db in a function-local static constructed after it is destroyed first,
+// while RocksDB is still whole, and closes itself as usual.
+void register_exit_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::atexit(&Db::Impl::close_all_at_exit); });
+}
+
+}  // namespace
+
+// ---- calls and close ----
+
+thread_local const Db::Impl::Call* Db::Impl::Call::innermost_ = nullptr;
+
+Db::Impl::Call::Call(const Impl* impl, const char* what, bool write) : impl_(impl) {
+  if (write) {
+    status_ = impl->check_writable(what);
+    if (!status_.ok()) return;
+  }
+  impl->calls_.fetch_add(1, std::memory_order_seq_cst);
+  counted_ = true;
+  if (impl->closed_.load(std::memory_order_seq_cst)) {
+    status_ = closed_status(what);
+    return;
+  }
+  outer_ = innermost_;
+  innermost_ = this;
+}
+
+Db::Impl::Call::~Call() {
+  if (!counted_) return;
+  if (status_.ok()) innermost_ = outer_;
+  impl_->end_call();
+}
+
+const Db::Impl::Call* Db::Impl::Call::innermost() { return innermost_; }
+
+void Db::Impl::end_call() const {
+  // seq_cst: when close() saw this call counted, this load sees closed_.
+  if (calls_.fetch_sub(1, std::memory_order_seq_cst) == 1 && closed_.load(std::memory_order_seq_cst)) {
+    std::lock_guard<std::mutex> lock(drain_mu_);  // close() is waiting or has not checked calls_ yet
+    drained_.notify_all();
+  }
+}
+
+bool Db::Impl::in_call_on_this_thread() const {
+  for (const Call* c = Call::innermost(); c != nullptr; c = c->outer()) {
+    if (c->impl() == this) return true;
+  }
+  return false;
+}
+
+void Db::Impl::close_all_at_exit() {
+  LiveDbs& dbs = live_dbs();
+  // Held throughout, so no ~Impl runs on another thread meanwhile.
+  std::lock_guard<std::mutex> lock(dbs.mu);
+  dbs.exiting = true;
+  for (Impl* impl : dbs.impls) (void)impl->close();
+}
+
+// ---- Db::Impl ----
+
+Db::Impl::Impl(const Options& options, std::unique_ptr<Storage> storage)
+    : options_(options),
+      storage_(std::move(storage)),
+      clock_(options.clock, [this](std::uint64_t floor) { return store_clock_lease(floor); }),
+      communities_(kInitialMapCapacity),
+      leave_status_(kInitialMapCapacity),
+      held_back_(kInitialMapCapacity),
+      state_(std::make_unique<StateStore>(storage_.get(),
+                                          StateStore::Config{options.aggregate_write_period, options.write_buffer_bytes,
+                                                             options.sync_writes},
+                                          [this] { return grace_.synchronize_all(); })) {
+  LiveDbs& dbs = live_dbs();
+  std::lock_guard<std::mutex> lock(dbs.mu);
+  dbs.impls.push_back(this);
+}
+
+Db::Impl::~Impl() {
+  LiveDbs& dbs = live_dbs();
+  std::lock_guard<std::mutex> lock(dbs.mu);
+  dbs.impls.erase(std::find(dbs.impls.begin(), dbs.impls.end(), this));
+}
+
+Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Options& options, rocksdb::Env* env) {
+  return guarded("open", [&]() -> Result<std::unique_ptr<Db>> {
+    grace::init();
+    Storage::Config config;
+    config.create_if_missing = options.create_if_missing;
+    config.read_only = options.read_only;
+    config.env = env;
+    config.block_cache_bytes = options.block_cache_bytes;
+    Result<std::unique_ptr<Storage>> storage = Storage::open(path, config);
+    if (!storage.ok()) return storage.status();
+
+    auto impl = std::make_unique<Impl>(options, std::move(*storage));
+    Storage& st = *impl->storage_;
+    if (Status s = StateStore::check_format(st); !s.ok()) return s;
+    if (Status s = ensure_index(st); !s.ok()) return s;
+    if (Status s = rebuild_community_memberships(st, &impl->communities_); !s.ok()) return s;
+    LeaveRebuildResult leaves;
+    if (Status s = rebuild_community_leave_status(st, options.corrupt_record_policy, &impl->leave_status_,
+                                                  &impl->gate_, &leaves);
+        !s.ok()) {
+      return s;
+    }
+    impl->corrupt_treated_as_left_.store(leaves.corrupt_treated_as_left, std::memory_order_relaxed);
+    Result<std::uint64_t> floor = read_clock_floor(st);
+    if (!floor.ok()) return floor.status();
+    impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
+    if (!options.read_only) impl->state_->start();
+    register_exit_handler();
+    return std::unique_ptr<Db>(new Db(std::move(impl)));
+  });
+}
+
+Status Db::Impl::check_writable(const char* what) const {
+  if (closed_.load(std::memory_order_acquire)) return closed_status(what);
+  if (options_.read_only) {
+    return Status::InvalidArgument(std::string(what) + ": the Db at '" + storage_->path() + "' is open read-only");
+  }
+  if (grace::in_read_section()) {
+    return Status::Busy(std::string(what) + " called from inside a ContributionSink callback; call it afterwards");
+  }
+  return Status::OK();
+}
+
+// Serialized by the clock's lease lock; the clock only ever passes a larger
+// floor while the Db is open (and last() at close).
+Status Db::Impl::store_clock_lease(std::uint64_t floor) {
+  std::string value;
+  put_u64_le(&value, floor);
+  rocksdb::WriteBatch batch;
+  batch.Put(storage_->meta(), kClockLeaseKey, value);
+  return storage_->write(&batch, Storage::durable_if(options_.sync_writes),
+                         "clock lease (floor " + std::to_string(floor) + " ns)");
+}
+
+Status Db::Impl::flush() {
+  return guarded("flush", [&]() -> Status {
+    Call call(this, "flush", /*write=*/true);
+    if (!call.status().ok()) return call.status();
+    return state_->flush();
+  });
+}
+
+// Writer-preferring: closed_ is published first, so every call that starts
+// afterwards returns Closed at once, and close() waits only for the calls
+// and signals already in flight. None of them waits for close(): a write
+// from a sink callback is refused (Busy) before it counts itself.
+Status Db::Impl::close() {
+  return guarded("close", [&]() -> Status {
+    if (grace::in_read_section()) {
+      return Status::Busy("close called from inside a ContributionSink callback; call it afterwards");
+    }
+    if (in_call_on_this_thread()) {
+      return Status::Busy("close called from inside a for_each_left callback of the same Db; call it afterwards");
+    }
+    std::lock_guard<std::mutex> closing(close_mu_);
+    if (closed_.exchange(true, std::memory_order_seq_cst)) return Status::OK();
+    {
+      std::unique_lock<std::mutex> lock(drain_mu_);
+      drained_.wait(lock, [&] { return calls_.load(std::memory_order_seq_cst) == 0; });
+    }
+    // Signals that saw the Db open have finished. If the barrier failed, a
+    // signal may still be running: the wait still covered every section it
+    // could see, the close goes on (the Db stays closed) and reports it.
+    const Status barrier = grace_.synchronize_all();
+    Status result = options_.read_only ? Status::OK() : state_->stop();
+    if (!options_.read_only && result.ok()) result = clock_.release_lease();  // no time is handed out now
+    Status s = storage_->close();
+    if (!barrier.ok()) return barrier;
+    return result.ok() ? s : result;
+  });
+}
+
+// ---- Db construction and destruction ----
+
+Db::Db(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Db::~Db() {
+  if (!impl_) return;
+  (void)impl_->close();
+  // Past the exit handler RocksDB's statics may be gone: leave the Impl
+  // (closed, and still listed, so not a leak) to the operating system.
+  if (exit_started()) (void)impl_.release();
+}
+
+}  // namespace tidal
