@@ -5,11 +5,19 @@
 // (and a quarter of those rejoin later). A ContributionSink watches every
 // fan-out, so the report can check the leave guarantees: nothing of a user
 // reached a shared aggregate after their leave returned, and every boundary
-// is exact (forwarded_at_ns < left_at_ns). Finally the Db is closed and
-// reopened and every status compared. Uses only the public API.
+// is exact (forwarded_at_ns < left_at_ns). Then half of the users who are
+// still Left are purged: re-materialization finds no mismatch, and every
+// shared score equals, bit for bit, that of a second Db fed the same
+// contributions without theirs. Finally the Db is closed and reopened and
+// every status compared. Uses only the public API.
 #include <tidal/db.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <set>
+#include <tuple>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -82,14 +90,31 @@ class CheckingSink : public tidal::ContributionSink {
     std::uint64_t forwarded_at_ns;
   };
 
-  CheckingSink(std::uint64_t users, const std::vector<std::uint64_t>& watched)
+  // A shared aggregate cell: (cohort or community, its id, item).
+  using Cell = std::tuple<tidal::ContributionTarget, std::uint64_t, std::uint64_t>;
+  // Exact sums of weights in hundredths (the demo's weights are 0.50..1.49).
+  using Tally = std::map<Cell, std::int64_t>;
+
+  // `purged`: the users whose contributions the demo purges at the end; the
+  // sink tallies every other contribution, and the cells those users touched.
+  CheckingSink(std::uint64_t users, const std::vector<std::uint64_t>& watched, const std::vector<std::uint64_t>& purged)
       : watched_(users + 1, 0), left_returned_(users + 1) {
     for (std::uint64_t u : watched) watched_[u] = 1;
+    for (std::uint64_t u : purged) watched_[u] = 2;
   }
 
   void on_contribution(const tidal::Contribution& c) override {
     Stripe& s = stripe();
     s.contributions.fetch_add(1, std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      const Cell cell{c.target, c.target_id, c.item_id};
+      if (c.user_id < watched_.size() && watched_[c.user_id] == 2) {
+        s.purged_cells.insert(cell);
+      } else {
+        s.kept[cell] += std::llround(c.weight * 100);
+      }
+    }
     if (c.user_id >= watched_.size() || watched_[c.user_id] == 0) return;
     if (left_returned_[c.user_id].load(std::memory_order_acquire)) s.after_leave.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(s.mu);
@@ -108,6 +133,25 @@ class CheckingSink : public tidal::ContributionSink {
     for (const Stripe& s : stripes_) n += s.after_leave.load(std::memory_order_relaxed);
     return n;
   }
+  // What every contribution of the users not purged added, per cell, and the
+  // cells the purged users touched. Call once the signal threads have finished.
+  Tally kept() {
+    Tally all;
+    for (Stripe& s : stripes_) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      for (const auto& [cell, hundredths] : s.kept) all[cell] += hundredths;
+    }
+    return all;
+  }
+  std::set<Cell> purged_cells() {
+    std::set<Cell> all;
+    for (Stripe& s : stripes_) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      all.insert(s.purged_cells.begin(), s.purged_cells.end());
+    }
+    return all;
+  }
+
   // Call once the signal threads have finished.
   std::vector<Record> records() {
     std::vector<Record> all;
@@ -124,6 +168,8 @@ class CheckingSink : public tidal::ContributionSink {
     std::atomic<std::uint64_t> after_leave{0};
     std::mutex mu;  // uncontended unless two threads share a stripe
     std::vector<Record> records;
+    Tally kept;
+    std::set<Cell> purged_cells;
   };
 
   Stripe& stripe() {
@@ -133,7 +179,7 @@ class CheckingSink : public tidal::ContributionSink {
   }
 
   static constexpr unsigned kStripes = 16;
-  std::vector<std::uint8_t> watched_;
+  std::vector<std::uint8_t> watched_;  // 1: a leaver, 2: a leaver the demo purges
   std::vector<std::atomic<bool>> left_returned_;
   Stripe stripes_[kStripes];
 };
@@ -491,6 +537,98 @@ std::optional<bool> check_boundaries(const Workload& w) {
 
 // Closes `db`, reopens the directory and compares every status. Empty when a
 // call failed.
+// ---- step 4: purge half of the leavers, re-materialize, compare ----
+
+// The leavers the demo purges at the end: half of them, all still Left (the
+// first quarter of the leavers rejoin).
+std::vector<std::uint64_t> pick_purged(const std::vector<std::uint64_t>& leavers) {
+  const auto first = leavers.begin() + static_cast<std::ptrdiff_t>(leavers.size() / 4);
+  return {first, first + static_cast<std::ptrdiff_t>(leavers.size() / 2)};
+}
+
+// A second Db fed exactly the contributions of the users not purged: one
+// signal per shared cell carrying that cell's sum, from synthetic users (one
+// in no community for cohorts, one per community joined to it alone).
+std::optional<bool> feed_reference(const Config& cfg, const CheckingSink::Tally& kept,
+                                   std::unique_ptr<tidal::Db>* out) {
+  const std::string dir = cfg.dir + "-reference";
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  tidal::Options options;
+  options.sync_writes = false;
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(dir, options);
+  if (!opened.ok()) return failed("open of the reference Db", opened.status());
+  tidal::Db& ref = **opened;
+  constexpr std::uint64_t kFeeder = 1ULL << 62;  // above every demo user id
+  std::set<std::uint64_t> joined;
+  tidal::SignalContext context;
+  for (const auto& [cell, hundredths] : kept) {
+    const auto& [target, id, item] = cell;
+    tidal::Signal signal{kFeeder, item, static_cast<double>(hundredths) / 100.0};
+    context.cohort_ids.clear();
+    if (target == tidal::ContributionTarget::Cohort) {
+      context.cohort_ids.push_back(id);
+    } else {
+      signal.user_id = kFeeder + 1 + id;
+      if (joined.insert(id).second) {
+        if (tidal::Status s = ref.join_community(signal.user_id, id); !s.ok()) return failed("reference join", s);
+      }
+    }
+    if (tidal::Result<tidal::SignalOutcome> r = ref.signal_with_context(signal, context); !r.ok()) {
+      return failed("reference signal", r.status());
+    }
+  }
+  *out = std::move(*opened);
+  return true;
+}
+
+// Purges the contributions of `purged`, re-materializes, and compares every
+// shared cell the workload touched with the reference Db, bit for bit.
+std::optional<bool> check_purge(const Config& cfg, tidal::Db& db, CheckingSink& sink,
+                                const std::vector<std::uint64_t>& purged) {
+  auto start = SteadyClock::now();
+  tidal::Result<std::vector<tidal::PurgeReceipt>> receipts = db.purge_community_contributions(purged);
+  if (!receipts.ok()) return failed("purge_community_contributions", receipts.status());
+  const double purge_secs = seconds_since(start);
+  std::uint64_t entries = 0;
+  for (const tidal::PurgeReceipt& r : *receipts) entries += r.entries_removed;
+  start = SteadyClock::now();
+  tidal::Result<tidal::RematerializeReport> remat = db.rematerialize_shared_aggregates(/*repair=*/false);
+  if (!remat.ok()) return failed("rematerialize_shared_aggregates", remat.status());
+  const double remat_secs = seconds_since(start);
+
+  const CheckingSink::Tally kept = sink.kept();
+  std::unique_ptr<tidal::Db> ref;
+  if (std::optional<bool> fed = feed_reference(cfg, kept, &ref); !fed) return std::nullopt;
+  std::set<CheckingSink::Cell> cells = sink.purged_cells();
+  for (const auto& [cell, hundredths] : kept) cells.insert(cell);
+  std::uint64_t differ = 0;
+  for (const auto& [target, id, item] : cells) {
+    const bool cohort = target == tidal::ContributionTarget::Cohort;
+    tidal::Result<double> a = cohort ? db.cohort_score(id, item) : db.community_score(id, item);
+    tidal::Result<double> b = cohort ? ref->cohort_score(id, item) : ref->community_score(id, item);
+    if (!a.ok()) return failed("score read", a.status());
+    if (!b.ok()) return failed("reference score read", b.status());
+    if (std::memcmp(&*a, &*b, sizeof(double)) != 0) ++differ;
+  }
+  if (tidal::Status s = ref->close(); !s.ok()) return failed("reference close", s);
+  std::printf("\npurge: %zu users, %llu ledger entries removed in %.2f s; re-materialization read %llu ledger entries "
+              "in %.2f s\n",
+              purged.size(), static_cast<unsigned long long>(entries), purge_secs,
+              static_cast<unsigned long long>(remat->ledger_entries_read), remat_secs);
+  bool ok = check(receipts->size() == purged.size(), "one purge receipt per purged user (" +
+                                                           std::to_string(receipts->size()) + ")");
+  ok &= check(remat->mismatches.empty(), "re-materialization after the purge: " +
+                                             std::to_string(remat->aggregates_checked) + " aggregates checked, " +
+                                             std::to_string(remat->mismatches.size()) + " mismatches");
+  ok &= check(differ == 0, "every shared score equals a Db fed the same signals without the purged users: " +
+                               std::to_string(cells.size()) + " cells compared, " + std::to_string(differ) +
+                               " differ");
+  return ok;
+}
+
+// ---- step 5: close and reopen: every status restored ----
+
 std::optional<bool> check_reopen(const Config& cfg, std::unique_ptr<tidal::Db> db, std::uint64_t users_left) {
   std::vector<tidal::CommunityMembership> before(cfg.users + 1);
   for (std::uint64_t u = 1; u <= cfg.users; ++u) {
@@ -532,7 +670,8 @@ int run(const Config& cfg) {
               cfg.dir.c_str());
   if (!load_memberships(cfg)) return 1;
   const std::vector<std::uint64_t> leavers = pick_leavers(cfg);
-  auto sink = std::make_shared<CheckingSink>(cfg.users, leavers);
+  const std::vector<std::uint64_t> purged = pick_purged(leavers);
+  auto sink = std::make_shared<CheckingSink>(cfg.users, leavers, purged);
   tidal::Options options;
   options.create_if_missing = false;
   options.contribution_sink = sink;
@@ -553,6 +692,9 @@ int run(const Config& cfg) {
   const std::optional<bool> boundaries = check_boundaries(w);
   if (!boundaries) return 1;
   all_ok &= *boundaries;
+  const std::optional<bool> purge = check_purge(cfg, *db, *sink, purged);
+  if (!purge) return 1;
+  all_ok &= *purge;
   const std::optional<bool> reopen = check_reopen(cfg, std::move(db), st.users_left);
   if (!reopen) return 1;
   all_ok &= *reopen;
