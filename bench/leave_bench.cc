@@ -29,7 +29,7 @@
 #include "db/grace.h"
 #include "db/leave_gate.h"
 #include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal::bench {
 namespace {

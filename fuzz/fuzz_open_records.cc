@@ -25,7 +25,7 @@
 
 #include "db/impl.h"
 #include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "tidal/db.h"
 
 namespace {

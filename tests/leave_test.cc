@@ -7,7 +7,7 @@
 
 #include "db/impl.h"
 #include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "storage/storage.h"
 #include "test_util.h"
 

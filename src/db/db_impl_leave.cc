@@ -9,7 +9,7 @@
 #include "db/impl.h"
 #include "db/state_rebuild.h"
 #include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 namespace {

@@ -10,7 +10,7 @@
 #include "db/guarded.h"
 #include "db/impl.h"
 #include "db/state_rebuild.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 namespace {

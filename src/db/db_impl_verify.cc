@@ -3,7 +3,7 @@
 #include "db/guarded.h"
 #include "db/impl.h"
 #include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 namespace {

@@ -14,7 +14,7 @@
 #include <string_view>
 
 #include "db/impl.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "storage/storage.h"
 
 namespace tidal {

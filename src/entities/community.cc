@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 

@@ -21,7 +21,7 @@
 #include <rocksdb/env.h>
 #include <rocksdb/write_batch.h>
 
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "tidal/status.h"
 
 namespace tidal {

@@ -1,8 +1,8 @@
 // Keys of the users partition: [user_id: 8 bytes BE][tag: 1 byte][suffix].
 // All of a user's records are contiguous and sorted by tag; users sort
 // numerically.
-#ifndef TIDAL_STORAGE_KEYS_H_
-#define TIDAL_STORAGE_KEYS_H_
+#ifndef TIDAL_STORAGE_FORMAT_H_
+#define TIDAL_STORAGE_FORMAT_H_
 
 #include <cstdint>
 #include <optional>
@@ -52,4 +52,4 @@ std::string hex(std::string_view bytes);
 
 }  // namespace tidal
 
-#endif  // TIDAL_STORAGE_KEYS_H_
+#endif  // TIDAL_STORAGE_FORMAT_H_

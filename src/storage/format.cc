@@ -1,4 +1,4 @@
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 
