@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "db/impl.h"
-#include "entities/community.h"
 #include "storage/format.h"
 #include "storage/storage.h"
 

@@ -28,7 +28,6 @@
 #include "bench_util.h"
 #include "db/grace.h"
 #include "db/leave_gate.h"
-#include "entities/community.h"
 #include "storage/format.h"
 
 namespace tidal::bench {

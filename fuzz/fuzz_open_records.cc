@@ -24,7 +24,6 @@
 #include <rocksdb/write_batch.h>
 
 #include "db/impl.h"
-#include "entities/community.h"
 #include "storage/format.h"
 #include "tidal/db.h"
 

@@ -6,7 +6,6 @@
 
 #include <gtest/gtest.h>
 
-#include "entities/community.h"
 #include "storage/format.h"
 
 namespace tidal {

@@ -29,7 +29,6 @@
 #include <rocksdb/write_batch.h>
 
 #include "db/impl.h"
-#include "entities/community.h"
 #include "raw_db.h"
 #include "reliability_util.h"
 #include "storage/format.h"

@@ -6,7 +6,6 @@
 #include <thread>
 
 #include "db/impl.h"
-#include "entities/community.h"
 #include "storage/format.h"
 #include "storage/storage.h"
 #include "test_util.h"

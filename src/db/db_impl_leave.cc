@@ -8,7 +8,6 @@
 #include "db/guarded.h"
 #include "db/impl.h"
 #include "db/state_rebuild.h"
-#include "entities/community.h"
 #include "storage/format.h"
 
 namespace tidal {

@@ -2,7 +2,6 @@
 // the users partition, and invariant I1 holds (docs/CONTRACT.md, S5).
 #include "db/guarded.h"
 #include "db/impl.h"
-#include "entities/community.h"
 #include "storage/format.h"
 
 namespace tidal {

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <string>
 
-#include "entities/community.h"
+#include "storage/format.h"
 
 namespace tidal {
 namespace {

@@ -1,13 +1,23 @@
+// The on-disk format in code, as LevelDB's dbformat.h: tags, keys, the
+// users-record codecs, the meta keys and the clock floor. docs/FORMAT.md
+// describes the same bytes for a reader without the code. The state store's
+// records (weights, aggregate cells, ledger) are in storage/state_format.h and
+// the purge receipt (0x10) in storage/receipt.h; both build on this header,
+// and no other file defines a byte of the format.
+//
 // Keys of the users partition: [user_id: 8 bytes BE][tag: 1 byte][suffix].
 // All of a user's records are contiguous and sorted by tag; users sort
 // numerically.
 #ifndef TIDAL_STORAGE_FORMAT_H_
 #define TIDAL_STORAGE_FORMAT_H_
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+
+#include "tidal/db.h"
 
 namespace tidal {
 
@@ -49,6 +59,21 @@ std::optional<DecodedKey> decode_index_key(std::string_view key);
 
 // "0000000000002a11" style hex of a key, for messages.
 std::string hex(std::string_view bytes);
+
+// ---- users records of the community layer (0x11, 0x12) ----
+
+inline constexpr std::size_t kMembershipValueSize = 9;
+
+// [status: 1 byte, 0 Active / 1 Left][left_at_ns: 8 bytes LE, 0 = none].
+std::array<char, kMembershipValueSize> serialize_membership(const CommunityMembership& m);
+// Empty optional for any length but 9, a status byte other than 0 or 1, and
+// Left with left_at_ns 0.
+std::optional<CommunityMembership> deserialize_membership(std::uint64_t user_id, std::string_view bytes);
+
+// 0x12 history value: one byte, the status entered at the key's at_ns.
+char serialize_history_status(MembershipStatus status);
+// Empty optional unless exactly one byte of value 0 or 1.
+std::optional<MembershipStatus> deserialize_history_status(std::string_view bytes);
 
 }  // namespace tidal
 
