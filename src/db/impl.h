@@ -182,16 +182,6 @@ class Db::Impl::Call {
   bool counted_ = false;
 };
 
-// Meta keys in the default column family.
-inline constexpr char kIndexVersionKey[] = "index_version";
-// Clock floors: every record under the prefix holds 8 bytes LE, and a
-// reopened Db's clock starts above the largest. One record per user lock
-// stripe (the last leave/rejoin time of the stripe, written with it), and
-// the lease (Clock::leased_now), written alone. Older versions also wrote
-// "clock_floor/flush"; it is still read.
-inline constexpr char kClockFloorPrefix[] = "clock_floor/";
-inline constexpr char kClockLeaseKey[] = "clock_floor/lease";
-
 }  // namespace tidal
 
 #endif  // TIDAL_DB_IMPL_H_

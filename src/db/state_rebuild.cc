@@ -8,7 +8,6 @@
 namespace tidal {
 namespace {
 
-constexpr char kIndexVersion[] = "1";
 constexpr std::size_t kBackfillBatch = 10000;
 
 rocksdb::Slice slice(std::string_view s) { return {s.data(), s.size()}; }
@@ -116,21 +115,6 @@ Status rebuild_community_leave_status(const Storage& storage, CorruptRecordPolic
                     status->insert_or_assign(user, *m);
                     return Status::OK();
                   });
-}
-
-Result<std::uint64_t> read_clock_floor(const Storage& storage) {
-  std::uint64_t floor = 0;
-  const std::string_view prefix = kClockFloorPrefix;
-  auto it = storage.iterator(storage.meta());
-  for (it->Seek(slice(prefix)); it->Valid() && it->key().starts_with(slice(prefix)); it->Next()) {
-    if (it->value().size() != 8) {
-      return Status::Corruption("clock floor record " + hex(view(it->key())) + " of '" + storage.path() +
-                                "' is not 8 bytes");
-    }
-    floor = std::max(floor, get_u64_le(it->value().data()));
-  }
-  if (Status s = iterator_status(*it, storage, "clock floor read"); !s.ok()) return s;
-  return floor;
 }
 
 }  // namespace tidal

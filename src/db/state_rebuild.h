@@ -41,9 +41,6 @@ struct LeaveRebuildResult {
 Status rebuild_community_leave_status(const Storage& storage, CorruptRecordPolicy policy, LeaveStatusMap* status,
                                       LeaveGate* gate, LeaveRebuildResult* result);
 
-// The largest timestamp recorded in the meta clock-floor records.
-Result<std::uint64_t> read_clock_floor(const Storage& storage);
-
 }  // namespace tidal
 
 #endif  // TIDAL_DB_STATE_REBUILD_H_

@@ -99,4 +99,24 @@ std::optional<MembershipStatus> deserialize_history_status(std::string_view byte
   return static_cast<MembershipStatus>(b);
 }
 
+
+// ---- meta records ----
+
+std::string clock_floor_stripe_key(std::uint64_t stripe) {
+  std::string key = kClockFloorPrefix;
+  put_u64_be(&key, stripe);
+  return key;
+}
+
+std::string serialize_clock_floor(std::uint64_t ts) {
+  std::string value;
+  put_u64_le(&value, ts);
+  return value;
+}
+
+std::optional<std::uint64_t> deserialize_clock_floor(std::string_view bytes) {
+  if (bytes.size() != kClockFloorValueSize) return std::nullopt;
+  return get_u64_le(bytes.data());
+}
+
 }  // namespace tidal

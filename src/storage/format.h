@@ -75,6 +75,35 @@ char serialize_history_status(MembershipStatus status);
 // Empty optional unless exactly one byte of value 0 or 1.
 std::optional<MembershipStatus> deserialize_history_status(std::string_view bytes);
 
+// ---- meta records (the default column family) ----
+
+// Present, with value kIndexVersion, once the by_tag index is complete
+// (storage/index.h).
+inline constexpr char kIndexVersionKey[] = "index_version";
+inline constexpr char kIndexVersion[] = "1";
+// The format of the state store's records (storage/state_format.h); checked
+// and written by StateStore::check_format.
+inline constexpr char kStateFormatKey[] = "state_format";
+inline constexpr char kStateFormat[] = "2";
+// Empty value, written memtable-only by Storage::close so that its flush
+// moves every column family past the WAL; never read.
+inline constexpr char kCleanCloseKey[] = "clean_close";
+// Clock floors: every record under the prefix holds 8 bytes LE, and a
+// reopened Db's clock starts above the largest. One record per user lock
+// stripe (the last leave/rejoin time of the stripe, written with it), and
+// the lease (Clock::leased_now), written alone. Older versions also wrote
+// "clock_floor/flush"; it is still read.
+inline constexpr char kClockFloorPrefix[] = "clock_floor/";
+inline constexpr char kClockLeaseKey[] = "clock_floor/lease";
+inline constexpr std::size_t kClockFloorValueSize = 8;
+
+// "clock_floor/" + [stripe: 8 bytes BE].
+std::string clock_floor_stripe_key(std::uint64_t stripe);
+// [ts: 8 bytes LE].
+std::string serialize_clock_floor(std::uint64_t ts);
+// Empty optional for any length but 8.
+std::optional<std::uint64_t> deserialize_clock_floor(std::string_view bytes);
+
 }  // namespace tidal
 
 #endif  // TIDAL_STORAGE_FORMAT_H_

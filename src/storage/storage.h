@@ -95,6 +95,10 @@ class Storage {
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;
 };
 
+// The largest timestamp recorded in the meta clock-floor records (0 when
+// there are none); Corruption for a record that does not decode.
+Result<std::uint64_t> read_clock_floor(const Storage& storage);
+
 }  // namespace tidal
 
 #endif  // TIDAL_STORAGE_STORAGE_H_
