@@ -7,8 +7,8 @@
 #include "db/grace.h"
 #include "db/guarded.h"
 #include "db/impl.h"
-#include "db/state_rebuild.h"
 #include "storage/format.h"
+#include "storage/index.h"
 
 namespace tidal {
 namespace {

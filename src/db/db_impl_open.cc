@@ -11,6 +11,7 @@
 #include "db/impl.h"
 #include "db/state_rebuild.h"
 #include "storage/format.h"
+#include "storage/index.h"
 
 namespace tidal {
 namespace {
