@@ -19,14 +19,12 @@
 #include "db/clock.h"
 #include "db/grace.h"
 #include "db/leave_gate.h"
+#include "db/maps.h"
 #include "db/state_store.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
 
 namespace tidal {
-
-using CommunitiesMap = libcuckoo::cuckoohash_map<std::uint64_t, std::vector<std::uint64_t>>;  // sorted ids
-using LeaveStatusMap = libcuckoo::cuckoohash_map<std::uint64_t, CommunityMembership>;      // absent = Active
 
 // Hot-path counters, striped by thread so signaling threads do not share a
 // cache line. Relaxed; summed by stats().

@@ -5,7 +5,8 @@
 
 #include <cstdint>
 
-#include "db/impl.h"
+#include "db/leave_gate.h"
+#include "db/maps.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
 
