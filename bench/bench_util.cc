@@ -7,8 +7,7 @@
 #include <vector>
 
 #include "db/impl.h"
-#include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "storage/storage.h"
 
 namespace tidal::bench {

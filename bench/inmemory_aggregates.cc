@@ -4,7 +4,7 @@
 #include <utility>
 #include <vector>
 
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 namespace {

@@ -28,8 +28,7 @@
 #include "bench_util.h"
 #include "db/grace.h"
 #include "db/leave_gate.h"
-#include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal::bench {
 namespace {

@@ -32,7 +32,7 @@
 
 #include "bench_util.h"
 #include "inmemory_aggregates.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "storage/state_format.h"
 #include "storage/storage.h"
 

@@ -5,7 +5,7 @@
 #include <string>
 #include <string_view>
 
-#include "storage/keys.h"
+#include "storage/format.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view key(reinterpret_cast<const char*>(data), size);

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string_view>
 
-#include "entities/community.h"
+#include "storage/format.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view bytes(reinterpret_cast<const char*>(data), size);

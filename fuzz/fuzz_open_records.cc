@@ -24,8 +24,7 @@
 #include <rocksdb/write_batch.h>
 
 #include "db/impl.h"
-#include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "tidal/db.h"
 
 namespace {

@@ -16,7 +16,7 @@
 
 #include "db/impl.h"
 #include "fault_fs.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "storage/storage.h"
 #include "test_util.h"
 #include "tidal/db.h"

@@ -6,8 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 namespace {

@@ -29,10 +29,9 @@
 #include <rocksdb/write_batch.h>
 
 #include "db/impl.h"
-#include "entities/community.h"
 #include "raw_db.h"
 #include "reliability_util.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "tidal/db.h"
 
 #ifndef TIDAL_CRASH_CHILD

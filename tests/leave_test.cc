@@ -6,8 +6,7 @@
 #include <thread>
 
 #include "db/impl.h"
-#include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "storage/storage.h"
 #include "test_util.h"
 

@@ -19,7 +19,7 @@
 
 #include "db/impl.h"
 #include "fault_fs.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "storage/receipt.h"
 #include "storage/state_format.h"
 #include "test_util.h"

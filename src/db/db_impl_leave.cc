@@ -7,9 +7,8 @@
 #include "db/grace.h"
 #include "db/guarded.h"
 #include "db/impl.h"
-#include "db/state_rebuild.h"
-#include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
+#include "storage/index.h"
 
 namespace tidal {
 namespace {
@@ -108,11 +107,7 @@ void Db::Impl::put_membership(rocksdb::WriteBatch* batch, std::uint64_t user_id,
 void Db::Impl::put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts) {
   // One record per lock stripe: writes to it are serialized by that stripe's
   // lock, so each record only ever grows.
-  std::string key = kClockFloorPrefix;
-  put_u64_be(&key, user_id % user_locks_.size());
-  std::string value;
-  put_u64_le(&value, ts);
-  batch->Put(storage_->meta(), key, value);
+  batch->Put(storage_->meta(), clock_floor_stripe_key(user_id % user_locks_.size()), serialize_clock_floor(ts));
 }
 
 // ---- bulk leave & rejoin ----

@@ -4,7 +4,7 @@
 
 #include "db/guarded.h"
 #include "db/impl.h"
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 namespace {

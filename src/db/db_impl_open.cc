@@ -10,7 +10,8 @@
 #include "db/guarded.h"
 #include "db/impl.h"
 #include "db/state_rebuild.h"
-#include "storage/keys.h"
+#include "storage/format.h"
+#include "storage/index.h"
 
 namespace tidal {
 namespace {
@@ -173,10 +174,8 @@ Status Db::Impl::check_writable(const char* what) const {
 // Serialized by the clock's lease lock; the clock only ever passes a larger
 // floor while the Db is open (and last() at close).
 Status Db::Impl::store_clock_lease(std::uint64_t floor) {
-  std::string value;
-  put_u64_le(&value, floor);
   rocksdb::WriteBatch batch;
-  batch.Put(storage_->meta(), kClockLeaseKey, value);
+  batch.Put(storage_->meta(), kClockLeaseKey, serialize_clock_floor(floor));
   return storage_->write(&batch, Storage::durable_if(options_.sync_writes),
                          "clock lease (floor " + std::to_string(floor) + " ns)");
 }

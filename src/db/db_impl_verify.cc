@@ -2,8 +2,8 @@
 // the users partition, and invariant I1 holds (docs/CONTRACT.md, S5).
 #include "db/guarded.h"
 #include "db/impl.h"
-#include "entities/community.h"
-#include "storage/keys.h"
+#include "storage/format.h"
+#include "storage/index.h"
 
 namespace tidal {
 namespace {
@@ -19,6 +19,10 @@ struct Problems {
   VerifyReport* report;
   void add(std::string_view cf, std::string_view key, const std::string& what) const {
     report->problems.push_back(std::string(cf) + " key " + hex(key) + ": " + what);
+  }
+  // The same, for the index checks of storage/index.h.
+  IndexProblemFn fn() const {
+    return [p = *this](std::string_view cf, std::string_view key, const std::string& what) { p.add(cf, key, what); };
   }
 };
 
@@ -43,22 +47,6 @@ void check_users_value(const DecodedKey& key, std::string_view k, std::string_vi
   }
 }
 
-// The by_tag copy of an indexed users record exists and holds the same value.
-Status check_index_copy(const Storage& storage, const DecodedKey& key, std::string_view k, std::string_view v,
-                        const Problems& problems) {
-  std::string copy;
-  Status g = storage.get(storage.by_tag(), encode_index_key(EntityId(key.user_id), static_cast<Tag>(key.tag), key.suffix),
-                         &copy);
-  if (g.code() == StatusCode::NotFound) {
-    problems.add("users", k, "record missing from the by_tag index");
-  } else if (!g.ok()) {
-    return g;
-  } else if (copy != v) {
-    problems.add("users", k, "index copy differs: " + hex(copy) + " vs " + hex(v));
-  }
-  return Status::OK();
-}
-
 // Every users record decodes, and (when the index is complete) every indexed
 // one has its index copy.
 Status verify_users(const Storage& storage, bool indexed, VerifyReport* report) {
@@ -75,34 +63,10 @@ Status verify_users(const Storage& storage, bool indexed, VerifyReport* report) 
     }
     check_users_value(*key, k, v, problems);
     if (indexed && is_indexed(static_cast<Tag>(key->tag))) {
-      if (Status s = check_index_copy(storage, *key, k, v, problems); !s.ok()) return s;
+      if (Status s = check_index_copy(storage, *key, k, v, problems.fn()); !s.ok()) return s;
     }
   }
   return from_rocksdb(it->status(), "verify scan of users");
-}
-
-// Every index record is of an indexed tag and has its users original.
-Status verify_index(const Storage& storage, VerifyReport* report) {
-  const Problems problems{report};
-  auto ix = storage.iterator(storage.by_tag());
-  for (ix->SeekToFirst(); ix->Valid(); ix->Next()) {
-    ++report->records_checked;
-    const std::string_view k = view(ix->key());
-    auto key = decode_index_key(k);
-    if (!key || !is_indexed(static_cast<Tag>(key->tag))) {
-      problems.add("by_tag", k, "not a key of an indexed tag");
-      continue;
-    }
-    std::string original;
-    Status g = storage.get(storage.users(), encode_key(EntityId(key->user_id), static_cast<Tag>(key->tag), key->suffix),
-                           &original);
-    if (g.code() == StatusCode::NotFound) {
-      problems.add("by_tag", k, "index record without a users record");
-    } else if (!g.ok()) {
-      return g;
-    }
-  }
-  return from_rocksdb(ix->status(), "verify scan of by_tag");
 }
 
 }  // namespace
@@ -112,15 +76,14 @@ Result<VerifyReport> Db::Impl::verify() const {
   return guarded("verify", [&]() -> Result<VerifyReport> {
     Call call(this, "verify", /*write=*/false);
     if (!call.status().ok()) return call.status();
-    std::string index_version;
-    Status s = storage_->get(storage_->meta(), kIndexVersionKey, &index_version);
-    if (!s.ok() && s.code() != StatusCode::NotFound) return s;
-    const bool indexed = s.ok();
+    Result<bool> indexed = index_complete(*storage_);
+    if (!indexed.ok()) return indexed.status();
 
     VerifyReport report;
-    if (s = verify_users(*storage_, indexed, &report); !s.ok()) return s;
-    if (indexed) {
-      if (s = verify_index(*storage_, &report); !s.ok()) return s;
+    Status s = verify_users(*storage_, *indexed, &report);
+    if (!s.ok()) return s;
+    if (*indexed) {
+      if (s = verify_index(*storage_, &report.records_checked, Problems{&report}.fn()); !s.ok()) return s;
     }
     if (s = state_->verify(&report); !s.ok()) return s;
     return report;

@@ -19,14 +19,12 @@
 #include "db/clock.h"
 #include "db/grace.h"
 #include "db/leave_gate.h"
+#include "db/maps.h"
 #include "db/state_store.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
 
 namespace tidal {
-
-using CommunitiesMap = libcuckoo::cuckoohash_map<std::uint64_t, std::vector<std::uint64_t>>;  // sorted ids
-using LeaveStatusMap = libcuckoo::cuckoohash_map<std::uint64_t, CommunityMembership>;      // absent = Active
 
 // Hot-path counters, striped by thread so signaling threads do not share a
 // cache line. Relaxed; summed by stats().
@@ -181,16 +179,6 @@ class Db::Impl::Call {
   const Call* outer_ = nullptr;
   bool counted_ = false;
 };
-
-// Meta keys in the default column family.
-inline constexpr char kIndexVersionKey[] = "index_version";
-// Clock floors: every record under the prefix holds 8 bytes LE, and a
-// reopened Db's clock starts above the largest. One record per user lock
-// stripe (the last leave/rejoin time of the stripe, written with it), and
-// the lease (Clock::leased_now), written alone. Older versions also wrote
-// "clock_floor/flush"; it is still read.
-inline constexpr char kClockFloorPrefix[] = "clock_floor/";
-inline constexpr char kClockLeaseKey[] = "clock_floor/lease";
 
 }  // namespace tidal
 

@@ -3,72 +3,10 @@
 #include <algorithm>
 #include <string>
 
-#include "entities/community.h"
+#include "storage/format.h"
+#include "storage/index.h"
 
 namespace tidal {
-namespace {
-
-constexpr char kIndexVersion[] = "1";
-constexpr std::size_t kBackfillBatch = 10000;
-
-rocksdb::Slice slice(std::string_view s) { return {s.data(), s.size()}; }
-std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
-
-Status iterator_status(const rocksdb::Iterator& it, const Storage& storage, const char* what) {
-  return from_rocksdb(it.status(), std::string(what) + " of '" + storage.path() + "'");
-}
-
-}  // namespace
-
-Status ensure_index(Storage& storage) {
-  if (storage.read_only()) return Status::OK();
-  std::string version;
-  Status s = storage.get(storage.meta(), kIndexVersionKey, &version);
-  if (s.ok()) return Status::OK();
-  if (s.code() != StatusCode::NotFound) return s;
-
-  rocksdb::WriteBatch batch;
-  auto it = storage.iterator(storage.users(), /*bulk=*/true);
-  for (it->SeekToFirst(); it->Valid(); it->Next()) {
-    auto key = decode_key(view(it->key()));
-    if (!key || !is_indexed(static_cast<Tag>(key->tag))) continue;
-    batch.Put(storage.by_tag(), slice(encode_index_key(EntityId(key->user_id), static_cast<Tag>(key->tag), key->suffix)),
-              it->value());
-    if (static_cast<std::size_t>(batch.Count()) >= kBackfillBatch) {
-      if (s = storage.write(&batch, Storage::WriteMode::Async, "index backfill"); !s.ok()) return s;
-      batch.Clear();
-    }
-  }
-  if (s = iterator_status(*it, storage, "index backfill scan"); !s.ok()) return s;
-  batch.Put(storage.meta(), kIndexVersionKey, kIndexVersion);
-  return storage.write(&batch, Storage::WriteMode::Sync, "index backfill");
-}
-
-Status scan_tag(const Storage& storage, Tag tag,
-                const std::function<Status(std::uint64_t, std::string_view, std::string_view)>& fn) {
-  std::string version;
-  Status s = storage.get(storage.meta(), kIndexVersionKey, &version);
-  if (!s.ok() && s.code() != StatusCode::NotFound) return s;
-  const bool indexed = s.ok() && is_indexed(tag);
-
-  if (indexed) {
-    const char prefix = static_cast<char>(tag);
-    auto it = storage.iterator(storage.by_tag(), /*bulk=*/true);
-    for (it->Seek(rocksdb::Slice(&prefix, 1)); it->Valid() && it->key()[0] == prefix; it->Next()) {
-      auto key = decode_index_key(view(it->key()));
-      if (!key) return Status::Corruption("index key " + hex(view(it->key())) + " is shorter than 9 bytes");
-      if (s = fn(key->user_id, key->suffix, view(it->value())); !s.ok()) return s;
-    }
-    return iterator_status(*it, storage, "index scan");
-  }
-  auto it = storage.iterator(storage.users(), /*bulk=*/true);
-  for (it->SeekToFirst(); it->Valid(); it->Next()) {
-    auto key = decode_key(view(it->key()));
-    if (!key || key->tag != static_cast<std::uint8_t>(tag)) continue;  // unknown or other tags: skipped
-    if (s = fn(key->user_id, key->suffix, view(it->value())); !s.ok()) return s;
-  }
-  return iterator_status(*it, storage, "users scan");
-}
 
 Status rebuild_community_memberships(const Storage& storage, CommunitiesMap* communities) {
   return scan_tag(storage, Tag::CommunityMember,
@@ -116,21 +54,6 @@ Status rebuild_community_leave_status(const Storage& storage, CorruptRecordPolic
                     status->insert_or_assign(user, *m);
                     return Status::OK();
                   });
-}
-
-Result<std::uint64_t> read_clock_floor(const Storage& storage) {
-  std::uint64_t floor = 0;
-  const std::string_view prefix = kClockFloorPrefix;
-  auto it = storage.iterator(storage.meta());
-  for (it->Seek(slice(prefix)); it->Valid() && it->key().starts_with(slice(prefix)); it->Next()) {
-    if (it->value().size() != 8) {
-      return Status::Corruption("clock floor record " + hex(view(it->key())) + " of '" + storage.path() +
-                                "' is not 8 bytes");
-    }
-    floor = std::max(floor, get_u64_le(it->value().data()));
-  }
-  if (Status s = iterator_status(*it, storage, "clock floor read"); !s.ok()) return s;
-  return floor;
 }
 
 }  // namespace tidal

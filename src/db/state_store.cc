@@ -31,14 +31,12 @@ StateStore::StateStore(Storage* storage, const Config& config, std::function<Sta
 StateStore::~StateStore() { (void)stop(); }
 
 Status StateStore::check_format(Storage& storage) {
-  static constexpr char kFormatKey[] = "state_format";
-  static constexpr char kFormat[] = "2";
   std::string format;
-  Status s = storage.get(storage.meta(), kFormatKey, &format);
+  Status s = storage.get(storage.meta(), kStateFormatKey, &format);
   if (s.ok()) {
-    if (format == kFormat) return Status::OK();
+    if (format == kStateFormat) return Status::OK();
     return Status::InvalidArgument("cannot open tidal Db at '" + storage.path() + "': its aggregates are in format " +
-                                   format + "; this version reads format " + kFormat);
+                                   format + "; this version reads format " + kStateFormat);
   }
   if (s.code() != StatusCode::NotFound) return s;
   auto it = storage.iterator(storage.aggregates());
@@ -52,7 +50,7 @@ Status StateStore::check_format(Storage& storage) {
   if (s = from_rocksdb(it->status(), "format check of '" + storage.path() + "'"); !s.ok()) return s;
   if (storage.read_only()) return Status::OK();
   rocksdb::WriteBatch batch;
-  batch.Put(storage.meta(), kFormatKey, kFormat);
+  batch.Put(storage.meta(), kStateFormatKey, kStateFormat);
   return storage.write(&batch, Storage::WriteMode::Sync, "format mark of '" + storage.path() + "'");
 }
 

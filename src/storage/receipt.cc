@@ -1,6 +1,6 @@
 #include "storage/receipt.h"
 
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 

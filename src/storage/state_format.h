@@ -25,7 +25,7 @@
 
 #include <rocksdb/merge_operator.h>
 
-#include "storage/keys.h"
+#include "storage/format.h"
 
 namespace tidal {
 

@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdarg>
 #include <cstdio>
@@ -393,7 +394,7 @@ Status Storage::close() {
     // would leave one more WAL to replay. A memtable-only record makes the
     // flush happen.
     rocksdb::WriteBatch marker;
-    marker.Put(meta(), "clean_close", "");
+    marker.Put(meta(), kCleanCloseKey, "");
     (void)write(&marker, WriteMode::NoWal, "close marker");
   }
   Status result = flush();
@@ -411,6 +412,22 @@ Status Storage::close() {
     registry_id_.reset();
   }
   return result;
+}
+
+Result<std::uint64_t> read_clock_floor(const Storage& storage) {
+  std::uint64_t floor = 0;
+  const rocksdb::Slice prefix(kClockFloorPrefix);
+  auto it = storage.iterator(storage.meta());
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    const std::optional<std::uint64_t> ts = deserialize_clock_floor({it->value().data(), it->value().size()});
+    if (!ts) {
+      return Status::Corruption("clock floor record " + hex({it->key().data(), it->key().size()}) + " of '" +
+                                storage.path() + "' is not 8 bytes");
+    }
+    floor = std::max(floor, *ts);
+  }
+  if (Status s = from_rocksdb(it->status(), "clock floor read of '" + storage.path() + "'"); !s.ok()) return s;
+  return floor;
 }
 
 }  // namespace tidal

@@ -21,7 +21,7 @@
 #include <rocksdb/env.h>
 #include <rocksdb/write_batch.h>
 
-#include "storage/keys.h"
+#include "storage/format.h"
 #include "tidal/status.h"
 
 namespace tidal {
@@ -94,6 +94,10 @@ class Storage {
   std::unique_ptr<rocksdb::DB> db_;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;
 };
+
+// The largest timestamp recorded in the meta clock-floor records (0 when
+// there are none); Corruption for a record that does not decode.
+Result<std::uint64_t> read_clock_floor(const Storage& storage);
 
 }  // namespace tidal
 

@@ -1,0 +1,109 @@
+// The on-disk format in code, as LevelDB's dbformat.h: tags, keys, the
+// users-record codecs, the meta keys and the clock floor. docs/FORMAT.md
+// describes the same bytes for a reader without the code. The state store's
+// records (weights, aggregate cells, ledger) are in storage/state_format.h and
+// the purge receipt (0x10) in storage/receipt.h; both build on this header,
+// and no other file defines a byte of the format.
+//
+// Keys of the users partition: [user_id: 8 bytes BE][tag: 1 byte][suffix].
+// All of a user's records are contiguous and sorted by tag; users sort
+// numerically.
+#ifndef TIDAL_STORAGE_FORMAT_H_
+#define TIDAL_STORAGE_FORMAT_H_
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "tidal/db.h"
+
+namespace tidal {
+
+enum class Tag : std::uint8_t {
+  CommunityMember = 0x01,        // suffix: community id (8 bytes BE); value empty
+  PurgeManifest = 0x10,          // reserved for the retroactive purge
+  CommunityLeave = 0x11,         // no suffix; value: 9-byte CommunityMembership
+  CommunityLeaveHistory = 0x12,  // suffix: at_ns (8 bytes BE); value: 1 status byte
+  ContributionLedger = 0x13,     // in the ledger column family; see storage/state_format.h
+};
+
+struct EntityId {
+  explicit EntityId(std::uint64_t v) : value(v) {}
+  std::uint64_t value;
+};
+
+struct DecodedKey {
+  std::uint64_t user_id;
+  std::uint8_t tag;  // raw byte: the partition may hold tags this version does not know
+  std::string_view suffix;
+};
+
+void put_u64_be(std::string* out, std::uint64_t v);
+void put_u64_le(std::string* out, std::uint64_t v);
+std::uint64_t get_u64_be(const char* p);
+std::uint64_t get_u64_le(const char* p);
+
+std::string encode_key(EntityId id, Tag tag, std::string_view suffix = {});
+// The 9-byte prefix shared by every key of `id` with `tag`.
+std::string encode_key_prefix(EntityId id, Tag tag);
+// Empty optional when `key` is shorter than 9 bytes.
+std::optional<DecodedKey> decode_key(std::string_view key);
+
+// Index keys (the "by_tag" column family) put the tag first, so all records of
+// one tag can be read without touching the rest of the users partition:
+// [tag: 1 byte][user_id: 8 bytes BE][suffix].
+std::string encode_index_key(EntityId id, Tag tag, std::string_view suffix = {});
+std::optional<DecodedKey> decode_index_key(std::string_view key);
+
+// "0000000000002a11" style hex of a key, for messages.
+std::string hex(std::string_view bytes);
+
+// ---- users records of the community layer (0x11, 0x12) ----
+
+inline constexpr std::size_t kMembershipValueSize = 9;
+
+// [status: 1 byte, 0 Active / 1 Left][left_at_ns: 8 bytes LE, 0 = none].
+std::array<char, kMembershipValueSize> serialize_membership(const CommunityMembership& m);
+// Empty optional for any length but 9, a status byte other than 0 or 1, and
+// Left with left_at_ns 0.
+std::optional<CommunityMembership> deserialize_membership(std::uint64_t user_id, std::string_view bytes);
+
+// 0x12 history value: one byte, the status entered at the key's at_ns.
+char serialize_history_status(MembershipStatus status);
+// Empty optional unless exactly one byte of value 0 or 1.
+std::optional<MembershipStatus> deserialize_history_status(std::string_view bytes);
+
+// ---- meta records (the default column family) ----
+
+// Present, with value kIndexVersion, once the by_tag index is complete
+// (storage/index.h).
+inline constexpr char kIndexVersionKey[] = "index_version";
+inline constexpr char kIndexVersion[] = "1";
+// The format of the state store's records (storage/state_format.h); checked
+// and written by StateStore::check_format.
+inline constexpr char kStateFormatKey[] = "state_format";
+inline constexpr char kStateFormat[] = "2";
+// Empty value, written memtable-only by Storage::close so that its flush
+// moves every column family past the WAL; never read.
+inline constexpr char kCleanCloseKey[] = "clean_close";
+// Clock floors: every record under the prefix holds 8 bytes LE, and a
+// reopened Db's clock starts above the largest. One record per user lock
+// stripe (the last leave/rejoin time of the stripe, written with it), and
+// the lease (Clock::leased_now), written alone. Older versions also wrote
+// "clock_floor/flush"; it is still read.
+inline constexpr char kClockFloorPrefix[] = "clock_floor/";
+inline constexpr char kClockLeaseKey[] = "clock_floor/lease";
+inline constexpr std::size_t kClockFloorValueSize = 8;
+
+// "clock_floor/" + [stripe: 8 bytes BE].
+std::string clock_floor_stripe_key(std::uint64_t stripe);
+// [ts: 8 bytes LE].
+std::string serialize_clock_floor(std::uint64_t ts);
+// Empty optional for any length but 8.
+std::optional<std::uint64_t> deserialize_clock_floor(std::string_view bytes);
+
+}  // namespace tidal
+
+#endif  // TIDAL_STORAGE_FORMAT_H_
