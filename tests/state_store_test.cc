@@ -231,6 +231,25 @@ TEST(Invariant, MalformedStoredValuesAreCorruptionNamingTheKeyNeverZero) {
   EXPECT_NE(all.find("cohort 7 item 5"), std::string::npos) << all;
 }
 
+TEST(Invariant, VerifyReportsAPurgeReceiptThatDoesNotDecode) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  { auto db = open_db(path); }
+  std::string key = encode_key_prefix(EntityId(9), Tag::PurgeManifest);
+  put_u64_be(&key, 1234);
+  {
+    RawDb raw(path);
+    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.cf(RawDb::kUsers), key, "short").ok());
+  }
+  auto db = open_db(path);
+  Result<VerifyReport> report = db->verify();
+  ASSERT_OK(report);
+  ASSERT_EQ(report->problems.size(), 1u);
+  EXPECT_NE(report->problems[0].find("purge receipt (0x10) does not decode"), std::string::npos)
+      << report->problems[0];
+  EXPECT_NE(report->problems[0].find(hex(key)), std::string::npos) << report->problems[0];
+}
+
 TEST(Format, ADbWithVersion01AggregatesIsRefusedAndLeftAlone) {
   TempDir dir;
   const std::string path = dir.sub("db");

@@ -4,15 +4,12 @@
 #include "db/impl.h"
 #include "storage/format.h"
 #include "storage/index.h"
+#include "storage/receipt.h"
 
 namespace tidal {
 namespace {
 
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
-
-}  // namespace
-
-namespace {
 
 // Collects verify()'s problems, one line each, naming the key in hex.
 struct Problems {
@@ -42,8 +39,13 @@ void check_users_value(const DecodedKey& key, std::string_view k, std::string_vi
         problems.add("users", k, "community leave history record (0x12) does not decode: value " + hex(v));
       }
       break;
+    case Tag::PurgeManifest:
+      if (key.suffix.size() != 8 || !decode_receipt(v)) {
+        problems.add("users", k, "purge receipt (0x10) does not decode: value " + hex(v));
+      }
+      break;
     default:
-      break;  // PurgeManifest and tags this version does not know
+      break;  // tags this version does not know
   }
 }
 

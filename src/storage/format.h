@@ -23,7 +23,7 @@ namespace tidal {
 
 enum class Tag : std::uint8_t {
   CommunityMember = 0x01,        // suffix: community id (8 bytes BE); value empty
-  PurgeManifest = 0x10,          // reserved for the retroactive purge
+  PurgeManifest = 0x10,          // suffix: purged_at_ns (8 bytes BE); value: a receipt (storage/receipt.h)
   CommunityLeave = 0x11,         // no suffix; value: 9-byte CommunityMembership
   CommunityLeaveHistory = 0x12,  // suffix: at_ns (8 bytes BE); value: 1 status byte
   ContributionLedger = 0x13,     // in the ledger column family; see storage/state_format.h

@@ -277,6 +277,9 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   // synced write (a leave) go to the WAL while a large batch is still being
   // inserted into the memtables, instead of queueing behind it.
   options.enable_pipelined_write = true;
+  // RocksDB's memtables, across every column family, stay within 64 MiB
+  // (besides tidal's own write buffers and the block cache).
+  options.db_write_buffer_size = 64 << 20;
 
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
   for (const char* name : kColumnFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
