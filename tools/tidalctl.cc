@@ -306,7 +306,10 @@ int cmd_receipts(tidal::Db& db, std::uint64_t user, bool json) {
   if (!receipts.ok()) return db_failure("receipts", receipts.status());
   if (json) {
     std::string items;
-    for (const auto& r : *receipts) items += (items.empty() ? "" : ",") + receipt_json(r);
+    for (const auto& r : *receipts) {
+      if (!items.empty()) items += ',';
+      items += receipt_json(r);  // appended piece by piece: GCC 12 -Wrestrict misfires on "a" + std::string
+    }
     std::printf("{\"user_id\":%llu,\"receipts\":[%s]}\n", static_cast<unsigned long long>(user), items.c_str());
   } else {
     for (const auto& r : *receipts) std::printf("%s\n", receipt_text(r).c_str());
@@ -320,7 +323,10 @@ int cmd_rematerialize(tidal::Db& db, bool repair, bool json) {
   if (!report.ok()) return db_failure("rematerialize", report.status());
   if (json) {
     std::string items;
-    for (const std::string& m : report->mismatches) items += (items.empty() ? "" : ",") + json_string(m);
+    for (const std::string& m : report->mismatches) {
+      if (!items.empty()) items += ',';
+      items += json_string(m);
+    }
     std::printf("{\"aggregates_checked\":%llu,\"ledger_entries_read\":%llu,\"mismatches\":[%s],\"repaired\":%s}\n",
                 static_cast<unsigned long long>(report->aggregates_checked),
                 static_cast<unsigned long long>(report->ledger_entries_read), items.c_str(),
