@@ -135,11 +135,18 @@ class CheckingSink : public tidal::ContributionSink {
   }
   // What every contribution of the users not purged added, per cell, and the
   // cells the purged users touched. Call once the signal threads have finished.
-  Tally kept() {
+  // Takes the tallies out of the sink (call once): each stripe's is merged
+  // and freed in turn, so the cells are not held twice.
+  Tally take_kept() {
     Tally all;
     for (Stripe& s : stripes_) {
       std::lock_guard<std::mutex> lock(s.mu);
+      if (all.empty()) {
+        all.swap(s.kept);
+        continue;
+      }
       for (const auto& [cell, hundredths] : s.kept) all[cell] += hundredths;
+      Tally().swap(s.kept);
     }
     return all;
   }
@@ -556,6 +563,8 @@ std::optional<bool> feed_reference(const Config& cfg, const CheckingSink::Tally&
   std::filesystem::remove_all(dir, ec);
   tidal::Options options;
   options.sync_writes = false;
+  options.write_buffer_bytes = 8 << 20;  // a second Db in the same process: keep it small
+  options.block_cache_bytes = 8 << 20;
   tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(dir, options);
   if (!opened.ok()) return failed("open of the reference Db", opened.status());
   tidal::Db& ref = **opened;
@@ -597,7 +606,7 @@ std::optional<bool> check_purge(const Config& cfg, tidal::Db& db, CheckingSink& 
   if (!remat.ok()) return failed("rematerialize_shared_aggregates", remat.status());
   const double remat_secs = seconds_since(start);
 
-  const CheckingSink::Tally kept = sink.kept();
+  const CheckingSink::Tally kept = sink.take_kept();
   std::unique_ptr<tidal::Db> ref;
   if (std::optional<bool> fed = feed_reference(cfg, kept, &ref); !fed) return std::nullopt;
   std::set<CheckingSink::Cell> cells = sink.purged_cells();

@@ -144,7 +144,8 @@ void Db::Impl::try_community_forwarding(const Signal& signal, FanOut* fan_out) {
   }
 }
 
-bool Db::Impl::report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out) {
+TIDAL_CATCHES_FORCED_UNWIND bool Db::Impl::report(const Signal& signal, ContributionTarget target,
+                                                  std::uint64_t target_id, FanOut* fan_out) {
   ContributionSink* sink = options_.contribution_sink.get();
   if (sink == nullptr) return true;  // with a sink, fan_out->stamp was taken before the fan-out
   try {
