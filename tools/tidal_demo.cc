@@ -5,11 +5,11 @@
 // (and a quarter of those rejoin later). A ContributionSink watches every
 // fan-out, so the report can check the leave guarantees: nothing of a user
 // reached a shared aggregate after their leave returned, and every boundary
-// is exact (forwarded_at_ns < left_at_ns). Then half of the users who are
-// still Left are purged: re-materialization finds no mismatch, and every
-// shared score equals, bit for bit, that of a second Db fed the same
-// contributions without theirs. Finally the Db is closed and reopened and
-// every status compared. Uses only the public API.
+// is exact (forwarded_at_ns < left_at_ns). The Db is then closed and reopened
+// and every status compared. Finally half of the users who are still Left are
+// purged: re-materialization finds no mismatch, and every shared score
+// equals, bit for bit, that of a second Db fed the same contributions
+// without theirs. Uses only the public API.
 #include <tidal/db.h>
 
 #include <algorithm>
@@ -544,7 +544,7 @@ std::optional<bool> check_boundaries(const Workload& w) {
 
 // Closes `db`, reopens the directory and compares every status. Empty when a
 // call failed.
-// ---- step 4: purge half of the leavers, re-materialize, compare ----
+// ---- step 5: purge half of the leavers (on the reopened Db), re-materialize, compare ----
 
 // The leavers the demo purges at the end: half of them, all still Left (the
 // first quarter of the leavers rejoin).
@@ -636,9 +636,9 @@ std::optional<bool> check_purge(const Config& cfg, tidal::Db& db, CheckingSink& 
   return ok;
 }
 
-// ---- step 5: close and reopen: every status restored ----
+// ---- step 4: close and reopen: every status restored ----
 
-std::optional<bool> check_reopen(const Config& cfg, std::unique_ptr<tidal::Db> db, std::uint64_t users_left) {
+std::optional<bool> check_reopen(const Config& cfg, std::unique_ptr<tidal::Db>& db, std::uint64_t users_left) {
   std::vector<tidal::CommunityMembership> before(cfg.users + 1);
   for (std::uint64_t u = 1; u <= cfg.users; ++u) {
     tidal::Result<tidal::CommunityMembership> m = db->community_layer_status(u);
@@ -667,7 +667,6 @@ std::optional<bool> check_reopen(const Config& cfg, std::unique_ptr<tidal::Db> d
                                    std::to_string(left_after) + " Left");
   ok &= check(db->stats().users_left == users_left,
               "users_left after reopen = before (" + std::to_string(db->stats().users_left) + ")");
-  if (tidal::Status s = db->close(); !s.ok()) return failed("final close", s);
   return ok;
 }
 
@@ -701,12 +700,16 @@ int run(const Config& cfg) {
   const std::optional<bool> boundaries = check_boundaries(w);
   if (!boundaries) return 1;
   all_ok &= *boundaries;
+  const std::optional<bool> reopen = check_reopen(cfg, db, st.users_left);
+  if (!reopen) return 1;
+  all_ok &= *reopen;
   const std::optional<bool> purge = check_purge(cfg, *db, *sink, purged);
   if (!purge) return 1;
   all_ok &= *purge;
-  const std::optional<bool> reopen = check_reopen(cfg, std::move(db), st.users_left);
-  if (!reopen) return 1;
-  all_ok &= *reopen;
+  if (tidal::Status s = db->close(); !s.ok()) {
+    fail_db("final close", s);
+    return 1;
+  }
 
   std::printf("\n%s\n", all_ok ? "PASS" : "FAIL");
   return all_ok ? 0 : 1;
