@@ -127,12 +127,22 @@ Status StateStore::admit() {
 
 Status StateStore::flush() {
   std::lock_guard<std::mutex> drain(drain_mu_);
-  Status s = drain_locked();
+  Status s = drain_all_locked();
   {
     std::lock_guard<std::mutex> lock(writer_mu_);
     last_error_ = s;
   }
   drained_cv_.notify_all();
+  return s;
+}
+
+Status StateStore::drain_all_locked() {
+  // A batch that failed earlier is still frozen: drain_locked() writes it
+  // first, and the active buffer takes a second drain. (frozen_live_ changes
+  // only under drain_mu_, which the caller holds.)
+  const bool retry = frozen_live_;
+  Status s = drain_locked();
+  if (s.ok() && retry) s = drain_locked();
   return s;
 }
 
@@ -289,7 +299,7 @@ Status StateStore::verify(VerifyReport* report) const {
 
 Status StateStore::exclusive(const std::function<Status()>& fn) {
   std::lock_guard<std::mutex> drain(drain_mu_);
-  Status s = drain_locked();
+  Status s = drain_all_locked();
   {
     std::lock_guard<std::mutex> lock(writer_mu_);
     last_error_ = s;

@@ -143,6 +143,9 @@ class StateStore {
   // One drain: swap (unless a failed batch is still frozen), quiesce, write.
   // Caller holds drain_mu_.
   Status drain_locked();
+  // Drains until nothing acknowledged before the call is left in memory (a
+  // failed batch, then the active buffer). Caller holds drain_mu_.
+  Status drain_all_locked();
   Status write_frozen_locked(int frozen);
   // Builds the batch of the frozen buffer's cells (in key order); counts its keys.
   void build_batch(const std::vector<std::pair<Cell, Units>>& cells, std::uint64_t epoch, rocksdb::WriteBatch* batch,
