@@ -57,7 +57,8 @@ cmake --build build/test-tsan -j "$jobs" --target tidal_tests
 # tests/tsan.supp lists what TSan may report inside RocksDB's own
 # (uninstrumented) code, each entry explained; nothing of tidal's is suppressed.
 TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
-  ctest --test-dir build/test-tsan --output-on-failure -j "$jobs" -LE package -R 'Concurrent|Stress' --no-tests=error
+  ctest --test-dir build/test-tsan --output-on-failure -j "$jobs" -LE package -R 'Concurrent|Stress' --no-tests=error \
+    -E 'BulkConcurrentTest'  # a bulk leave holds all 64 user-lock stripes: past TSan's 64-lock deadlock detector
 echo "tidal: TSan stage passed in $(( $(date +%s) - stage_start )) s"
 stage_start=$(date +%s)
 

@@ -273,10 +273,6 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   if (config.env != nullptr) options.env = config.env;
   // A read-only open writes nothing, not even a LOG (RocksDB then logs nowhere).
   if (!config.read_only) set_hostile_fs_options(path, &options);
-  // The state store writes large batches: pipelined writes let a small
-  // synced write (a leave) go to the WAL while a large batch is still being
-  // inserted into the memtables, instead of queueing behind it.
-  options.enable_pipelined_write = true;
   // RocksDB's memtables, across every column family, stay within 64 MiB
   // (besides tidal's own write buffers and the block cache).
   options.db_write_buffer_size = 64 << 20;
