@@ -188,29 +188,7 @@ Status Db::Impl::leave_locked(const std::vector<std::uint64_t>& users) {
   if (Status s = grace_.synchronize(std::span<const std::uint64_t>(todo)); !s.ok()) return s;  // gates stay closed
   // On error every gate stays closed (G6) and the map keeps the last durable
   // state of the users not yet written, as in the single form.
-  std::vector<CommunityMembership> written;
-  for (std::size_t begin = 0; begin < todo.size(); begin += kBulkBatchUsers) {
-    const std::size_t end = std::min(todo.size(), begin + kBulkBatchUsers);
-    rocksdb::WriteBatch batch;
-    std::vector<std::uint64_t> floors(user_locks_.size(), 0);
-    written.clear();
-    for (std::size_t i = begin; i < end; ++i) {
-      const Result<std::uint64_t> left_at = clock_.now();
-      if (!left_at.ok()) return bulk_failure(left_at.status(), "leave_community_layer", begin, todo.size());
-      written.push_back({todo[i], MembershipStatus::Left, *left_at});
-      put_membership(&batch, todo[i], written.back(), *left_at);
-      floors[todo[i] % floors.size()] = *left_at;
-    }
-    put_clock_floors(&batch, floors);
-    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
-                                   bulk_text("leave_community_layer", todo, begin, end));
-        !s.ok()) {
-      return bulk_failure(s, "leave_community_layer", begin, todo.size());
-    }
-    for (const CommunityMembership& m : written) leave_status_.insert_or_assign(m.user_id, m);
-    leaves_.fetch_add(written.size(), std::memory_order_relaxed);
-  }
-  return Status::OK();
+  return write_bulk(todo, MembershipStatus::Left, "leave_community_layer");
 }
 
 // As rejoin_community_layer(user) for each user; a gate opens only once its
@@ -223,6 +201,15 @@ Status Db::Impl::rejoin_locked(const std::vector<std::uint64_t>& users) {
     leave_status_.find(u, current);
     if (current.status == MembershipStatus::Left || gate_.closed_for(u)) todo.push_back(u);  // see the single form
   }
+  return write_bulk(todo, MembershipStatus::Active, "rejoin_community_layer");
+}
+
+// Writes `status` for every user of `todo` in synced batches of
+// kBulkBatchUsers, each user with its own clock reading; a batch's users
+// change in memory only once it is durable (a rejoin opens their gates then).
+// A leave records its time as left_at_ns; a rejoin keeps the last one.
+Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipStatus status, const char* what) {
+  const bool leave = status == MembershipStatus::Left;
   std::vector<CommunityMembership> written;
   for (std::size_t begin = 0; begin < todo.size(); begin += kBulkBatchUsers) {
     const std::size_t end = std::min(todo.size(), begin + kBulkBatchUsers);
@@ -230,25 +217,31 @@ Status Db::Impl::rejoin_locked(const std::vector<std::uint64_t>& users) {
     std::vector<std::uint64_t> floors(user_locks_.size(), 0);
     written.clear();
     for (std::size_t i = begin; i < end; ++i) {
-      CommunityMembership current{todo[i], MembershipStatus::Active, std::nullopt};
-      leave_status_.find(todo[i], current);
       const Result<std::uint64_t> at = clock_.now();
-      if (!at.ok()) return bulk_failure(at.status(), "rejoin_community_layer", begin, todo.size());
-      written.push_back({todo[i], MembershipStatus::Active, current.left_at_ns});
-      put_membership(&batch, todo[i], written.back(), *at);
+      if (!at.ok()) return bulk_failure(at.status(), what, begin, todo.size());
+      CommunityMembership m{todo[i], status, std::nullopt};
+      if (leave) {
+        m.left_at_ns = *at;
+      } else {
+        CommunityMembership current{todo[i], MembershipStatus::Active, std::nullopt};
+        leave_status_.find(todo[i], current);
+        m.left_at_ns = current.left_at_ns;
+      }
+      written.push_back(m);
+      put_membership(&batch, todo[i], m, *at);
       floors[todo[i] % floors.size()] = *at;
     }
     put_clock_floors(&batch, floors);
     if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
-                                   bulk_text("rejoin_community_layer", todo, begin, end));
+                                   bulk_text(what, todo, begin, end));
         !s.ok()) {
-      return bulk_failure(s, "rejoin_community_layer", begin, todo.size());
+      return bulk_failure(s, what, begin, todo.size());
     }
     for (const CommunityMembership& m : written) {
       leave_status_.insert_or_assign(m.user_id, m);
-      gate_.open(m.user_id);
+      if (!leave) gate_.open(m.user_id);
     }
-    rejoins_.fetch_add(written.size(), std::memory_order_relaxed);
+    (leave ? leaves_ : rejoins_).fetch_add(written.size(), std::memory_order_relaxed);
   }
   return Status::OK();
 }

@@ -118,6 +118,8 @@ class Db::Impl {
   // `users` sorted and distinct, their stripes locked.
   Status leave_locked(const std::vector<std::uint64_t>& users);
   Status rejoin_locked(const std::vector<std::uint64_t>& users);
+  // The batched write both bulk forms share.
+  Status write_bulk(const std::vector<std::uint64_t>& todo, MembershipStatus status, const char* what);
   // Appends the clock floor records of the stripes in `floors` (0 = untouched).
   void put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors);
   CounterStripe& counters();
