@@ -174,45 +174,40 @@ Status StateStore::drain_locked() {
   return write_frozen_locked(frozen);
 }
 
-void StateStore::build_batch(const std::vector<std::pair<Cell, Units>>& cells, std::uint64_t epoch,
+void StateStore::build_batch(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch,
                              rocksdb::WriteBatch* batch, std::uint64_t* keys) const {
-  struct LedgerCell {
-    std::uint64_t user;
-    LedgerEntry entry;
-  };
-  std::vector<std::pair<std::string, Units>> aggregates;
-  std::vector<LedgerCell> ledger;
-  aggregates.reserve(cells.size());
-  for (const auto& [cell, units] : cells) {
-    if (cell.kind <= static_cast<std::uint8_t>(AggregateKind::Community)) {
-      aggregates.emplace_back(encode_aggregate_key(static_cast<AggregateKind>(cell.kind), cell.a, cell.b), units);
-    } else {
-      ledger.push_back({cell.a, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units}});
-    }
-  }
-  // Key order: RocksDB inserts a sorted batch into its memtables with a hint
-  // per batch (Storage::WriteMode's *Sorted forms), far cheaper than random keys.
-  std::sort(aggregates.begin(), aggregates.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
-  // One ledger record per user: its cells of this batch, sorted. The epoch
-  // (a sequence number above every earlier batch's) keeps records of
-  // different batches apart.
-  std::sort(ledger.begin(), ledger.end(), [](const LedgerCell& x, const LedgerCell& y) {
-    return std::tie(x.user, x.entry.target, x.entry.target_id, x.entry.item) <
-           std::tie(y.user, y.entry.target, y.entry.target_id, y.entry.item);
+  // Key order, sorting the fixed-size cells rather than encoded strings (no
+  // allocation per key): RocksDB inserts a sorted batch into its skiplists
+  // with far fewer cache misses than random keys. An aggregate key is
+  // [kind][owner BE][item BE], so (kind, a, b) order is its byte order; the
+  // aggregates (kind <= Community) come first. A ledger cell's key is
+  // [user BE][0x13][epoch], one record per user whose entries are sorted by
+  // (target, target id, item): (a, kind, b, c) order.
+  constexpr auto is_ledger = [](const Cell& c) { return c.kind > static_cast<std::uint8_t>(AggregateKind::Community); };
+  std::sort(cells->begin(), cells->end(), [&](const auto& x, const auto& y) {
+    const Cell& p = x.first;
+    const Cell& q = y.first;
+    if (is_ledger(p) != is_ledger(q)) return is_ledger(q);
+    if (!is_ledger(p)) return std::tie(p.kind, p.a, p.b) < std::tie(q.kind, q.a, q.b);
+    return std::tie(p.a, p.kind, p.b, p.c) < std::tie(q.a, q.kind, q.b, q.c);
   });
-  std::string value;
-  for (const auto& [key, units] : aggregates) {
-    value.clear();
-    put_units(&value, units);
-    batch->Merge(storage_->aggregates(), key, value);
-  }
-  *keys = aggregates.size();
-  value.clear();
-  for (std::size_t i = 0; i < ledger.size(); ++i) {
-    put_ledger_entry(&value, ledger[i].entry);
-    if (i + 1 == ledger.size() || ledger[i + 1].user != ledger[i].user) {
-      batch->Put(storage_->ledger(), encode_ledger_key(ledger[i].user, epoch), value);
-      value.clear();
+  std::string key, units_value, record;  // record: the ledger entries of one user so far
+  *keys = 0;
+  for (std::size_t i = 0; i < cells->size(); ++i) {
+    const auto& [cell, units] = (*cells)[i];
+    if (!is_ledger(cell)) {
+      key.clear();
+      put_aggregate_key(&key, static_cast<AggregateKind>(cell.kind), cell.a, cell.b);
+      units_value.clear();
+      put_units(&units_value, units);
+      batch->Merge(storage_->aggregates(), key, units_value);
+      ++*keys;
+      continue;
+    }
+    put_ledger_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
+    if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
+      batch->Put(storage_->ledger(), encode_ledger_key(cell.a, epoch), record);
+      record.clear();
       ++*keys;
     }
   }
@@ -227,7 +222,7 @@ Status StateStore::write_frozen_locked(int frozen) {
   }
   rocksdb::WriteBatch batch;
   std::uint64_t keys = 0;
-  build_batch(cells, storage_->db()->GetLatestSequenceNumber() + 1, &batch, &keys);
+  build_batch(&cells, storage_->db()->GetLatestSequenceNumber() + 1, &batch, &keys);
   Status s = storage_->write(&batch, config_.sync ? Storage::WriteMode::SyncSorted : Storage::WriteMode::AsyncSorted,
                              "aggregate write of '" + storage_->path() + "'");
   if (!s.ok()) {

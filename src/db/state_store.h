@@ -147,8 +147,9 @@ class StateStore {
   // failed batch, then the active buffer). Caller holds drain_mu_.
   Status drain_all_locked();
   Status write_frozen_locked(int frozen);
-  // Builds the batch of the frozen buffer's cells (in key order); counts its keys.
-  void build_batch(const std::vector<std::pair<Cell, Units>>& cells, std::uint64_t epoch, rocksdb::WriteBatch* batch,
+  // Builds the batch of the frozen buffer's cells (sorting them into key
+  // order); counts its keys.
+  void build_batch(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch, rocksdb::WriteBatch* batch,
                    std::uint64_t* keys) const;
 
   Storage* const storage_;

@@ -118,12 +118,16 @@ std::optional<Units> decode_units(std::string_view bytes) {
   return get_units(bytes.data());
 }
 
+void put_aggregate_key(std::string* out, AggregateKind kind, std::uint64_t owner, std::uint64_t item) {
+  out->push_back(static_cast<char>(kind));
+  put_u64_be(out, owner);
+  put_u64_be(out, item);
+}
+
 std::string encode_aggregate_key(AggregateKind kind, std::uint64_t owner, std::uint64_t item) {
   std::string out;
   out.reserve(kAggregateKeySize);
-  out.push_back(static_cast<char>(kind));
-  put_u64_be(&out, owner);
-  put_u64_be(&out, item);
+  put_aggregate_key(&out, kind, owner, item);
   return out;
 }
 

@@ -55,6 +55,8 @@ enum class AggregateKind : std::uint8_t { Personal = 1, Cohort = 2, Community = 
 
 inline constexpr std::size_t kAggregateKeySize = 17;
 std::string encode_aggregate_key(AggregateKind kind, std::uint64_t owner, std::uint64_t item);
+// Appends the same 17 bytes to `out` (no allocation of its own).
+void put_aggregate_key(std::string* out, AggregateKind kind, std::uint64_t owner, std::uint64_t item);
 struct AggregateCell {
   AggregateKind kind;
   std::uint64_t owner;

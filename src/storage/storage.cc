@@ -207,15 +207,24 @@ void set_hostile_fs_options(const std::string& path, rocksdb::Options* options) 
   // RocksDB preallocates each WAL in blocks of 1.1 x the largest
   // write_buffer_size (64 MiB: ~70 MiB), capped by max_total_wal_size. On a
   // 64 MiB ext4 (which keeps a partial fallocate) that reservation took the
-  // whole disk: the first flush failed with ENOSPC. Capped at 4 MiB the WAL
-  // still grows in large extents, and RocksDB flushes the column families
-  // holding the oldest WAL once the WALs pass 4 MiB, which bounds the disk
-  // they take (a 64 MiB write buffer would otherwise fill a small disk with
-  // WAL before the first flush) and the replay at open. Preallocation does
-  // not speed synced leaves here (3,000 on a loop-mounted ext4, median of
-  // 5-7 runs: 10.8 s uncapped, 9.8 s capped, 8.1 s with allow_fallocate
-  // off; runs vary by +-25 %), so the cap costs nothing measurable.
-  options->max_total_wal_size = 4 << 20;
+  // whole disk: the first flush failed with ENOSPC. No preallocation: a WAL
+  // takes what is written to it. It does not slow synced leaves (3,000 on a
+  // loop-mounted ext4, median of 5-7 runs: 10.8 s preallocating ~70 MiB,
+  // 9.8 s preallocating 4 MiB, 8.1 s with allow_fallocate off; runs vary by
+  // +-25 %).
+  options->allow_fallocate = false;
+  // Once the WALs pass 16 MiB RocksDB flushes the column families holding
+  // the oldest one, which bounds the disk they take (a 64 MiB write buffer
+  // would otherwise fill a small disk with WAL before the first flush) and
+  // the replay at open. The cap also sets the size of the state store's L0
+  // files, since the writer fills the WAL faster than any memtable fills:
+  // at 4 MiB (the first cap) the aggregates and ledger flushed ~1 MB files,
+  // and each L0->L1 compaction rewrote all of L1 (~430 MB) for them. At 1M
+  // users tidal-demo then ran at 29-37k signals/s and wrote 4.2 GB for 4M
+  // signals, a leave waited up to 5.5 s behind a stalled write, and close()
+  // waited 4.6-6.5 s for the compaction under way; at 16 MiB 45.7k
+  // signals/s, 3.2 GB, 0.24 s and 1.3 s (bench/README.md, "The WAL cap").
+  options->max_total_wal_size = 16 << 20;
 }
 
 // The state store's column families: a bounded block cache shared by every
