@@ -253,7 +253,7 @@ Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repai
       if (r.ok()) {
         report.ledger_entries_read = scan.entries;
         report.mismatches = std::move(scan.problems);
-        r = compare_with_ledger(*storage_, snapshot, scan.totals, &report.aggregates_checked,
+        r = compare_with_ledger(*storage_, snapshot, std::move(scan.totals), &report.aggregates_checked,
                                 [&](const AggregateMismatch& m) {
                                   report.mismatches.push_back(m.what);
                                   std::optional<AggregateCell> cell = decode_aggregate_key(m.key);

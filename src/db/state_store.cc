@@ -17,6 +17,9 @@ constexpr std::size_t kInitialBufferCapacity = 1 << 14;
 constexpr std::size_t kBytesPerCell = 128;
 // The longest pause admit() adds to one signal below the hard bound.
 constexpr std::uint64_t kMaxPauseMicros = 1000;
+// The longest the background writer holds a batch back while RocksDB's
+// compactions are behind (Storage::compaction_behind).
+constexpr auto kMaxCompactionWait = std::chrono::seconds(10);
 
 }  // namespace
 
@@ -92,6 +95,18 @@ void StateStore::run_writer() {
     writer_cv_.wait_for(lock, config_.write_period, [this] { return stop_ || wake_; });
     if (stop_) break;
     wake_ = false;
+    // While RocksDB's compactions are behind, one more batch would make it
+    // delay or stop every write, and leaves and rejoins share its write queue
+    // (at 1M users a leave waited 17 s behind stalled batches). So the writer
+    // waits instead, and signals meet the backpressure of admit(); leaves go
+    // straight through. At most kMaxCompactionWait, so that a compaction that
+    // does not progress (a failing disk) ends in a write whose error is
+    // reported rather than in signals waiting for ever.
+    const auto give_up = std::chrono::steady_clock::now() + kMaxCompactionWait;
+    while (!stop_ && storage_->compaction_behind() && std::chrono::steady_clock::now() < give_up) {
+      writer_cv_.wait_for(lock, std::chrono::milliseconds(10), [this] { return stop_; });
+    }
+    if (stop_) break;
     lock.unlock();
     (void)flush();  // the outcome is kept in last_error_ and the counters
     lock.lock();
@@ -285,7 +300,7 @@ Status StateStore::verify(VerifyReport* report) const {
   if (s.ok()) {
     report->records_checked += ledger.records;
     for (std::string& p : ledger.problems) report->problems.push_back(std::move(p));
-    s = compare_with_ledger(*storage_, snapshot, ledger.totals, &report->records_checked,
+    s = compare_with_ledger(*storage_, snapshot, std::move(ledger.totals), &report->records_checked,
                             [&](const AggregateMismatch& m) { report->problems.push_back(m.what); });
   }
   storage_->db()->ReleaseSnapshot(snapshot);

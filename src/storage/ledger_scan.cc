@@ -1,6 +1,6 @@
 #include "storage/ledger_scan.h"
 
-#include <unordered_set>
+#include <cstring>
 
 namespace tidal {
 namespace {
@@ -16,6 +16,7 @@ std::string describe_key(std::string_view key) {
 
 Status scan_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerScan* out) {
   auto it = storage.iterator(storage.ledger(), /*bulk=*/true, snapshot);
+  std::string encoded;
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     ++out->records;
     const std::string_view key = view(it->key());
@@ -27,16 +28,19 @@ Status scan_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, Le
       continue;
     }
     for (const LedgerEntry& e : *entries) {
-      out->totals[encode_aggregate_key(e.target, e.target_id, e.item)] += e.units;
+      encoded.clear();
+      put_aggregate_key(&encoded, e.target, e.target_id, e.item);
+      AggregateKey cell;
+      std::memcpy(cell.data(), encoded.data(), cell.size());
+      out->totals[cell] += e.units;
       ++out->entries;
     }
   }
   return from_rocksdb(it->status(), "ledger scan of '" + storage.path() + "'");
 }
 
-Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, const LedgerTotals& totals,
+Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerTotals totals,
                            std::uint64_t* checked, const std::function<void(const AggregateMismatch&)>& fn) {
-  std::unordered_set<std::string> seen;
   std::string last_key;
   auto it = storage.iterator(storage.aggregates(), /*bulk=*/true, snapshot);
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
@@ -45,8 +49,14 @@ Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snap
     last_key = key;
     std::optional<AggregateCell> cell = decode_aggregate_key(key);
     std::optional<Units> stored = decode_units(view(it->value()));
-    auto total = totals.find(key);
+    auto total = totals.end();
+    if (key.size() == kAggregateKeySize) {
+      AggregateKey k;
+      std::memcpy(k.data(), key.data(), k.size());
+      total = totals.find(k);
+    }
     const Units recomputed = total == totals.end() ? 0 : total->second;
+    if (total != totals.end()) totals.erase(total);  // seen
     if (!cell || !stored) {
       fn({key,
           "aggregate " + describe_key(key) + " does not decode (" + std::to_string(it->value().size()) +
@@ -55,7 +65,6 @@ Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snap
       continue;
     }
     if (cell->kind == AggregateKind::Personal) continue;
-    seen.insert(key);
     if (*stored != recomputed) {
       fn({key,
           "aggregate " + describe_key(key) + ": stored " + units_to_string(*stored) + ", ledger " +
@@ -68,8 +77,10 @@ Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snap
     return from_rocksdb(it->status(), "aggregate scan of '" + storage.path() + "' after key " +
                                           (last_key.empty() ? std::string("(none)") : describe_key(last_key)));
   }
-  for (const auto& [key, units] : totals) {
-    if (units == 0 || seen.count(key) != 0) continue;
+  // What is left has no stored aggregate.
+  for (const auto& [k, units] : totals) {
+    if (units == 0) continue;
+    const std::string key(k.data(), k.size());
     fn({key, "aggregate " + describe_key(key) + ": stored 0 (absent), ledger " + units_to_string(units) + " (1e-9 units)",
         units});
   }

@@ -4,9 +4,11 @@
 #ifndef TIDAL_STORAGE_LEDGER_SCAN_H_
 #define TIDAL_STORAGE_LEDGER_SCAN_H_
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -15,8 +17,16 @@
 
 namespace tidal {
 
-// Sums of ledger entries keyed by the encoded aggregate key (17 bytes).
-using LedgerTotals = std::unordered_map<std::string, Units>;
+// An encoded aggregate key held inline: at 1.5M shared cells a std::string
+// key (17 bytes, past the short-string buffer) cost one more allocation each.
+using AggregateKey = std::array<char, kAggregateKeySize>;
+struct AggregateKeyHash {
+  std::size_t operator()(const AggregateKey& k) const noexcept {
+    return std::hash<std::string_view>{}(std::string_view(k.data(), k.size()));
+  }
+};
+// Sums of ledger entries per aggregate.
+using LedgerTotals = std::unordered_map<AggregateKey, Units, AggregateKeyHash>;
 
 struct LedgerScan {
   LedgerTotals totals;
@@ -38,7 +48,9 @@ struct AggregateMismatch {
 // Compares every stored cohort and community aggregate, as of `snapshot`,
 // with `totals`, and each total with its aggregate; personal cells are
 // checked only to decode. Calls `fn` per mismatch; counts cells in `checked`.
-Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, const LedgerTotals& totals,
+// Consumes `totals` (each total is erased once its aggregate is seen, so the
+// memory shrinks as the scan goes).
+Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerTotals totals,
                            std::uint64_t* checked, const std::function<void(const AggregateMismatch&)>& fn);
 
 }  // namespace tidal

@@ -79,8 +79,15 @@ class Storage {
   // RocksDB's estimate of the number of keys in `cf` (0 when unknown).
   std::uint64_t estimate_keys(rocksdb::ColumnFamilyHandle* cf) const;
   // Flushes every memtable to SST files and waits, so the next open does not
-  // replay the WAL.
+  // replay the WAL. It does not wait for compactions first, even if the new
+  // L0 files make RocksDB slow or stop writes until they catch up.
   Status flush();
+  // True while the state store's column families are behind on compaction:
+  // RocksDB is delaying or stopping writes, or the aggregates or the ledger
+  // hold kPaceL0Files level-0 files or more (RocksDB starts delaying writes
+  // at 20). The state store's writer waits while it is so (StateStore).
+  static constexpr std::uint64_t kPaceL0Files = 12;
+  bool compaction_behind() const;
   // Flushes (unless read-only) and closes the database.
   Status close();
 
