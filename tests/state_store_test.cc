@@ -151,6 +151,49 @@ TEST(WriteBehind, TheWriterStoresSignalsWithinThePeriodWithoutAFlush) {
   EXPECT_EQ(value_of(reader->cohort_score(3, 2)), 1.25);
 }
 
+// While RocksDB's compactions are behind (here: 12 level-0 files in the
+// aggregates, their compaction switched off), the writer holds its batch, so
+// that RocksDB does not stall the write queue leaves share; once the files
+// are compacted it writes.
+TEST(WriteBehind, TheWriterHoldsItsBatchWhileCompactionsAreBehind) {
+  TempDir dir;
+  Result<std::unique_ptr<Storage>> opened = Storage::open(dir.sub("db"), Storage::Config{});
+  ASSERT_OK(opened.status());
+  Storage& storage = **opened;
+  rocksdb::DB* raw = storage.db();
+  ASSERT_TRUE(raw->SetOptions(storage.aggregates(), {{"disable_auto_compactions", "true"}}).ok());
+  std::string units;
+  put_units(&units, 1);
+  for (std::uint64_t i = 0; i < Storage::kPaceL0Files; ++i) {
+    ASSERT_TRUE(raw->Merge(rocksdb::WriteOptions(), storage.aggregates(),
+                           encode_aggregate_key(AggregateKind::Cohort, 100 + i, 1), units)
+                    .ok());
+    ASSERT_TRUE(raw->Flush(rocksdb::FlushOptions(), storage.aggregates()).ok());
+  }
+  ASSERT_TRUE(storage.compaction_behind());
+
+  StateStore::Config config;
+  config.write_period = std::chrono::milliseconds(10);
+  StateStore store(&storage, config, [] { return Status::OK(); });
+  store.start();
+  store.add(store.begin_signal(), AggregateKind::Cohort, 1, 2, 5);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // 30 periods
+  EXPECT_EQ(store.stats().writes, 0u);
+  EXPECT_EQ(store.stats().pending_cells, 1u);
+
+  ASSERT_TRUE(raw->SetOptions(storage.aggregates(), {{"disable_auto_compactions", "false"}}).ok());
+  for (int i = 0; i < 1000 && store.stats().writes == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_FALSE(storage.compaction_behind());
+  EXPECT_EQ(store.stats().writes, 1u);
+  EXPECT_EQ(store.stats().pending_cells, 0u);
+  ASSERT_OK(store.stop());
+  Result<Units> stored = store.read(AggregateKind::Cohort, 1, 2);
+  ASSERT_OK(stored.status());
+  EXPECT_EQ(*stored, 5);
+}
+
 TEST(WriteBehind, ConcurrentSignalsPastTheBufferBoundWaitAndStayExact) {
   TempDir dir;
   Options options = manual_writes();

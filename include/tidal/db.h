@@ -13,8 +13,9 @@
 // returns and are never lost. Aggregate scores (personal, cohort, community)
 // are exact sums kept in RocksDB and written behind the signal path: a
 // background writer stores each signal's updates within
-// Options::aggregate_write_period (plus the time of one write), so a crash
-// loses at most the signals of that last period. flush() writes them at once.
+// Options::aggregate_write_period (plus the time of one write, and up to 10 s
+// more while RocksDB's compactions are behind), so a crash loses at most the
+// signals of that last period. flush() writes them at once.
 //
 // Thread safety: every Db method may be called from any number of threads.
 #ifndef TIDAL_DB_H_
