@@ -7,6 +7,13 @@ namespace {
 
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
 
+// `encoded` is kAggregateKeySize bytes.
+AggregateKey inline_key(std::string_view encoded) {
+  AggregateKey k;
+  std::memcpy(k.data(), encoded.data(), k.size());
+  return k;
+}
+
 std::string describe_key(std::string_view key) {
   std::optional<AggregateCell> cell = decode_aggregate_key(key);
   return (cell ? describe(*cell) + " " : std::string()) + "(key " + hex(key) + ")";
@@ -30,9 +37,7 @@ Status scan_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, Le
     for (const LedgerEntry& e : *entries) {
       encoded.clear();
       put_aggregate_key(&encoded, e.target, e.target_id, e.item);
-      AggregateKey cell;
-      std::memcpy(cell.data(), encoded.data(), cell.size());
-      out->totals[cell] += e.units;
+      out->totals[inline_key(encoded)] += e.units;
       ++out->entries;
     }
   }
@@ -49,12 +54,7 @@ Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snap
     last_key = key;
     std::optional<AggregateCell> cell = decode_aggregate_key(key);
     std::optional<Units> stored = decode_units(view(it->value()));
-    auto total = totals.end();
-    if (key.size() == kAggregateKeySize) {
-      AggregateKey k;
-      std::memcpy(k.data(), key.data(), k.size());
-      total = totals.find(k);
-    }
+    auto total = key.size() == kAggregateKeySize ? totals.find(inline_key(key)) : totals.end();
     const Units recomputed = total == totals.end() ? 0 : total->second;
     if (total != totals.end()) totals.erase(total);  // seen
     if (!cell || !stored) {
