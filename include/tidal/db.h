@@ -138,9 +138,10 @@ struct Options {
   // Longest a signal's aggregate updates wait in memory before the background
   // writer stores them (the crash window). Default: 1 s.
   std::chrono::milliseconds aggregate_write_period{1000};
-  // Bound on the aggregate updates held in memory (both write buffers); the
-  // writer starts early at a quarter of it, and signals wait (backpressure)
-  // past half of it. Default: 64 MiB.
+  // Bound on the aggregate updates held in memory (two write buffers of half
+  // of it each). The writer starts early when the active buffer holds 3/4 of
+  // its half; past that signals slow down (at most 1 ms each), and past the
+  // half they wait for the writer (backpressure). Default: 64 MiB.
   std::size_t write_buffer_bytes = 64 << 20;
   // RocksDB block cache shared by every column family, index and filter
   // blocks included: the memory score reads use. Default: 64 MiB.

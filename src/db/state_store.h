@@ -4,7 +4,7 @@
 // A signal adds exact deltas (Units) to the *active* in-memory buffer, a
 // libcuckoo map of cells; it never waits on RocksDB. A background writer
 // drains the buffers at least every `write_period`, or sooner when the active
-// buffer passes half its bound:
+// buffer passes 3/4 of its bound (the soft bound):
 //   1. swap: the other (empty) buffer becomes active and the drained one is
 //      *frozen*; a RocksDB snapshot taken at the same instant is what readers
 //      pair with the frozen buffer until step 3;
@@ -155,7 +155,7 @@ class StateStore {
   Storage* const storage_;
   const Config config_;
   const std::function<Status()> quiesce_;
-  const std::uint64_t soft_limit_;  // cells in the active buffer that wake the writer
+  const std::uint64_t soft_limit_;  // cells in the active buffer that wake the writer and slow signals
   const std::uint64_t hard_limit_;  // cells past which admit() waits
 
   Buffer buffers_[2];

@@ -347,9 +347,8 @@ Storage::~Storage() {
 Status Storage::write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
   rocksdb::WriteOptions wo;
-  wo.sync = mode == WriteMode::Sync || mode == WriteMode::SyncSorted;
+  wo.sync = mode == WriteMode::Sync;
   wo.disableWAL = mode == WriteMode::NoWal;
-  wo.memtable_insert_hint_per_batch = mode == WriteMode::SyncSorted || mode == WriteMode::AsyncSorted;
   return from_rocksdb(db_->Write(wo, batch), what);
 }
 

@@ -57,11 +57,6 @@ class Storage {
     Sync,   // WAL fsynced before returning
     Async,  // WAL written, not fsynced: survives a process crash, not a power cut
     NoWal,  // memtable only: durable after the next flush()
-    // Sync and Async for a large batch whose keys are in order per column
-    // family: memtable inserts reuse the previous position (RocksDB's
-    // memtable_insert_hint_per_batch).
-    SyncSorted,
-    AsyncSorted,
   };
   static WriteMode durable_if(bool sync) { return sync ? WriteMode::Sync : WriteMode::Async; }
   Status write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what);
