@@ -223,6 +223,19 @@ struct InMemory {
   }
 };
 
+// One signal of the demo workload through tidal's Db, with its one cohort.
+void signal_state_store(Db& db, const DemoSignal& s) {
+  thread_local SignalContext context{{0}};
+  context.cohort_ids[0] = s.cohort;
+  if (!db.signal_with_context({s.user, s.item, s.weight}, context).ok()) std::abort();
+}
+
+// The hand-written baseline, opened at its first use.
+HandWritten& hand_written() {
+  if (!g_hand_written) g_hand_written = std::make_unique<HandWritten>();
+  return *g_hand_written;
+}
+
 // ---- 1. sustained throughput ----
 
 // One iteration = TIDAL_STATE_BENCH_SIGNALS signals from 2 threads, then what
@@ -243,11 +256,7 @@ void BM_Throughput(benchmark::State& state) {
     if (impl == 0) {
       Db& db = state_store_db();
       const Stats before = db.stats();
-      signal_s = run_signals(per_thread, [&db](const DemoSignal& s) {
-        thread_local SignalContext context{{0}};
-        context.cohort_ids[0] = s.cohort;
-        if (!db.signal_with_context({s.user, s.item, s.weight}, context).ok()) std::abort();
-      });
+      signal_s = run_signals(per_thread, [&db](const DemoSignal& s) { signal_state_store(db, s); });
       const auto t = Clock::now();
       check(db.flush(), "flush");
       finish_s = seconds(Clock::now() - t);
@@ -259,8 +268,7 @@ void BM_Throughput(benchmark::State& state) {
       state.counters["backpressure_waits"] =
           static_cast<double>(after.backpressure_waits - before.backpressure_waits);
     } else if (impl == 1) {
-      if (!g_hand_written) g_hand_written = std::make_unique<HandWritten>();
-      HandWritten& hw = *g_hand_written;
+      HandWritten& hw = hand_written();
       signal_s = run_signals(per_thread, [&hw](const DemoSignal& s) { hw.signal(s); });
     } else {
       if (!g_in_memory) g_in_memory = std::make_unique<InMemory>();
@@ -293,16 +301,11 @@ BENCHMARK(BM_Throughput)
 void BM_ThroughputRatio(benchmark::State& state) {
   const std::uint64_t per_thread = env_or("TIDAL_STATE_BENCH_SIGNALS", 2'000'000) / kSignalThreads;
   const double total = static_cast<double>(per_thread * kSignalThreads);
-  if (!g_hand_written) g_hand_written = std::make_unique<HandWritten>();
-  HandWritten& hw = *g_hand_written;
+  HandWritten& hw = hand_written();
   Db& db = state_store_db();
   for (auto _ : state) {
     const auto start = Clock::now();
-    run_signals(per_thread, [&db](const DemoSignal& s) {
-      thread_local SignalContext context{{0}};
-      context.cohort_ids[0] = s.cohort;
-      if (!db.signal_with_context({s.user, s.item, s.weight}, context).ok()) std::abort();
-    });
+    run_signals(per_thread, [&db](const DemoSignal& s) { signal_state_store(db, s); });
     check(db.flush(), "flush");
     const double store_s = seconds(Clock::now() - start);
     const double hand_s = run_signals(per_thread, [&hw](const DemoSignal& s) { hw.signal(s); });

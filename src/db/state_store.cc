@@ -18,9 +18,9 @@ constexpr std::size_t kBytesPerCell = 128;
 // The writer starts a drain when the active buffer holds this share of its
 // bound (the soft bound); past it signals slow down. The larger the batches,
 // the cheaper each key is to write: at 3/4 instead of 1/4 the writer wrote
-// batches of ~30k signals instead of ~11k, and sustained throughput rose from
-// 2.5x to 4.2-4.4x the hand-written baseline (bench/README.md, "The soft
-// bound"); the longest signal call while flush() runs stayed under 20 ms.
+// batches of ~30k signals instead of ~11k and sustained 25-35 % more signals
+// a second (bench/README.md, "The soft bound"); the longest signal call while
+// flush() runs stayed under 20 ms.
 constexpr std::uint64_t kSoftBoundNum = 3, kSoftBoundDen = 4;
 // The longest pause admit() adds to one signal below the hard bound.
 constexpr std::uint64_t kMaxPauseMicros = 1000;
@@ -201,11 +201,11 @@ void StateStore::build_batch(std::vector<std::pair<Cell, Units>>* cells, std::ui
   // Key order, sorting the fixed-size cells rather than encoded strings (no
   // allocation per key): RocksDB inserts each key of a batch into its
   // memtable skiplist starting from where the previous one went, so a sorted
-  // batch takes far fewer comparisons and cache misses than random keys. An aggregate key is
-  // [kind][owner BE][item BE], so (kind, a, b) order is its byte order; the
-  // aggregates (kind <= Community) come first. A ledger cell's key is
-  // [user BE][0x13][epoch], one record per user whose entries are sorted by
-  // (target, target id, item): (a, kind, b, c) order.
+  // batch takes far fewer comparisons and cache misses than random keys. An
+  // aggregate key is [kind][owner BE][item BE], so (kind, a, b) order is its
+  // byte order; the aggregates (kind <= Community) come first. A ledger
+  // cell's key is [user BE][0x13][epoch], one record per user whose entries
+  // are sorted by (target, target id, item): (a, kind, b, c) order.
   constexpr auto is_ledger = [](const Cell& c) { return c.kind > static_cast<std::uint8_t>(AggregateKind::Community); };
   std::sort(cells->begin(), cells->end(), [&](const auto& x, const auto& y) {
     const Cell& p = x.first;

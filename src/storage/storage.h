@@ -83,7 +83,7 @@ class Storage {
   // while it is so (StateStore). Just below the 20 at which RocksDB starts
   // delaying writes: an L0->L1 compaction takes every L0 file there is, so
   // the more there are, the fewer times L1 is rewritten for the same data
-  // (bench/README.md, "Holding the batch while compactions are behind").
+  // (bench/README.md, "tidal-demo at 1M users and 20M signals").
   static constexpr std::uint64_t kPaceL0Files = 18;
   bool compaction_behind() const;
   // Flushes (unless read-only) and closes the database.
