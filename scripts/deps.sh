@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Installs, with apt-get, whatever Debian 12 packages tidal needs that are
-# missing. Runs as root (or through sudo when available). Idempotent.
+# missing, then builds tidal's RocksDB (scripts/rocksdb.sh) unless it is
+# built already. Runs as root (or through sudo when available). Idempotent.
 set -euo pipefail
 
 packages=(
   cmake g++ make pkg-config python3   # python3: JSON checks in the CLI tests
-  librocksdb-dev libcuckoo-dev
+  libcuckoo-dev
+  # RocksDB is built from Debian's source package (scripts/rocksdb.sh):
+  # apt-get source, patch, and the compression libraries it links
+  dpkg-dev patch libsnappy-dev liblz4-dev libzstd-dev zlib1g-dev libbz2-dev
   libgtest-dev libbenchmark-dev
   clang libclang-rt-14-dev   # libFuzzer and the sanitizer runtimes for clang
 )
@@ -16,14 +20,16 @@ for p in "${packages[@]}"; do
     missing+=("$p")
   fi
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
-
-echo "tidal: installing missing Debian packages: ${missing[*]}"
-as_root=()
-if [ "$(id -u)" -ne 0 ]; then
-  command -v sudo >/dev/null || { echo "tidal: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
-  as_root=(sudo)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "tidal: installing missing Debian packages: ${missing[*]}"
+  as_root=()
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "tidal: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+    as_root=(sudo)
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  "${as_root[@]}" apt-get update -qq
+  "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-export DEBIAN_FRONTEND=noninteractive
-"${as_root[@]}" apt-get update -qq
-"${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+
+"$(dirname "$0")/rocksdb.sh"

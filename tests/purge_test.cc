@@ -300,17 +300,14 @@ TEST(Purge, NoSstOrWalFileHoldsAKeyOfThePurgedLedgerOnReturn) {
   for (std::uint64_t i = 0; i < 200; ++i) {
     ASSERT_OK(db->signal_with_context({u, i, 1.5}, {{4}}));
     ASSERT_OK(db->signal_with_context({other, i, 2.5}, {{4}}));
-    if (i % 50 == 49) ASSERT_OK(db->flush());  // several ledger records, several WAL batches
+    if (i % 50 == 49) ASSERT_OK(db->flush());  // several ledger records, several ingested files
   }
-  ASSERT_OK(db->close());  // ledger records in SSTs
+  ASSERT_OK(db->close());
   db = open_db(path, manual_writes());
   for (std::uint64_t i = 0; i < 20; ++i) ASSERT_OK(db->signal_with_context({u, 1000 + i, 1.0}, {{4}}));
-  ASSERT_OK(db->flush());  // and in the live WAL and memtable
+  ASSERT_OK(db->flush());  // one more, after the reopen
   ErasureScan before = scan_files(path, u);
-  ASSERT_FALSE(before.found.empty()) << "the test found no ledger key of the user to erase";
-  bool in_wal = false;
-  for (const std::string& f : before.found) in_wal |= contains(f, "WAL");
-  ASSERT_TRUE(in_wal);
+  ASSERT_GE(before.found.size(), 5u) << "the test found too few ledger records of the user to erase";
 
   ASSERT_OK(db->leave_community_layer(u));
   ASSERT_OK(db->purge_community_contributions(u));

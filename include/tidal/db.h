@@ -228,8 +228,9 @@ class Db {
   // std::unique_ptr is safe, and what it acknowledged is kept.
   Status close();
 
-  // Writes every aggregate update acknowledged so far (durably when
-  // sync_writes), keeping the Db open. The writer's error when it fails.
+  // Writes every aggregate update acknowledged so far, durably (the state
+  // store fsyncs every batch, whatever sync_writes says), keeping the Db
+  // open. The writer's error when it fails.
   Status flush();
 
   // Joins/exits a community. Durable before returning; joining twice or

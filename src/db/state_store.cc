@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include <rocksdb/sst_file_writer.h>
 #include <rocksdb/write_batch.h>
 
 #include "storage/ledger_scan.h"
@@ -196,45 +197,61 @@ Status StateStore::drain_locked() {
   return write_frozen_locked(frozen);
 }
 
-void StateStore::build_batch(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch,
-                             rocksdb::WriteBatch* batch, std::uint64_t* keys) const {
-  // Key order, sorting the fixed-size cells rather than encoded strings (no
-  // allocation per key): RocksDB inserts each key of a batch into its
-  // memtable skiplist starting from where the previous one went, so a sorted
-  // batch takes far fewer comparisons and cache misses than random keys. An
-  // aggregate key is [kind][owner BE][item BE], so (kind, a, b) order is its
-  // byte order; the aggregates (kind <= Community) come first. A ledger
-  // cell's key is [user BE][0x13][epoch], one record per user whose entries
-  // are sorted by (target, target id, item): (a, kind, b, c) order.
-  constexpr auto is_ledger = [](const Cell& c) { return c.kind > static_cast<std::uint8_t>(AggregateKind::Community); };
-  std::sort(cells->begin(), cells->end(), [&](const auto& x, const auto& y) {
-    const Cell& p = x.first;
-    const Cell& q = y.first;
-    if (is_ledger(p) != is_ledger(q)) return is_ledger(q);
-    if (!is_ledger(p)) return std::tie(p.kind, p.a, p.b) < std::tie(q.kind, q.a, q.b);
-    return std::tie(p.a, p.kind, p.b, p.c) < std::tie(q.a, q.kind, q.b, q.c);
-  });
-  std::string key, units_value, record;  // record: the ledger entries of one user so far
-  *keys = 0;
-  for (std::size_t i = 0; i < cells->size(); ++i) {
-    const auto& [cell, units] = (*cells)[i];
-    if (!is_ledger(cell)) {
-      key.clear();
-      put_aggregate_key(&key, static_cast<AggregateKind>(cell.kind), cell.a, cell.b);
-      units_value.clear();
-      put_units(&units_value, units);
-      batch->Merge(storage_->aggregates(), key, units_value);
-      ++*keys;
-      continue;
-    }
-    put_ledger_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
-    if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
-      batch->Put(storage_->ledger(), encode_ledger_key(cell.a, epoch), record);
-      record.clear();
-      ++*keys;
+namespace {
+
+// One batch's SST files: the aggregates' merge operands and the ledger's
+// records, each opened at its first entry, in ingest_dir().
+class BatchFiles {
+ public:
+  BatchFiles(Storage* storage, std::uint64_t epoch) : storage_(storage), epoch_(epoch) {}
+  ~BatchFiles() {
+    for (const File& f : files_) {
+      if (!f.path.empty()) storage_->delete_file(f.path);
     }
   }
-}
+
+  rocksdb::Status merge(std::string_view key, std::string_view value) {
+    File& f = open(0, storage_->aggregates(), "aggregates");
+    return f.writer ? f.writer->Merge(key, value) : status_;
+  }
+  rocksdb::Status put(std::string_view key, std::string_view value) {
+    File& f = open(1, storage_->ledger(), "ledger");
+    return f.writer ? f.writer->Put(key, value) : status_;
+  }
+  // Finishes the files and ingests them in one atomic step.
+  Status ingest(std::string_view what) {
+    std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>> done;
+    for (File& f : files_) {
+      if (!f.writer) continue;
+      if (rocksdb::Status s = f.writer->Finish(); !s.ok()) return from_rocksdb(s, what);
+      done.emplace_back(f.cf, f.path);
+    }
+    return storage_->ingest(done, what);
+  }
+
+ private:
+  struct File {
+    rocksdb::ColumnFamilyHandle* cf = nullptr;
+    std::string path;
+    std::unique_ptr<rocksdb::SstFileWriter> writer;  // null until opened, or when Open failed
+  };
+  File& open(int i, rocksdb::ColumnFamilyHandle* cf, const char* name) {
+    File& f = files_[i];
+    if (f.cf != nullptr) return f;
+    f.cf = cf;
+    f.path = storage_->ingest_dir() + "/" + std::to_string(epoch_) + "." + name + ".sst";
+    f.writer = storage_->sst_writer(cf);
+    if (status_ = f.writer->Open(f.path); !status_.ok()) f.writer.reset();
+    return f;
+  }
+
+  Storage* const storage_;
+  const std::uint64_t epoch_;
+  File files_[2];
+  rocksdb::Status status_;  // of the last Open
+};
+
+}  // namespace
 
 Status StateStore::write_frozen_locked(int frozen) {
   Buffer& buffer = buffers_[frozen];
@@ -243,11 +260,20 @@ Status StateStore::write_frozen_locked(int frozen) {
     auto locked = buffer.lock_table();  // uncontended: no signal adds to it any more
     cells.assign(locked.begin(), locked.end());
   }
-  rocksdb::WriteBatch batch;
+  const std::string what = "aggregate write of '" + storage_->path() + "'";
+  // The batch's epoch names its ledger records: RocksDB's next sequence
+  // number, taken by a synced record of it. An ingestion need not take a
+  // sequence number of its own (a file that overlaps nothing goes in at 0),
+  // so without the record two batches could share an epoch, and the second's
+  // ledger records would replace the first's.
+  const std::uint64_t epoch = storage_->db()->GetLatestSequenceNumber() + 1;
+  rocksdb::WriteBatch mark;
+  std::string epoch_value;
+  put_u64_be(&epoch_value, epoch);
+  mark.Put(storage_->meta(), kStateEpochKey, epoch_value);
+  Status s = storage_->write(&mark, Storage::WriteMode::Sync, what);
   std::uint64_t keys = 0;
-  build_batch(&cells, storage_->db()->GetLatestSequenceNumber() + 1, &batch, &keys);
-  Status s = storage_->write(&batch, Storage::durable_if(config_.sync),
-                             "aggregate write of '" + storage_->path() + "'");
+  if (s.ok()) s = write_batch_files(&cells, epoch, what, &keys);
   if (!s.ok()) {
     write_failures_.fetch_add(1, std::memory_order_relaxed);
     return s;  // the frozen buffer stays live: readers still see it, the next drain retries it
@@ -263,6 +289,48 @@ Status StateStore::write_frozen_locked(int frozen) {
   writes_.fetch_add(1, std::memory_order_relaxed);
   cells_written_.fetch_add(keys, std::memory_order_relaxed);
   return Status::OK();
+}
+
+Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch,
+                                     const std::string& what, std::uint64_t* keys) const {
+  // An SST file takes its entries in key order. An aggregate key is
+  // [kind][owner BE][item BE], so (kind, a, b) order is its byte order; the
+  // aggregates (kind <= Community) come first. A ledger cell's key is
+  // [user BE][0x13][epoch], one record per user whose entries are sorted by
+  // (target, target id, item): (a, kind, b, c) order. Sorting the fixed-size
+  // cells needs no allocation per key.
+  constexpr auto is_ledger = [](const Cell& c) { return c.kind > static_cast<std::uint8_t>(AggregateKind::Community); };
+  std::sort(cells->begin(), cells->end(), [&](const auto& x, const auto& y) {
+    const Cell& p = x.first;
+    const Cell& q = y.first;
+    if (is_ledger(p) != is_ledger(q)) return is_ledger(q);
+    if (!is_ledger(p)) return std::tie(p.kind, p.a, p.b) < std::tie(q.kind, q.a, q.b);
+    return std::tie(p.a, p.kind, p.b, p.c) < std::tie(q.a, q.kind, q.b, q.c);
+  });
+  BatchFiles files(storage_, epoch);
+  std::string key, units_value, record;  // record: the ledger entries of one user so far
+  *keys = 0;
+  for (std::size_t i = 0; i < cells->size(); ++i) {
+    const auto& [cell, units] = (*cells)[i];
+    rocksdb::Status s;
+    if (!is_ledger(cell)) {
+      key.clear();
+      put_aggregate_key(&key, static_cast<AggregateKind>(cell.kind), cell.a, cell.b);
+      units_value.clear();
+      put_units(&units_value, units);
+      s = files.merge(key, units_value);
+      ++*keys;
+    } else {
+      put_ledger_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
+      if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
+        s = files.put(encode_ledger_key(cell.a, epoch), record);
+        record.clear();
+        ++*keys;
+      }
+    }
+    if (!s.ok()) return from_rocksdb(s, what);
+  }
+  return files.ingest(what);
 }
 
 Result<Units> StateStore::read(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const {

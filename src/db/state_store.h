@@ -11,12 +11,18 @@
 //   2. quiesce: wait out every signal that may still add to the frozen buffer
 //      (a grace period of the Db's read sections); a signal reads the active
 //      index once, so all of its cells land in one buffer and one batch;
-//   3. write the frozen buffer as one WriteBatch with the WAL: a merge operand
-//      per aggregate cell and one ledger record per user, fsynced when
-//      sync_writes; then readers switch to the latest state and the frozen
-//      buffer is cleared.
+//   3. write the frozen buffer as two SST files, a merge operand per
+//      aggregate cell and one ledger record per user named by the batch's
+//      epoch (a synced meta record takes it first), and ingest them into
+//      RocksDB in one atomic step that fsyncs the files and the MANIFEST
+//      (Storage::ingest); then readers switch to the latest state and the
+//      frozen buffer is cleared.
 // So every batch holds whole signals, and each aggregate equals the sum of its
 // ledger entries after every batch (invariant I1), whatever crashes.
+// Ingesting files rather than writing a WriteBatch skips the WAL, the
+// memtable's per-key skiplist inserts and the memtable flush, which took
+// about half of the CPU at full speed; leaves, which go through the WAL, no
+// longer queue behind a batch of 100k+ keys either (docs/ROCKSDB.md).
 //
 // A read is exact at an instant: stored sum + active + frozen (before the
 // write) or stored sum + active (after it), under a shared lock the writer
@@ -58,7 +64,6 @@ class StateStore {
   struct Config {
     std::chrono::milliseconds write_period{1000};
     std::size_t buffer_bytes = 64 << 20;  // both buffers together
-    bool sync = true;                      // fsync each batch
   };
   // `quiesce` returns once every signal that read the active buffer index
   // before the call has finished (the Db's grace period), or an error when
@@ -147,10 +152,10 @@ class StateStore {
   // failed batch, then the active buffer). Caller holds drain_mu_.
   Status drain_all_locked();
   Status write_frozen_locked(int frozen);
-  // Builds the batch of the frozen buffer's cells (sorting them into key
-  // order); counts its keys.
-  void build_batch(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch, rocksdb::WriteBatch* batch,
-                   std::uint64_t* keys) const;
+  // Writes the frozen buffer's cells (sorting them into key order) as one
+  // SST file per column family and ingests them together; counts the keys.
+  Status write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch, const std::string& what,
+                           std::uint64_t* keys) const;
 
   Storage* const storage_;
   const Config config_;

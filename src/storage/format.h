@@ -85,6 +85,10 @@ inline constexpr char kIndexVersion[] = "1";
 // and written by StateStore::check_format.
 inline constexpr char kStateFormatKey[] = "state_format";
 inline constexpr char kStateFormat[] = "2";
+// The epoch of the state store's latest batch (8 bytes BE), written synced
+// before the batch is ingested: it takes a sequence number, so every later
+// batch's epoch is above it, even after a crash (StateStore).
+inline constexpr char kStateEpochKey[] = "state_epoch";
 // Empty value, written memtable-only by Storage::close so that its flush
 // moves every column family past the WAL; never read.
 inline constexpr char kCleanCloseKey[] = "clean_close";

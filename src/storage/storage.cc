@@ -254,6 +254,12 @@ void apply_state_store_options(const Storage::Config& config, std::vector<rocksd
   // a 10M-entry ledger the compaction step of a purge took ~95 ms with 4 MiB
   // files and ~35 ms with 1 MiB (bench/README.md, "Purge").
   (*cfs)[4].options.target_file_size_base = 1 << 20;
+  // The state store adds one L0 file per batch to each (Storage::ingest):
+  // room for kPaceL0Files of them before RocksDB slows writes.
+  for (std::size_t i : {3u, 4u}) {
+    (*cfs)[i].options.level0_slowdown_writes_trigger = Storage::kL0SlowdownFiles;
+    (*cfs)[i].options.level0_stop_writes_trigger = Storage::kL0StopFiles;
+  }
 }
 
 }  // namespace
@@ -334,6 +340,16 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
       return Status::IOError("cannot open tidal Db at '" + path + "': stat of the directory failed (" +
                              std::strerror(err) + ")");
     }
+    // Files a crash left half-built for the state store's next ingestion.
+    rocksdb::Env* env = storage->db_->GetEnv();
+    std::vector<std::string> leftovers;
+    if (env->GetChildren(storage->ingest_dir(), &leftovers).ok()) {
+      for (const std::string& f : leftovers) storage->delete_file(storage->ingest_dir() + "/" + f);
+    }
+    if (rocksdb::Status cs = env->CreateDirIfMissing(storage->ingest_dir()); !cs.ok()) {
+      (void)storage->close();
+      return from_rocksdb(cs, "cannot open tidal Db at '" + path + "': creating " + storage->ingest_dir() + " failed");
+    }
     storage->registry_id_ = {st.st_dev, st.st_ino};
     g_open_dirs.emplace(*storage->registry_id_, canonical(path));
   }
@@ -388,6 +404,33 @@ std::uint64_t Storage::estimate_keys(rocksdb::ColumnFamilyHandle* cf) const {
   std::uint64_t n = 0;
   return db_->GetIntProperty(cf, rocksdb::DB::Properties::kEstimateNumKeys, &n) ? n : 0;
 }
+
+std::unique_ptr<rocksdb::SstFileWriter> Storage::sst_writer(rocksdb::ColumnFamilyHandle* cf) const {
+  const rocksdb::Options options = db_->GetOptions(cf);
+  // Keep the file's pages cached: ingest() copies it right away.
+  return std::make_unique<rocksdb::SstFileWriter>(rocksdb::EnvOptions(options), options, cf,
+                                                  /*invalidate_page_cache=*/false);
+}
+
+Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>>& files,
+                       std::string_view what) {
+  if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
+  std::vector<rocksdb::IngestExternalFileArg> args;
+  for (const auto& [cf, file] : files) {
+    rocksdb::IngestExternalFileArg& arg = args.emplace_back();
+    arg.column_family = cf;
+    arg.external_files.push_back(file);
+    // Copied, not linked: a copy is written and fsynced through the Db's
+    // file system like every other file of the Db.
+    arg.options.move_files = false;
+    // The file's sequence number lives in the MANIFEST only: no rewrite of
+    // the file after it is copied.
+    arg.options.write_global_seqno = false;
+  }
+  return from_rocksdb(db_->IngestExternalFiles(args), what);
+}
+
+void Storage::delete_file(const std::string& file) const { (void)db_->GetEnv()->DeleteFile(file); }
 
 Status Storage::flush() {
   if (read_only_) return Status::OK();

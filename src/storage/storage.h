@@ -19,6 +19,7 @@
 
 #include <rocksdb/db.h>
 #include <rocksdb/env.h>
+#include <rocksdb/sst_file_writer.h>
 #include <rocksdb/write_batch.h>
 
 #include "storage/format.h"
@@ -73,6 +74,20 @@ class Storage {
                                               const rocksdb::Snapshot* snapshot = nullptr) const;
   // RocksDB's estimate of the number of keys in `cf` (0 when unknown).
   std::uint64_t estimate_keys(rocksdb::ColumnFamilyHandle* cf) const;
+  // A writer of one SST file for `cf`, with the column family's options
+  // (merge operator, bloom filters, compression). Its entries must be added
+  // in key order; files to ingest are built in ingest_dir().
+  std::unique_ptr<rocksdb::SstFileWriter> sst_writer(rocksdb::ColumnFamilyHandle* cf) const;
+  // `<path>/ingest`: created by a writable open, which also deletes what a
+  // crash left there.
+  std::string ingest_dir() const { return path_ + "/ingest"; }
+  // Adds finished SST files, at most one per column family, to the database
+  // in one atomic step: after a crash or power loss either all of them are
+  // there or none. Durable (fsynced, MANIFEST included) when it returns. The
+  // files are copied, so the caller deletes them.
+  Status ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>>& files, std::string_view what);
+  // Deletes a file (quietly; for files of ingest_dir()).
+  void delete_file(const std::string& file) const;
   // Flushes every memtable to SST files and waits, so the next open does not
   // replay the WAL. It does not wait for compactions first, even if the new
   // L0 files make RocksDB slow or stop writes until they catch up.
@@ -80,11 +95,14 @@ class Storage {
   // True while the state store's column families are behind on compaction:
   // RocksDB is delaying or stopping writes, or the aggregates or the ledger
   // hold kPaceL0Files level-0 files or more. The state store's writer waits
-  // while it is so (StateStore). Just below the 20 at which RocksDB starts
-  // delaying writes: an L0->L1 compaction takes every L0 file there is, so
-  // the more there are, the fewer times L1 is rewritten for the same data
-  // (bench/README.md, "tidal-demo at 1M users and 20M signals").
-  static constexpr std::uint64_t kPaceL0Files = 18;
+  // while it is so (StateStore). Each of its batches adds one L0 file to
+  // each; an L0->L1 compaction takes every L0 file there is, so the more
+  // there are, the fewer times L1 is rewritten for the same data. Below the
+  // kL0SlowdownFiles at which RocksDB starts delaying every write, leaves
+  // included (bench/README.md, "Ingesting the writer's batches").
+  static constexpr std::uint64_t kPaceL0Files = 48;
+  static constexpr int kL0SlowdownFiles = 56;
+  static constexpr int kL0StopFiles = 72;
   bool compaction_behind() const;
   // Flushes (unless read-only) and closes the database.
   Status close();

@@ -16,6 +16,9 @@ if [ "$mode" = package ]; then
 
   # The same program through pkg-config.
   export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
+  # ... and the RocksDB tidal was built with (tidal's own build: build/rocksdb).
+  rocksdb_dir=$(sed -n 's/^RocksDB_DIR:PATH=//p' "$build/CMakeCache.txt")
+  if [ -d "$rocksdb_dir/../../pkgconfig" ]; then PKG_CONFIG_PATH+=":$rocksdb_dir/../../pkgconfig"; fi
   # shellcheck disable=SC2046
   g++ "$consumer/main.cc" -o "$work/consumer-pc" $(pkg-config --cflags tidal) $(pkg-config --libs --static tidal)
   "$work/consumer-pc" "$work/db-pc"

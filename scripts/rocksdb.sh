@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Builds the RocksDB tidal links: Debian 12's own RocksDB 7.8.3 (its source
+# package, with Debian's patches) plus tidal's fixes in third_party/rocksdb/,
+# as an optimized static library, installed in build/rocksdb/. CMake finds it
+# there first (CMakeLists.txt, TIDAL_ROCKSDB_PREFIX).
+#
+# Why not Debian's librocksdb: it is built without NDEBUG (its ~6,400 asserts
+# run on every write) and its ingestion of SST files, which tidal's state
+# store uses, can corrupt a Db after one failed read (the patch explains).
+# docs/ROCKSDB.md has the measurements.
+#
+# Runs once: ~11 min on 2 cores; later calls find the stamp and return. Needs
+# root (or sudo) the first time, to add Debian's source archive to apt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+prefix=$root/build/rocksdb
+version=7.8.3
+patches=("$root"/third_party/rocksdb/*.patch)
+# The stamp names the version and the patches' contents: change either and
+# the next call rebuilds.
+stamp_text="rocksdb $version $(cat "${patches[@]}" | sha256sum | cut -d' ' -f1)"
+stamp=$prefix/share/tidal/rocksdb-build
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_text" ]; then exit 0; fi
+
+as_root=()
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "tidal: need root (or sudo) to fetch RocksDB's Debian source" >&2; exit 1; }
+  as_root=(sudo)
+fi
+# apt-get source needs a deb-src entry; Debian 12 images ship only deb ones.
+if ! grep -rqs '^Types:.*deb-src\|^deb-src' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+  echo "tidal: adding Debian's source archive to apt (/etc/apt/sources.list.d/tidal-deb-src.sources)"
+  printf '%s\n' 'Types: deb-src' 'URIs: http://deb.debian.org/debian' 'Suites: bookworm' 'Components: main' \
+    'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' |
+    "${as_root[@]}" tee /etc/apt/sources.list.d/tidal-deb-src.sources >/dev/null
+  "${as_root[@]}" apt-get update -qq
+fi
+
+work=$root/build/rocksdb-src
+rm -rf "$work" "$prefix"
+mkdir -p "$work"
+echo "tidal: building RocksDB $version (Debian source + third_party/rocksdb patches) into $prefix"
+start=$(date +%s)
+(cd "$work" && apt-get source -qq rocksdb >/dev/null)
+src=$(find "$work" -maxdepth 1 -type d -name "rocksdb-$version" | head -n 1)
+[ -n "$src" ] || { echo "tidal: apt-get source did not unpack rocksdb-$version in $work" >&2; exit 1; }
+for p in "${patches[@]}"; do
+  patch -d "$src" -p1 --forward --quiet <"$p"
+done
+# Release: NDEBUG. PORTABLE keeps the library runnable on any x86-64 the
+# build runs on; FORCE_SSE42 still uses the CRC32C instruction. RTTI stays
+# on: tidal subclasses RocksDB's FileSystem, Logger and MergeOperator.
+cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX="$prefix" \
+  -DCMAKE_INSTALL_LIBDIR=lib -DROCKSDB_BUILD_SHARED=OFF -DPORTABLE=ON -DFORCE_SSE42=ON -DUSE_RTTI=1 \
+  -DWITH_SNAPPY=ON -DWITH_LZ4=ON -DWITH_ZSTD=ON -DWITH_ZLIB=ON -DWITH_BZ2=ON -DWITH_GFLAGS=OFF \
+  -DWITH_TESTS=OFF -DWITH_TOOLS=OFF -DWITH_CORE_TOOLS=OFF -DWITH_BENCHMARK_TOOLS=OFF -DFAIL_ON_WARNINGS=OFF >/dev/null
+cmake --build "$work/build" -j "$(nproc)" >"$work/build.log" 2>&1 ||
+  { tail -n 40 "$work/build.log"; echo "tidal: RocksDB build failed (log: $work/build.log)" >&2; exit 1; }
+cmake --install "$work/build" >/dev/null
+# The library is static: pkg-config --static must name what it links.
+echo 'Libs.private: -lsnappy -llz4 -lzstd -lz -lbz2 -lpthread -ldl' >>"$prefix/lib/pkgconfig/rocksdb.pc"
+mkdir -p "$(dirname "$stamp")"
+cp "${patches[@]}" "$(dirname "$stamp")/"
+echo "$stamp_text" >"$stamp"
+rm -rf "$work"
+echo "tidal: RocksDB $version built in $(( $(date +%s) - start )) s"
