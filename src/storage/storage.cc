@@ -254,11 +254,21 @@ void apply_state_store_options(const Storage::Config& config, std::vector<rocksd
   // a 10M-entry ledger the compaction step of a purge took ~95 ms with 4 MiB
   // files and ~35 ms with 1 MiB (bench/README.md, "Purge").
   (*cfs)[4].options.target_file_size_base = 1 << 20;
-  // The state store adds one L0 file per batch to each (Storage::ingest):
-  // room for kPaceL0Files of them before RocksDB slows writes.
+  // The state store ingests one file per batch into each (Storage::ingest).
+  // RocksDB puts an ingested file in the deepest level its keys do not
+  // overlap, so a young Db's first batches landed one per level (L6, L5,
+  // L4, ...), where no size target ever compacted them, and a score read
+  // searched every one: p50 10 us instead of 3.7 (bench/README.md, "Score
+  // reads"). With dynamic level sizes an ingested file goes to L0 or to the
+  // lowest level in use, and a compaction starts at 2 level-0 files, so a
+  // quiet Db settles into few files. Under load, a compaction takes every L0
+  // file there is: room for kPaceL0Files of them before RocksDB slows writes.
   for (std::size_t i : {3u, 4u}) {
-    (*cfs)[i].options.level0_slowdown_writes_trigger = Storage::kL0SlowdownFiles;
-    (*cfs)[i].options.level0_stop_writes_trigger = Storage::kL0StopFiles;
+    auto& options = (*cfs)[i].options;
+    options.level_compaction_dynamic_level_bytes = true;
+    options.level0_file_num_compaction_trigger = 2;
+    options.level0_slowdown_writes_trigger = Storage::kL0SlowdownFiles;
+    options.level0_stop_writes_trigger = Storage::kL0StopFiles;
   }
 }
 
