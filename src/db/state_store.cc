@@ -263,9 +263,10 @@ Status StateStore::write_frozen_locked(int frozen) {
   const std::string what = "aggregate write of '" + storage_->path() + "'";
   // The batch's epoch names its ledger records: RocksDB's next sequence
   // number, taken by a synced record of it. An ingestion need not take a
-  // sequence number of its own (a file that overlaps nothing goes in at 0),
+  // sequence number of its own (a file that overlaps nothing goes in at 0;
+  // only because the frozen snapshot is held does RocksDB 7.8 give it one),
   // so without the record two batches could share an epoch, and the second's
-  // ledger records would replace the first's.
+  // ledger records would replace the first's. One fsync a batch.
   const std::uint64_t epoch = storage_->db()->GetLatestSequenceNumber() + 1;
   rocksdb::WriteBatch mark;
   std::string epoch_value;
