@@ -304,13 +304,6 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   // RocksDB's memtables, across every column family, stay within 64 MiB
   // (besides tidal's own write buffers and the block cache).
   options.db_write_buffer_size = 64 << 20;
-  // Compaction of the state store's files limits a sustained signal rate:
-  // while it is behind, the writer waits (StateStore) and signals meet the
-  // backpressure. With RocksDB's default of one compaction at a time, one
-  // core compacted while the other idled (top, 1M-user demo). Two at once,
-  // and an L0 compaction split in two key ranges, keep both cores busy.
-  options.max_background_jobs = 3;  // 1 flush, 2 compactions
-  options.max_subcompactions = 2;
 
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
   for (const char* name : kColumnFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
