@@ -37,7 +37,7 @@ cmake -S . -B build/test-release -DCMAKE_BUILD_TYPE=Release -DTIDAL_WERROR=ON -D
 cmake --build build/test-release -j "$jobs"
 echo "tidal: Release warning stage passed in $(( $(date +%s) - stage_start )) s"
 
-# Debian's librocksdb is not instrumented; tidal and its tests are.
+# tidal's RocksDB build (build/rocksdb) is not instrumented; tidal and its tests are.
 # The package/consumer tests (ctest label "package") do not run here.
 san_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_WERROR=ON -DTIDAL_INSTALL=OFF)
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
