@@ -212,11 +212,11 @@ class BatchFiles {
 
   rocksdb::Status merge(std::string_view key, std::string_view value) {
     File& f = open(0, storage_->aggregates(), "aggregates");
-    return f.writer ? f.writer->Merge(key, value) : status_;
+    return f.writer ? f.writer->Merge(key, value) : f.open_status;
   }
   rocksdb::Status put(std::string_view key, std::string_view value) {
     File& f = open(1, storage_->ledger(), "ledger");
-    return f.writer ? f.writer->Put(key, value) : status_;
+    return f.writer ? f.writer->Put(key, value) : f.open_status;
   }
   // Finishes the files and ingests them in one atomic step.
   Status ingest(std::string_view what) {
@@ -234,6 +234,7 @@ class BatchFiles {
     rocksdb::ColumnFamilyHandle* cf = nullptr;
     std::string path;
     std::unique_ptr<rocksdb::SstFileWriter> writer;  // null until opened, or when Open failed
+    rocksdb::Status open_status;
   };
   File& open(int i, rocksdb::ColumnFamilyHandle* cf, const char* name) {
     File& f = files_[i];
@@ -241,14 +242,13 @@ class BatchFiles {
     f.cf = cf;
     f.path = storage_->ingest_dir() + "/" + std::to_string(epoch_) + "." + name + ".sst";
     f.writer = storage_->sst_writer(cf);
-    if (status_ = f.writer->Open(f.path); !status_.ok()) f.writer.reset();
+    if (f.open_status = f.writer->Open(f.path); !f.open_status.ok()) f.writer.reset();
     return f;
   }
 
   Storage* const storage_;
   const std::uint64_t epoch_;
   File files_[2];
-  rocksdb::Status status_;  // of the last Open
 };
 
 }  // namespace
