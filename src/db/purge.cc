@@ -180,7 +180,11 @@ Status Db::Impl::erase_ledger_range(const std::string& begin, const std::string&
   if (Status s = storage_->flush(); !s.ok()) return s;
   rocksdb::CompactRangeOptions options;
   options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
-  options.exclusive_manual_compaction = false;  // other compactions may go on
+  // Exclusive: RocksDB first waits for the compactions under way. One that
+  // started before the purge batch was flushed can write the purged records
+  // into a new file after a concurrent manual compaction has passed its
+  // range (seen once in CI with compactions starting at 2 L0 files).
+  options.exclusive_manual_compaction = true;
   const rocksdb::Slice b(begin), e(end);
   rocksdb::DB* db = storage_->db();
   if (Status s = from_rocksdb(db->CompactRange(options, storage_->ledger(), &b, &e),
