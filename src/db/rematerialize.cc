@@ -1,0 +1,56 @@
+// Db::Impl::rematerialize_shared_aggregates: every cohort and community
+// aggregate recomputed from the contribution ledger and compared exactly;
+// with repair, the differing ones rewritten in one synced batch
+// (docs/CONTRACT.md, P6).
+#include "db/guarded.h"
+#include "db/impl.h"
+#include "storage/ledger_scan.h"
+
+namespace tidal {
+
+Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repair) {
+  const char* what = "rematerialize_shared_aggregates";
+  return guarded(what, [&]() -> Result<RematerializeReport> {
+    Call call(this, what, /*write=*/repair);
+    if (!call.status().ok()) return call.status();
+    RematerializeReport report;
+    Status s = state_->exclusive([&]() -> Status {
+      const rocksdb::Snapshot* snapshot = storage_->db()->GetSnapshot();
+      LedgerScan scan;
+      std::vector<std::pair<std::string, Units>> fixes;
+      Status r = scan_ledger(*storage_, snapshot, &scan);
+      if (r.ok()) {
+        report.ledger_entries_read = scan.entries;
+        report.mismatches = std::move(scan.problems);
+        r = compare_with_ledger(*storage_, snapshot, std::move(scan.totals), &report.aggregates_checked,
+                                [&](const AggregateMismatch& m) {
+                                  report.mismatches.push_back(m.what);
+                                  std::optional<AggregateCell> cell = decode_aggregate_key(m.key);
+                                  if (cell && cell->kind != AggregateKind::Personal) fixes.emplace_back(m.key, m.recomputed);
+                                });
+      }
+      storage_->db()->ReleaseSnapshot(snapshot);
+      if (!r.ok() || !repair || report.mismatches.empty()) return r;
+      // One synced batch: a crash leaves every aggregate repaired or none.
+      // No writer batch lands between the scan and this write (drain lock).
+      rocksdb::WriteBatch batch;
+      std::string value;
+      for (const auto& [key, units] : fixes) {
+        value.clear();
+        put_units(&value, units);
+        batch.Put(storage_->aggregates(), key, value);
+      }
+      if (r = storage_->write(&batch, Storage::WriteMode::Sync, std::string(what) + " repair of " +
+                                                                  std::to_string(fixes.size()) + " aggregates");
+          !r.ok()) {
+        return r;
+      }
+      report.repaired = fixes.size() == report.mismatches.size();
+      return Status::OK();
+    });
+    if (!s.ok()) return s;
+    return report;
+  });
+}
+
+}  // namespace tidal
