@@ -1,5 +1,5 @@
-// Purge and re-materialization (issue 12, SPEC §7) on a Db holding
-// TIDAL_PURGE_BENCH_ENTRIES ledger entries (default 10M):
+// Purge and re-materialization (issue 12; docs/CONTRACT.md, P1-P7) on a Db
+// holding TIDAL_PURGE_BENCH_ENTRIES ledger entries (default 10M):
 //   BM_PurgeOneUser/100, /10000   one purge_community_contributions call for a
 //                                 Left user with that many ledger entries
 //   BM_BulkPurge/10000            one bulk call over 10,000 Left users spread

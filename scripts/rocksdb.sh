@@ -9,7 +9,8 @@
 # store uses, can corrupt a Db after one failed read (the patch explains).
 # docs/ROCKSDB.md has the measurements.
 #
-# Runs once: ~11 min on 2 cores; later calls find the stamp and return. Needs
+# Runs once: ~11 min on 2 idle cores, longer on a loaded machine, with a
+# progress line at each 10 %; later calls find the stamp and return. Needs
 # root (or sudo) the first time, to add Debian's source archive to apt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,10 +38,45 @@ if ! grep -rqs '^Types:.*deb-src\|^deb-src' /etc/apt/sources.list /etc/apt/sourc
   "${as_root[@]}" apt-get update -qq
 fi
 
+# The build's progress in percent: the highest "[ NN%]" that cmake's make
+# output has written to the log <file> so far (0 before the first).
+build_percent() {
+  [ -f "$1" ] || { echo 0; return; }
+  awk 'match($0, /^\[ *[0-9]+%\]/) { p = substr($0, RSTART + 1, RLENGTH - 3) + 0; if (p > max) max = p }
+       END { print max + 0 }' "$1"
+}
+
+# "3 min 07 s" for <seconds>.
+minutes() { printf '%d min %02d s' $(($1 / 60)) $(($1 % 60)); }
+
+# Prints a line when the log <file> has reached a 10 % step above the one in
+# $progress_shown (the last printed), with the time since <start> (epoch
+# seconds); then sets $progress_shown to that step.
+progress_shown=0
+report_progress() {
+  local percent step
+  percent=$(build_percent "$1")
+  step=$((percent / 10 * 10))
+  if [ "$step" -gt "$progress_shown" ]; then
+    progress_shown=$step
+    echo "tidal: RocksDB build at $percent % after $(minutes $(($(date +%s) - $2)))"
+  fi
+}
+
+# Checks the log <file> every 10 s while the process <pid> (this script)
+# runs; run in the background beside the build.
+watch_progress() {
+  while kill -0 "$3" 2>/dev/null; do
+    sleep 10
+    report_progress "$1" "$2"
+  done
+}
+
 work=$root/build/rocksdb-src
 rm -rf "$work" "$prefix"
 mkdir -p "$work"
 echo "tidal: building RocksDB $version (Debian source + third_party/rocksdb patches) into $prefix"
+echo "tidal: this runs once and takes ~11 min on 2 idle cores (longer on a loaded machine); a line at each 10 %"
 start=$(date +%s)
 (cd "$work" && apt-get source -qq rocksdb >/dev/null)
 src=$(find "$work" -maxdepth 1 -type d -name "rocksdb-$version" | head -n 1)
@@ -55,8 +91,14 @@ cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREF
   -DCMAKE_INSTALL_LIBDIR=lib -DROCKSDB_BUILD_SHARED=OFF -DPORTABLE=ON -DFORCE_SSE42=ON -DUSE_RTTI=1 \
   -DWITH_SNAPPY=ON -DWITH_LZ4=ON -DWITH_ZSTD=ON -DWITH_ZLIB=ON -DWITH_BZ2=ON -DWITH_GFLAGS=OFF \
   -DWITH_TESTS=OFF -DWITH_TOOLS=OFF -DWITH_CORE_TOOLS=OFF -DWITH_BENCHMARK_TOOLS=OFF -DFAIL_ON_WARNINGS=OFF >/dev/null
+# The build stays in the foreground (Ctrl-C stops it); the watcher beside it
+# ends with this script.
+watch_progress "$work/build.log" "$start" $$ &
+watcher=$!
+trap 'kill "$watcher" 2>/dev/null || true' EXIT
 cmake --build "$work/build" -j "$(nproc)" >"$work/build.log" 2>&1 ||
   { tail -n 40 "$work/build.log"; echo "tidal: RocksDB build failed (log: $work/build.log)" >&2; exit 1; }
+kill "$watcher" 2>/dev/null || true
 cmake --install "$work/build" >/dev/null
 # The library is static: pkg-config --static must name what it links.
 echo 'Libs.private: -lsnappy -llz4 -lzstd -lz -lbz2 -lpthread -ldl' >>"$prefix/lib/pkgconfig/rocksdb.pc"

@@ -3,7 +3,8 @@
 // writer per Db whatever the path names it, and repeated opens do not pile up
 // files. The Db under a failing disk runs in tidal_hostile_child (fork+exec):
 // an abort there is a test failure, not the end of the test process. Tests
-// that mount file systems need root and are skipped otherwise.
+// that mount file systems need root and are skipped otherwise; the one that
+// makes an ext4 fail also needs sysfs (/sys/fs/ext4) and is skipped without it.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -207,11 +208,15 @@ class Mount {
     ::unlink(probe.c_str());
     return false;
   }
+  // ext4 only: the sysfs file through which trigger_error() reports the
+  // error. Absent where /sys is not mounted (a container or chroot).
+  std::string error_trigger() const {
+    return "/sys/fs/ext4/" + fs::path(source()).filename().string() + "/trigger_fs_error";
+  }
   // ext4 only: reports a file system error, as a failing disk does; with
   // errors=remount-ro the kernel aborts the journal and makes it read-only.
   bool trigger_error() {
-    const std::string dev = fs::path(source()).filename().string();
-    std::ofstream("/sys/fs/ext4/" + dev + "/trigger_fs_error") << "tidal hostile_fs_test" << std::flush;
+    std::ofstream(error_trigger()) << "tidal hostile_fs_test" << std::flush;
     return read_only();
   }
   // ext4 only: unmounts, repairs (e2fsck) and mounts it read-write again, as
@@ -355,6 +360,10 @@ TEST(HostileFsTest, DiskTurnedReadOnlyByAnErrorFailsTheLeaveKeepsTheGateClosedAn
   SKIP_UNLESS_ROOT("loop-mount an ext4 image and make it fail");
   auto disk = Mount::ext4(64 << 20);
   ASSERT_NE(disk, nullptr);
+  if (const std::string trigger = disk->error_trigger(); !fs::exists(trigger)) {
+    GTEST_SKIP() << "needs " << trigger << " to make the ext4 fail, and it is not reachable here (no sysfs: a "
+                 << "container or chroot without /sys?); run where /sys is mounted to test it";
+  }
   const std::string db = disk->dir() + "/db";
   {
     DbProcess p;

@@ -1,5 +1,6 @@
-// Retroactive purge and re-materialization (SPEC §7): exactness, atomicity,
-// receipts, physical erasure, rejoin, bulk, and an Nth-I/O fault sweep.
+// Retroactive purge and re-materialization (docs/CONTRACT.md, P1-P7):
+// exactness, atomicity, receipts, physical erasure, rejoin, bulk, and an
+// Nth-I/O fault sweep.
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -124,9 +125,10 @@ TEST(Purge, AUserWhoIsNotLeftIsRefusedNamingTheUserWithNothingChanged) {
   EXPECT_EQ(db->purge_community_contributions(8).status().code(), StatusCode::Closed);
 }
 
-// SPEC §7: afterwards every shared score is bit-identical to a Db that never
-// received the user's contributions; the personal layer is untouched. Part
-// of the user's signals are still in the write buffer when purge is called.
+// docs/CONTRACT.md, P2: afterwards every shared score is bit-identical to a
+// Db that never received the user's contributions; the personal layer is
+// untouched. Part of the user's signals are still in the write buffer when
+// purge is called.
 TEST(Purge, SharedScoresAreBitIdenticalToADbThatNeverSawTheUser) {
   TempDir dir;
   const Workload w;
@@ -199,8 +201,8 @@ TEST(Purge, ReceiptsAreKeptOldestFirstAcrossRestartsAndASecondPurgeWritesNothing
   EXPECT_EQ(value_of(db->personal_score(5, 2)), 0.2);
 }
 
-// SPEC §7: a rejoin starts a fresh ledger; a later purge removes only what
-// came after, and the receipts list both purges, oldest first.
+// docs/CONTRACT.md, P7: a rejoin starts a fresh ledger; a later purge removes
+// only what came after, and the receipts list both purges, oldest first.
 TEST(Purge, ARejoinStartsAFreshLedgerAndALaterPurgeRemovesOnlyWhatCameAfter) {
   TempDir dir;
   auto db = open_db(dir.sub("db"), manual_writes());

@@ -1,4 +1,5 @@
-// The purge receipt (tag 0x10 PurgeManifest, SPEC §4 and §7).
+// The purge receipt (tag 0x10 PurgeManifest): its bytes are in docs/FORMAT.md,
+// its guarantees in docs/CONTRACT.md, P5.
 //
 //   users CF  key   [user_id: 8 BE][0x10][purged_at_ns: 8 BE]        (17 bytes)
 //             value exactly 57 bytes:

@@ -1,5 +1,6 @@
 #include "storage/state_format.h"
 
+#include <bit>
 #include <cmath>
 
 #include <rocksdb/slice.h>
@@ -12,6 +13,12 @@ __extension__ typedef unsigned __int128 UUnits;
 constexpr std::uint64_t kUnitsPerWeight = 1'000'000'000;
 
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
+
+// The number of significant bits of `x` (0 for 0).
+int bit_width(UUnits x) {
+  const auto high = static_cast<std::uint64_t>(x >> 64);
+  return static_cast<int>(high != 0 ? 64 + std::bit_width(high) : std::bit_width(static_cast<std::uint64_t>(x)));
+}
 
 // Adds each operand to `sum`; false when one is not 16 bytes.
 template <class Operands>
@@ -81,11 +88,21 @@ double units_to_double(Units units) {
     // Both operands are exact doubles, and IEEE division rounds correctly.
     out = static_cast<double>(static_cast<std::uint64_t>(magnitude)) / static_cast<double>(kUnitsPerWeight);
   } else {
-    // Integer part exactly, then the remainder: one rounding per step.
-    const UUnits whole = magnitude / kUnitsPerWeight;
-    const auto rem = static_cast<std::uint64_t>(magnitude % kUnitsPerWeight);
-    out = static_cast<double>(static_cast<long double>(whole) +
-                              static_cast<long double>(rem) / static_cast<long double>(kUnitsPerWeight));
+    // One rounding, in integer arithmetic: magnitude / 1e9 = (n / 1e9) * 2^-shift
+    // with n = magnitude << shift, its top bit at bit 127. The quotient q of
+    // n / 1e9 has 98 or 99 bits (2^97 < 2^127 / 1e9); the double keeps its
+    // top 53, and the dropped bits and the remainder (strictly less than
+    // one unit of q's last bit) decide the rounding: half to even.
+    const int shift = 128 - bit_width(magnitude);
+    const UUnits n = magnitude << shift;
+    const UUnits q = n / kUnitsPerWeight;
+    const bool inexact = n - q * kUnitsPerWeight != 0;
+    const int drop = bit_width(q) - 53;
+    auto mantissa = static_cast<std::uint64_t>(q >> drop);
+    const UUnits dropped = q & ((static_cast<UUnits>(1) << drop) - 1);
+    const UUnits half = static_cast<UUnits>(1) << (drop - 1);
+    if (dropped > half || (dropped == half && (inexact || (mantissa & 1) != 0))) ++mantissa;
+    out = std::ldexp(static_cast<double>(mantissa), drop - shift);  // mantissa <= 2^53: exact
   }
   return negative ? -out : out;
 }
