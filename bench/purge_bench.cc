@@ -2,6 +2,8 @@
 // holding TIDAL_PURGE_BENCH_ENTRIES ledger entries (default 10M):
 //   BM_PurgeOneUser/100, /10000   one purge_community_contributions call for a
 //                                 Left user with that many ledger entries
+//   BM_LeaveInTheStripeDuringErasure  leaves of users in the purged user's
+//                                 lock stripe while a 1e4-entry purge erases
 //   BM_BulkPurge/10000            one bulk call over 10,000 Left users spread
 //                                 over the whole key space (10 entries each)
 //   BM_Rematerialize              rematerialize_shared_aggregates(false) over
@@ -10,12 +12,14 @@
 // equal their sums (I1) are written as SST files with rocksdb::SstFileWriter
 // and ingested, then opened as a tidal Db.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <benchmark/benchmark.h>
@@ -23,6 +27,7 @@
 #include <rocksdb/sst_file_writer.h>
 
 #include "bench_util.h"
+#include "db/impl.h"
 #include "storage/state_format.h"
 
 namespace tidal::bench {
@@ -168,6 +173,58 @@ void BM_PurgeOneUser(benchmark::State& state) {
 }
 BENCHMARK(BM_PurgeOneUser)->Arg(100)->Arg(10'000)->UseManualTime()->Iterations(1)->Repetitions(9)
     ->Unit(benchmark::kMillisecond)->ReportAggregatesOnly(true);
+
+// Leaves of users in the purged user's lock stripe while the purge erases
+// (flush, the forced compaction of the user's ledger range, the wait for the
+// obsolete files): the erasure holds no stripe, so each leave costs what a
+// leave costs (docs/CONTRACT.md, P4). One purge of a 1e4-entry user per
+// iteration; the leave latencies are those measured between the end of the
+// purge's durable batch and the purge's return.
+void BM_LeaveInTheStripeDuringErasure(benchmark::State& state) {
+  Fixture& f = fixture();
+  std::vector<double> leave_ms;
+  double erasure_ms_total = 0;
+  for (auto _ : state) {
+    if (f.next_large == kSpecialUsers) {
+      state.SkipWithError("out of prepared users");
+      break;
+    }
+    const std::uint64_t purged = kLargeBase + f.next_large++;
+    std::atomic<bool> erasing{false}, done{false};
+    std::chrono::steady_clock::time_point erase_start;
+    Db::Impl::before_erasure_for_testing = [&] {
+      erase_start = std::chrono::steady_clock::now();
+      erasing.store(true);
+    };
+    Status purge_status;
+    std::thread purger([&] {
+      Result<PurgeReceipt> r = f.db->purge_community_contributions(purged);
+      purge_status = r.ok() ? Status::OK() : r.status();
+      done.store(true);
+    });
+    while (!erasing.load() && !done.load()) std::this_thread::yield();
+    // Users of the same stripe (id % 64), never seen before: Active.
+    for (std::uint64_t k = 1; !done.load(); ++k) {
+      const std::uint64_t u = purged + 64 * 1'000'000 * f.next_large + 64 * k;
+      const auto t = std::chrono::steady_clock::now();
+      if (!f.db->leave_community_layer(u).ok()) std::abort();
+      if (!done.load()) leave_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count());
+    }
+    purger.join();
+    Db::Impl::before_erasure_for_testing = nullptr;
+    const double erasure_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - erase_start).count();
+    erasure_ms_total += erasure_ms;
+    state.SetIterationTime(erasure_ms / 1e3);
+    if (!purge_status.ok()) state.SkipWithError(purge_status.to_string().c_str());
+  }
+  std::sort(leave_ms.begin(), leave_ms.end());
+  state.counters["leaves_during_erasure"] = static_cast<double>(leave_ms.size());
+  state.counters["leave_p50_ms"] = leave_ms.empty() ? 0 : leave_ms[leave_ms.size() / 2];
+  state.counters["leave_max_ms"] = leave_ms.empty() ? 0 : leave_ms.back();
+  state.counters["erasure_ms"] = erasure_ms_total / static_cast<double>(std::max<std::int64_t>(1, state.iterations()));
+}
+BENCHMARK(BM_LeaveInTheStripeDuringErasure)->UseManualTime()->Iterations(1)->Repetitions(5)
+    ->Unit(benchmark::kMillisecond);
 
 void BM_BulkPurge(benchmark::State& state) {
   Fixture& f = fixture();

@@ -173,6 +173,7 @@ void FaultFs::clear_faults() {
   arm_base_.store(ops_.load());
   fail_wal_append_.store(false);
   fail_wal_sync_.store(false);
+  fail_deletes_.store(false);
 }
 
 IOStatus FaultFs::check(const char* op, const std::string& fname, bool mutating) {
@@ -330,6 +331,10 @@ IOStatus FaultFs::NewDirectory(const std::string& name, const IOOptions& o, std:
 
 IOStatus FaultFs::DeleteFile(const std::string& f, const IOOptions& o, IODebugContext* dbg) {
   if (IOStatus s = check("DeleteFile", f, true); !s.ok()) return s;
+  if (fail_deletes_.load()) {
+    injected_.fetch_add(1);
+    return IOStatus::IOError("tidal FaultFs: injected failure of DeleteFile", f);
+  }
   IOStatus s = target()->DeleteFile(f, o, dbg);
   if (s.ok()) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -59,6 +59,10 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   void set_fail_wal_append(bool on) { fail_wal_append_.store(on); }
   void set_fail_wal_sync(bool on) { fail_wal_sync_.store(on); }
 
+  // Makes every DeleteFile fail (RocksDB then keeps obsolete files, and
+  // retries at its next purge of obsolete files); cleared by clear_faults.
+  void set_fail_deletes(bool on) { fail_deletes_.store(on); }
+
   // ---- (b) Nth-operation faults ----
   // Fails the n-th counted operation from now (n >= 1); with `persistent`,
   // every counted operation after it too. Resets ops_since_arm().
@@ -136,6 +140,7 @@ class FaultFs : public rocksdb::FileSystemWrapper {
 
   std::atomic<bool> fail_wal_append_{false};
   std::atomic<bool> fail_wal_sync_{false};
+  std::atomic<bool> fail_deletes_{false};
   std::atomic<std::uint64_t> ops_{0};
   std::atomic<std::uint64_t> arm_base_{0};
   std::atomic<std::uint64_t> fail_at_{0};  // absolute op number; 0 = disarmed

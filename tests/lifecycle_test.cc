@@ -99,6 +99,36 @@ std::vector<SinkCall> sink_calls() {
       {"verify", [=](Db& db) { return status_of(db.verify()); }, StatusCode::Closed, StatusCode::Ok},
       {"community_layer_status", [=](Db& db) { return status_of(db.community_layer_status(9)); },
        StatusCode::Closed, StatusCode::Ok},
+      {"gate_activity", [=](Db& db) { return status_of(db.gate_activity(9)); }, StatusCode::Closed,
+       StatusCode::Ok},
+      {"communities_of", [=](Db& db) { return status_of(db.communities_of(1)); }, StatusCode::Closed,
+       StatusCode::Ok},
+      {"personal_score", [=](Db& db) { return status_of(db.personal_score(1, 100)); }, StatusCode::Closed,
+       StatusCode::Ok},
+      {"cohort_score", [=](Db& db) { return status_of(db.cohort_score(5, 100)); }, StatusCode::Closed,
+       StatusCode::Ok},
+      {"community_score", [=](Db& db) { return status_of(db.community_score(7, 100)); }, StatusCode::Closed,
+       StatusCode::Ok},
+      // A nested signal of another user (user 9 has no community: no
+      // further callback).
+      {"signal_with_context", [=](Db& db) { return status_of(db.signal_with_context({9, 101, 1.0}, {{6}})); },
+       StatusCode::Closed, StatusCode::Ok},
+      {"purge_community_contributions",
+       [=](Db& db) { return status_of(db.purge_community_contributions(9)); }, StatusCode::Closed,
+       StatusCode::Busy},
+      {"bulk purge",
+       [=](Db& db) { return status_of(db.purge_community_contributions(std::span<const std::uint64_t>(kUsers))); },
+       StatusCode::Closed, StatusCode::Busy},
+      {"purge_receipts", [=](Db& db) { return status_of(db.purge_receipts(9)); }, StatusCode::Closed,
+       StatusCode::Ok},
+      // Re-materialization drains the write buffers, whose grace period
+      // would wait for the callback's own signal: Busy, repair or not.
+      {"rematerialize_shared_aggregates",
+       [=](Db& db) { return status_of(db.rematerialize_shared_aggregates(false)); }, StatusCode::Busy,
+       StatusCode::Busy},
+      {"rematerialize_shared_aggregates(repair)",
+       [=](Db& db) { return status_of(db.rematerialize_shared_aggregates(true)); }, StatusCode::Busy,
+       StatusCode::Busy},
   };
 }
 
@@ -163,6 +193,61 @@ TEST(LifecycleTest, SinkCallsOnAnOpenDbWritesBusyReadsServed) {
     ASSERT_TRUE(db->signal_with_context({1, 100, 1.0}, {{5}}).ok());
     EXPECT_EQ(sink->result.code(), c.while_open) << sink->result.to_string();
     EXPECT_EQ(db->community_layer_status(9)->status, MembershipStatus::Active);  // no write went through
+  }
+}
+
+// Every public call from inside a sink while the write buffers are full:
+// the callback's signal holds a read section, the writer has swapped the
+// buffers and waits for it, and two other threads have filled the new
+// buffer to its bound (they wait for the writer). A call that waited for
+// the writer or for a grace period would wait for itself: each must be
+// served at once or return Busy.
+TEST(LifecycleConcurrentTest, SinkCallsUnderFullWriteBuffersNeverWait) {
+  for (const SinkCall& c : sink_calls()) {
+    SCOPED_TRACE(c.name);
+    TempDir dir;
+    auto sink = std::make_shared<CallingSink>(
+        [&c](Db& db) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the others fill the buffers
+          return c.call(db);
+        },
+        /*wait_for_close=*/false);
+    Options options = with_sink(sink);
+    options.write_buffer_bytes = 8 << 10;  // 32 cells a buffer
+    options.aggregate_write_period = std::chrono::milliseconds(5);
+    auto db = open_db(dir.path(), options);
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->join_community(1, 7));
+    sink->db.store(db.get());
+    std::atomic<bool> stop{false};
+    std::atomic<std::uint64_t> others{0};
+    std::vector<std::thread> fillers;
+    for (std::uint64_t t = 0; t < 2; ++t) {
+      fillers.emplace_back([&, t] {
+        for (std::uint64_t i = 0; !stop.load(); ++i) {
+          if (db->signal_with_context({20 + t, i, 1.0}, {}).ok()) others.fetch_add(1);
+        }
+      });
+    }
+    {
+      Watchdog watchdog(std::string("a sink calling ") + c.name + " under full write buffers", kHang);
+      ASSERT_TRUE(db->signal_with_context({1, 100, 1.0}, {{5}}).ok());
+      stop.store(true);
+      for (std::thread& t : fillers) t.join();
+      const bool nested_signal = std::string(c.name) == "signal_with_context";
+      if (nested_signal) {
+        // Served when the buffers had room again, else refused at once.
+        EXPECT_TRUE(sink->result.ok() || sink->result.code() == StatusCode::Busy) << sink->result.to_string();
+      } else {
+        EXPECT_EQ(sink->result.code(), c.while_open) << sink->result.to_string();
+      }
+      EXPECT_GT(others.load(), 0u);
+      const std::uint64_t writes = db->stats().aggregate_writes;
+      ASSERT_TRUE(db->signal_with_context({30, 1, 1.0}, {}).ok());
+      EXPECT_OK(db->flush());  // the writer is not stuck
+      EXPECT_GT(db->stats().aggregate_writes, writes);
+      EXPECT_OK(db->close());
+    }
   }
 }
 

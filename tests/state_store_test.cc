@@ -1,6 +1,8 @@
 // The state store: exact sums, write-behind, backpressure, invariant I1 and
 // how malformed stored values and failed writes are reported.
+#include <atomic>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <thread>
 
@@ -328,6 +330,100 @@ TEST(WriteBehind, AFailedWriteIsReportedAndKeptInMemory) {
   EXPECT_EQ(value_of(db.cohort_score(3, 2)), 4.0);
   EXPECT_EQ(db.stats().aggregate_cells_pending, 3u);
   EXPECT_FALSE(db.close().ok());  // the loss is reported, not silent
+}
+
+
+// ---- hard limits: what one signal may add to the write buffers ----
+
+TEST(StateStore, AContextWithMoreCohortsThanTheLimitIsRefusedWithNothingChanged) {
+  TempDir dir;
+  auto db = open_db(dir.path(), manual_writes());
+  ASSERT_NE(db, nullptr);
+  SignalContext ok_context, too_many;
+  for (std::uint64_t c = 0; c < kMaxCohortsPerSignal; ++c) ok_context.cohort_ids.push_back(c);
+  too_many = ok_context;
+  too_many.cohort_ids.push_back(kMaxCohortsPerSignal);
+  Result<SignalOutcome> refused = db->signal_with_context({1, 2, 1.0}, too_many);
+  ASSERT_EQ(refused.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(refused.status().message().find("1025 cohorts"), std::string::npos) << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("kMaxCohortsPerSignal (1024)"), std::string::npos);
+  EXPECT_EQ(db->stats().signals, 0u);
+  EXPECT_EQ(db->stats().aggregate_cells_pending, 0u);
+  EXPECT_EQ(value_of(db->personal_score(1, 2)), 0.0);
+  Result<SignalOutcome> accepted = db->signal_with_context({1, 2, 1.0}, ok_context);
+  ASSERT_OK(accepted);
+  EXPECT_EQ(accepted->cohorts_attributed, kMaxCohortsPerSignal);
+  EXPECT_EQ(value_of(db->cohort_score(kMaxCohortsPerSignal - 1, 2)), 1.0);
+}
+
+// Options::write_buffer_bytes is a bound: the fill is checked before each
+// signal, which then adds at most 4,097 cells, so with T threads each buffer
+// holds at most its bound plus T signals' cells, whatever the threads do.
+TEST(StateStoreConcurrentTest, PendingCellsStayWithinTheBoundPlusOneSignalPerThread) {
+  TempDir dir;
+  Options options;
+  options.write_buffer_bytes = 1 << 20;                  // 4,096 cells a buffer
+  options.aggregate_write_period = std::chrono::hours(1);  // drains only when a buffer fills
+  auto db = open_db(dir.path(), options);
+  ASSERT_NE(db, nullptr);
+  constexpr std::uint64_t kThreads = 4, kCellsPerSignal = 1 + 2 * kMaxCohortsPerSignal;
+  const std::uint64_t buffer_cells = options.write_buffer_bytes / 2 / 128;
+  const std::uint64_t bound = 2 * (buffer_cells + kThreads * kCellsPerSignal);
+  SignalContext wide;
+  for (std::uint64_t c = 0; c < kMaxCohortsPerSignal; ++c) wide.cohort_ids.push_back(c);
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> peak{0};
+  std::thread monitor([&] {
+    while (!stop.load()) {
+      const std::uint64_t pending = db->stats().aggregate_cells_pending;
+      if (pending > peak.load()) peak.store(pending);
+    }
+  });
+  std::vector<std::thread> threads;
+  for (std::uint64_t t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (std::uint64_t i = 0; i < 60; ++i) EXPECT_OK(db->signal_with_context({t, 1000 * t + i, 0.5}, wide));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  stop.store(true);
+  monitor.join();
+  EXPECT_GT(db->stats().aggregate_writes, 10u);  // the buffers filled and drained many times
+  EXPECT_GT(peak.load(), buffer_cells);          // the monitor saw full buffers
+  EXPECT_LE(peak.load(), bound) << "pending cells past the bound plus one signal per thread";
+  EXPECT_EQ(value_of(db->cohort_score(7, 1000 * 3 + 59)), 0.5);
+}
+
+TEST(StateStore, JoiningMoreCommunitiesThanTheLimitIsRefusedWithNothingChanged) {
+  TempDir dir;
+  auto db = open_db(dir.path(), manual_writes());
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t m = 0; m < kMaxCommunitiesPerUser; ++m) ASSERT_OK(db->join_community(1, m));
+  ASSERT_OK(db->join_community(1, 5));  // already a member: no change, no refusal
+  Status refused = db->join_community(1, kMaxCommunitiesPerUser);
+  ASSERT_EQ(refused.code(), StatusCode::InvalidArgument);
+  EXPECT_NE(refused.message().find("kMaxCommunitiesPerUser (1024)"), std::string::npos) << refused.to_string();
+  EXPECT_EQ(db->communities_of(1)->size(), kMaxCommunitiesPerUser);
+  ASSERT_OK(db->exit_community(1, 5));
+  ASSERT_OK(db->join_community(1, kMaxCommunitiesPerUser));  // room again
+  ASSERT_OK(db->close());
+  db = open_db(dir.path(), manual_writes());
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(db->communities_of(1)->size(), kMaxCommunitiesPerUser);
+}
+
+TEST(StateStore, AWritePeriodBelowOneMillisecondIsRefusedAtOpen) {
+  TempDir dir;
+  for (long ms : {0L, -5L}) {
+    Options options;
+    options.aggregate_write_period = std::chrono::milliseconds(ms);
+    Result<std::unique_ptr<Db>> db = Db::open(dir.sub("db"), options);
+    ASSERT_EQ(db.status().code(), StatusCode::InvalidArgument) << ms;
+    EXPECT_NE(db.status().message().find("aggregate_write_period is " + std::to_string(ms) + " ms"),
+              std::string::npos)
+        << db.status().to_string();
+    EXPECT_FALSE(std::filesystem::exists(dir.sub("db"))) << "nothing created";
+  }
 }
 
 }  // namespace

@@ -281,11 +281,12 @@ std::string receipt_json(const tidal::PurgeReceipt& r) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "{\"user_id\":%llu,\"left_at_ns\":%llu,\"left_at\":%s,\"purged_at_ns\":%llu,\"purged_at\":%s,"
-                "\"entries_removed\":%llu,\"cohort_weight_removed\":%.17g,\"community_weight_removed\":%.17g}",
+                "\"entries_removed\":%llu,\"cohort_weight_removed\":%.17g,\"community_weight_removed\":%.17g,"
+                "\"erasure_complete\":%s}",
                 static_cast<unsigned long long>(r.user_id), static_cast<unsigned long long>(r.left_at_ns),
                 json_time(r.left_at_ns).c_str(), static_cast<unsigned long long>(r.purged_at_ns),
                 json_time(r.purged_at_ns).c_str(), static_cast<unsigned long long>(r.entries_removed),
-                r.cohort_weight_removed, r.community_weight_removed);
+                r.cohort_weight_removed, r.community_weight_removed, r.erasure_complete ? "true" : "false");
   return buf;
 }
 
@@ -293,11 +294,12 @@ std::string receipt_text(const tidal::PurgeReceipt& r) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "user %llu: purged at %s (%llu ns): %llu ledger entries removed, cohort weight %.17g, community "
-                "weight %.17g; boundary left_at %s (%llu ns)",
+                "weight %.17g; boundary left_at %s (%llu ns)%s",
                 static_cast<unsigned long long>(r.user_id), text_time(r.purged_at_ns).c_str(),
                 static_cast<unsigned long long>(r.purged_at_ns), static_cast<unsigned long long>(r.entries_removed),
                 r.cohort_weight_removed, r.community_weight_removed, text_time(r.left_at_ns).c_str(),
-                static_cast<unsigned long long>(r.left_at_ns));
+                static_cast<unsigned long long>(r.left_at_ns),
+                r.erasure_complete ? "" : "; physical erasure NOT complete (finished by the next purge or open)");
   return buf;
 }
 

@@ -60,8 +60,17 @@ struct Signal {
   double weight = 1.0;
 };
 
+// What one signal may fan out to, so that the write buffers stay a memory
+// bound (Options::write_buffer_bytes): a context with more cohort ids is
+// refused with InvalidArgument, and join_community refuses a user's
+// community past the limit. A signal then adds at most
+// 1 + 2 * (kMaxCohortsPerSignal + kMaxCommunitiesPerUser) = 4,097 cells to
+// the buffers (its aggregates and ledger entries).
+inline constexpr std::size_t kMaxCohortsPerSignal = 1024;
+inline constexpr std::size_t kMaxCommunitiesPerUser = 1024;
+
 // The cohorts the host attributes a signal to. Each listed id receives the
-// weight (an id listed twice receives it twice).
+// weight (an id listed twice receives it twice). At most kMaxCohortsPerSignal.
 struct SignalContext {
   std::vector<std::uint64_t> cohort_ids;
 };
@@ -89,13 +98,23 @@ struct Contribution {
 // thread, possibly from several threads at once, before signal_with_context
 // returns, once per addition and just after it.
 //
-// A leave and close wait for signals in progress, so the callback must not
-// wait on a thread that is inside leave_community_layer or close. From inside
-// the callback every write of any Db (join/exit, leave/rejoin in either
-// form, flush, close) returns Busy at once, and reads (status, history,
-// for_each_left, verify, scores) are served, or return Closed once close()
-// has begun; none of them blocks.
-//
+// The callback runs inside the signal's read section, which leaves, close,
+// flush, purges, re-materialization and the background writer wait out, and
+// a signal that finds the write buffers full waits for that writer. So:
+//   - The callback must not wait (on a lock, a condition, a future, another
+//     thread's result) for a thread that is inside any call of any tidal Db:
+//     that thread may be waiting for this callback.
+//   - Calls the callback makes itself never wait for it. Every write of any
+//     Db (join/exit, leave/rejoin in either form, purge in either form,
+//     flush, close) and rematerialize_shared_aggregates (even without
+//     repair: it drains the buffers) return Busy at once. Reads (status,
+//     history, gate activity, communities, scores, receipts, for_each_left,
+//     verify, stats) are served, or return Closed once close() has begun.
+//     A nested signal_with_context is served without waiting: it never
+//     slows down for the buffers' fill, and when they are full it returns
+//     Busy at once (nothing applied) instead of waiting for the writer.
+//   - A for_each_left callback is not a read section: from it every call is
+//     served as from any thread, except close() of the same Db (Busy).
 // If on_contribution throws, the exception is caught and the signal stops
 // there: signal_with_context returns IOError naming the sink's exception.
 // Already applied and kept: the personal layer and every addition made
@@ -139,9 +158,13 @@ struct Options {
   // writer stores them (the crash window). Default: 1 s.
   std::chrono::milliseconds aggregate_write_period{1000};
   // Bound on the aggregate updates held in memory (two write buffers of half
-  // of it each). The writer starts early when the active buffer holds 3/4 of
-  // its half; past that signals slow down (at most 1 ms each), and past the
-  // half they wait for the writer (backpressure). Default: 64 MiB.
+  // of it each, at ~128 bytes a cell). The writer starts early when the
+  // active buffer holds 3/4 of its half; past that signals slow down (at
+  // most 1 ms each), and past the half they wait for the writer
+  // (backpressure). The fill is checked before each signal, which then adds
+  // at most 4,097 cells (kMaxCohortsPerSignal): signals in flight at once
+  // can pass the bound by at most that many cells each (~512 KiB a thread).
+  // Default: 64 MiB.
   std::size_t write_buffer_bytes = 64 << 20;
   // RocksDB block cache shared by every column family, index and filter
   // blocks included: the memory score reads use. Default: 64 MiB.
@@ -181,7 +204,7 @@ struct VerifyReport {
   bool ok() const { return problems.empty(); }
 };
 
-// What purge_community_contributions removed (SPEC §7); kept durably under
+// What purge_community_contributions removed (docs/CONTRACT.md, P1-P7); kept durably under
 // the user (tag 0x10) and listed by purge_receipts.
 struct PurgeReceipt {
   std::uint64_t user_id = 0;
@@ -190,6 +213,11 @@ struct PurgeReceipt {
   std::uint64_t entries_removed = 0;    // ledger entries removed
   double cohort_weight_removed = 0;     // sum of removed cohort contributions (exact sum, nearest double)
   double community_weight_removed = 0;  // sum of removed community contributions
+  // False while the purge's physical erasure has not finished (it failed, or
+  // the process died during it): SST or WAL files may still hold the removed
+  // ledger records. The user's next purge, or the next writable open,
+  // finishes it. The purge itself (scores, ledger, receipt) is complete.
+  bool erasure_complete = true;
 };
 
 // The outcome of rematerialize_shared_aggregates.
@@ -243,9 +271,11 @@ class Db {
   // Applies a signal: the user's personal layer always; the cohorts of
   // `context` and the user's communities unless the user has left. The
   // updates are in memory when this returns and stored by the background
-  // writer. InvalidArgument for a weight that is not finite or exceeds 1e12
-  // in magnitude, with nothing changed. When the write buffers are full it
-  // waits for the writer; if the writer is failing, it returns its error.
+  // writer. InvalidArgument, with nothing changed, for a weight that is not
+  // finite or exceeds 1e12 in magnitude, and for a context of more than
+  // kMaxCohortsPerSignal cohorts. When the write buffers are full it waits
+  // for the writer (from inside a ContributionSink callback: Busy at once);
+  // if the writer is failing, it returns its error.
   // With a contribution_sink, the signal first takes the time its
   // contributions carry; when it cannot (an exhausted clock, or the clock's
   // floor, written about once a second, could not be stored) it fails with
@@ -296,23 +326,38 @@ class Db {
   // index. A non-OK Status only when verification itself could not run.
   Result<VerifyReport> verify() const;
 
-  // Retroactive purge (SPEC §7). Requires the user to be Left (else
-  // InvalidArgument naming the user and their status, nothing changed).
-  // Subtracts every contribution the user made to a cohort or community
-  // aggregate (all forwarded before left_at_ns), deletes the user's ledger
-  // entries and writes the receipt, in one synced WriteBatch: a crash leaves
-  // it all done or not done. On return every shared score equals that of a
-  // Db that never received the user's contributions, bit for bit, and no SST
-  // or WAL file of the Db holds a key of the user's ledger (docs/PURGE.md
-  // says what RocksDB's MANIFEST keeps). The personal layer is untouched.
-  // Nothing left to remove: a receipt with entries_removed == 0, nothing
-  // written. Waits for leaves and rejoins of the user, and they for it.
+  // Retroactive purge (docs/CONTRACT.md P1-P7, docs/PURGE.md). Requires the
+  // user to be Left (else InvalidArgument naming the user and their status,
+  // nothing changed). Subtracts every contribution the user made to a
+  // cohort or community aggregate (all forwarded before left_at_ns), deletes
+  // the user's ledger entries and writes the receipt, in one atomic,
+  // fsynced step: a crash leaves it all done or not done. Then erases the
+  // ledger physically. On OK every shared score equals that of a Db that
+  // never received the user's contributions, bit for bit, and no SST or WAL
+  // file of the Db holds a purged record of the user's ledger (docs/PURGE.md
+  // says what RocksDB's MANIFEST keeps), even while other threads signal and
+  // read. The personal layer is untouched. Nothing left to remove: a receipt
+  // with entries_removed == 0, nothing written (but an earlier purge's
+  // erasure that had not finished is finished first).
+  //
+  // Errors: when the batch's write fails, its outcome is unknown (a failed
+  // fsync may still have reached the disk): the message says so, and
+  // purge_receipts tells after a reopen. When the erasure fails (or the
+  // process dies during it), the purge itself is complete and durable, the
+  // receipt says erasure_complete == false, and the user's next purge or the
+  // Db's next writable open finishes the erasure.
+  //
+  // Locking: the user's leaves and rejoins wait for the durable batch only,
+  // not for the erasure (a rejoin during it keeps its fresh ledger). Purges
+  // erase one at a time.
   Result<PurgeReceipt> purge_community_contributions(std::uint64_t user_id);
   // Bulk form: every listed user must be Left (else InvalidArgument, nothing
-  // changed); one flush, batches of whole users, one forced compaction over
-  // the union of their ledger ranges. Receipts in ascending user order
-  // (duplicates purged once). On a storage error the users of the batches
-  // written before it are purged (their receipts exist), the rest untouched.
+  // changed); one flush, atomic batches of up to 1,000 whole users (built in
+  // bounded memory, as the single form), then one erasure that compacts only the
+  // listed users' ledger ranges. Receipts in ascending user order
+  // (duplicates purged once). On a storage error the message names the
+  // batch whose outcome is unknown; the users of the batches before it are
+  // purged (their receipts exist), those after it untouched.
   Result<std::vector<PurgeReceipt>> purge_community_contributions(std::span<const std::uint64_t> user_ids);
   // Every receipt of the user, oldest first.
   Result<std::vector<PurgeReceipt>> purge_receipts(std::uint64_t user_id) const;

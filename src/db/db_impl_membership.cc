@@ -36,10 +36,18 @@ Status Db::Impl::change_membership(std::uint64_t user_id, std::uint64_t communit
     if (!call.status().ok()) return call.status();
     std::lock_guard<std::mutex> lock(user_lock(user_id));
     bool member = false;
+    std::size_t count = 0;
     communities_.find_fn(user_id, [&](const std::vector<std::uint64_t>& ids) {
       member = std::binary_search(ids.begin(), ids.end(), community_id);
+      count = ids.size();
     });
     if (member == join) return Status::OK();
+    if (join && count >= kMaxCommunitiesPerUser) {
+      return Status::InvalidArgument(std::string(what) + "(" + user_text(user_id) + ", community " +
+                                     std::to_string(community_id) + "): the user is in " + std::to_string(count) +
+                                     " communities, the most kMaxCommunitiesPerUser (" +
+                                     std::to_string(kMaxCommunitiesPerUser) + ") allows; nothing changed");
+    }
 
     const std::string suffix = be64(community_id);
     rocksdb::WriteBatch batch;

@@ -130,6 +130,11 @@ Db::Impl::~Impl() {
 Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Options& options, rocksdb::Env* env) {
   return guarded("open", [&]() -> Result<std::unique_ptr<Db>> {
     grace::init();
+    if (options.aggregate_write_period.count() <= 0) {
+      return Status::InvalidArgument("cannot open tidal Db at '" + path + "': Options::aggregate_write_period is " +
+                                     std::to_string(options.aggregate_write_period.count()) +
+                                     " ms; it must be at least 1 ms");
+    }
     Storage::Config config;
     config.create_if_missing = options.create_if_missing;
     config.read_only = options.read_only;
@@ -153,7 +158,13 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     Result<std::uint64_t> floor = read_clock_floor(st);
     if (!floor.ok()) return floor.status();
     impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
-    if (!options.read_only) impl->state_->start();
+    if (!options.read_only) {
+      impl->state_->start();
+      // A purge whose erasure failed or was cut short by a crash: finish it.
+      // If it fails again the Db still opens; the receipts keep showing
+      // erasure_complete == false until a later purge or open finishes it.
+      (void)impl->complete_pending_erasures();
+    }
     register_exit_handler();
     return std::unique_ptr<Db>(new Db(std::move(impl)));
   });
@@ -164,6 +175,10 @@ Status Db::Impl::check_writable(const char* what) const {
   if (options_.read_only) {
     return Status::InvalidArgument(std::string(what) + ": the Db at '" + storage_->path() + "' is open read-only");
   }
+  return check_outside_sink(what);
+}
+
+Status Db::Impl::check_outside_sink(const char* what) {
   if (grace::in_read_section()) {
     return Status::Busy(std::string(what) + " called from inside a ContributionSink callback; call it afterwards");
   }
@@ -193,9 +208,7 @@ Status Db::Impl::flush() {
 // from a sink callback is refused (Busy) before it counts itself.
 Status Db::Impl::close() {
   return guarded("close", [&]() -> Status {
-    if (grace::in_read_section()) {
-      return Status::Busy("close called from inside a ContributionSink callback; call it afterwards");
-    }
+    if (Status s = check_outside_sink("close"); !s.ok()) return s;
     if (in_call_on_this_thread()) {
       return Status::Busy("close called from inside a for_each_left callback of the same Db; call it afterwards");
     }

@@ -4,11 +4,16 @@
 #define TIDAL_DB_IMPL_H_
 
 #include <array>
+#include <chrono>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <utility>
 #include <span>
 #include <string>
 #include <vector>
@@ -21,6 +26,7 @@
 #include "db/leave_gate.h"
 #include "db/maps.h"
 #include "db/state_store.h"
+#include "storage/receipt.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
 
@@ -73,6 +79,18 @@ class Db::Impl {
   // Closes every Db still open; run once by std::atexit (see db_impl_open.cc).
   static void close_all_at_exit();
 
+  // Tests only: run by every purge between its durable batches and their
+  // physical erasure, with no lock held. Set it while no purge runs.
+  static inline std::function<void()> before_erasure_for_testing;
+  // Aggregate cells a purge batch sums in memory at once (one pass over the
+  // purged users' ledgers per this many cells). Tests lower it.
+  static inline std::size_t purge_pass_cells = 1 << 18;
+  // Longest an erasure waits for a snapshot older than the purge, then for
+  // RocksDB to delete the obsolete files that may hold a purged record
+  // (another thread deleting them, a reader still holding them). Tests
+  // lower it.
+  static inline std::chrono::milliseconds erasure_wait{10'000};
+
  private:
   class Call;
   // Ends a Call: the last one out after close() began wakes close().
@@ -103,6 +121,10 @@ class Db::Impl {
   Status change_membership(std::uint64_t user_id, std::uint64_t community_id, bool join);
   // Checks that apply to every write: open, writable, not inside a sink callback.
   Status check_writable(const char* what) const;
+  // Busy when the calling thread is inside a ContributionSink callback (a
+  // read section): for every call that waits for a grace period, which
+  // would include the caller's own section.
+  static Status check_outside_sink(const char* what);
   std::mutex& user_lock(std::uint64_t user_id) { return user_locks_[user_id % user_locks_.size()]; }
   // Appends the clock floor record of the user's lock stripe to `batch`.
   void put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts);
@@ -124,9 +146,28 @@ class Db::Impl {
   void put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors);
   CounterStripe& counters();
   // db/purge.cc: `users` sorted, distinct, Left, their stripes locked.
-  Result<std::vector<PurgeReceipt>> purge_locked(const char* what, const std::vector<std::uint64_t>& users);
-  // Makes sure no SST or WAL file holds a key in [begin, end) of the ledger.
-  Status erase_ledger_range(const std::string& begin, const std::string& end);
+  // Writes the durable batches; adds to `to_erase` every user whose ledger
+  // bytes may still be in a file (including on error).
+  Result<std::vector<PurgeReceipt>> purge_locked(const char* what, const std::vector<std::uint64_t>& users,
+                                                 std::vector<std::uint64_t>* to_erase);
+  // One purge batch, ingested atomically (storage/ingest_batch.h): per
+  // aggregate cell the users touched a merge operand of minus their exact
+  // sum, a range deletion of each user's ledger, each user's receipt
+  // (`records`, same order), the stripes' clock floors and the erasure
+  // marks (`marks`: the mark value of each user).
+  Status write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<ReceiptRecord>& records,
+                           const std::vector<std::uint64_t>& marks, const std::string& what);
+  // The purged_at_ns of the user's earliest receipt whose erasure has not
+  // finished, if any (the erasure mark).
+  Result<std::optional<std::uint64_t>> erasure_pending_since(std::uint64_t user) const;
+  // Physical erasure of the users' purged ledgers (sorted), then their marks.
+  Status erase_purged(const std::vector<std::uint64_t>& users);
+  // At a writable open: finishes every erasure still marked.
+  Status complete_pending_erasures();
+  // Makes sure no SST or WAL file holds a purged record in the ledger ranges.
+  Status erase_ledger_ranges(const std::vector<std::pair<std::string, std::string>>& ranges);
+  // The Db directory's SST files that are not live (sorted names).
+  Result<std::vector<std::string>> obsolete_files() const;
 
   const Options options_;
   std::unique_ptr<Storage> storage_;
@@ -141,6 +182,12 @@ class Db::Impl {
   mutable std::condition_variable drained_;
   std::mutex close_mu_;  // a second close() returns once the first has finished
   std::array<std::mutex, 64> user_locks_;  // serializes membership changes of one user
+  std::mutex erase_mu_;  // one physical erasure at a time (db/purge.cc)
+  // Which purge batch last wrote each user's erasure mark, so that an
+  // erasure deletes only marks of batches it covered (db/purge.cc).
+  std::mutex marks_mu_;
+  std::uint64_t generation_ = 0;
+  std::unordered_map<std::uint64_t, std::uint64_t> purge_generation_;
 
   CommunitiesMap communities_;
   LeaveStatusMap leave_status_;

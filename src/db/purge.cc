@@ -1,23 +1,32 @@
-// Retroactive purge and re-materialization (SPEC §7).
+// Retroactive purge (docs/CONTRACT.md, P1-P7; docs/PURGE.md).
 //
-// A purge of Left users runs in three steps:
-//   1. inside StateStore::exclusive: the pending aggregate updates are
-//      written first (a Left user's gate is closed and leave waited out every
-//      signal that passed it, so none of the user's contributions is still in
-//      memory afterwards and none arrives), then the user's ledger is read
-//      and one synced WriteBatch holds a negative merge operand per cell the
-//      user touched (the exact sum of its entries for that cell), a range
-//      deletion of the ledger prefix [user BE][0x13] and the receipt (0x10).
+// A purge of Left users runs in two steps:
+//   1. with the users' lock stripes held, inside StateStore::exclusive: the
+//      pending aggregate updates are written first (a Left user's gate is
+//      closed and leave waited out every signal that passed it, so none of
+//      the user's contributions is still in memory afterwards and none
+//      arrives), then the user's ledger is read and one atomic, fsynced
+//      ingestion of SST files (storage/ingest_batch.h) holds a negative
+//      merge operand per cell the user touched (the exact sum of its entries
+//      for that cell), a range deletion of the ledger prefix [user BE][0x13],
+//      the receipt (0x10), the stripe's clock floor and an erasure mark. The
+//      files are built in passes of at most purge_pass_cells cells, so the
+//      memory does not grow with the ledger.
 //      Merge operands commute, so the writer's later batches (other users'
 //      cells) compose with it in any order; the drain lock only keeps
 //      re-materialization, which overwrites aggregates, from interleaving.
-//   2. physical erasure, outside the drain lock: every memtable is flushed
+//   2. physical erasure, with no stripe and no drain lock held (a leave or
+//      rejoin of the user does not wait for it: a rejoined user's fresh
+//      ledger is above the range tombstone): every memtable is flushed
 //      (which also retires every WAL holding the user's ledger records or
 //      the purge batch), a forced bottommost compaction of just the purged
-//      key range drops the entries and the range tombstone, and the obsolete
-//      WALs and SSTs are deleted before the call returns.
-// The user's lock stripe is held throughout: a rejoin waits for the purge.
+//      users' ranges drops the entries and the tombstone, the obsolete WALs
+//      and SSTs are deleted before the call returns, and the mark goes.
+// A mark left by an erasure that failed, or by a crash, is finished by the
+// user's next purge and by the next writable open.
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <map>
@@ -27,17 +36,14 @@
 
 #include "db/guarded.h"
 #include "db/impl.h"
-#include "storage/ledger_scan.h"
+#include "storage/ingest_batch.h"
 #include "storage/receipt.h"
 
 namespace tidal {
 namespace {
 
-// Users per synced WriteBatch of a bulk purge (each user is wholly in one).
+// Users per ingested batch of a bulk purge (each user is wholly in one).
 constexpr std::size_t kPurgeBatchUsers = 1'000;
-// Longest erase_ledger_range waits for RocksDB to delete an obsolete WAL
-// that another thread is already deleting.
-constexpr int kObsoleteWalWaitMs = 5'000;
 
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
 std::string user_text(std::uint64_t user_id) { return "user " + std::to_string(user_id); }
@@ -48,15 +54,16 @@ std::string ledger_end(std::uint64_t user) {
   return encode_key_prefix(EntityId(user), static_cast<Tag>(static_cast<std::uint8_t>(Tag::ContributionLedger) + 1));
 }
 
-// What one user's ledger holds: the exact sum per aggregate cell.
-struct UserLedger {
+// What one user's ledger holds, in total.
+struct UserTotals {
   std::uint64_t entries = 0;
   Units cohort = 0;
   Units community = 0;
-  std::map<std::string, Units> cells;  // encoded aggregate key -> sum
 };
 
-Status read_user_ledger(const Storage& storage, std::uint64_t user, UserLedger* out) {
+// Calls `fn` for every entry of the user's ledger, streaming.
+template <class Fn>
+Status for_each_ledger_entry(const Storage& storage, std::uint64_t user, Fn&& fn) {
   const std::string prefix = ledger_begin(user);
   auto it = storage.iterator(storage.ledger());
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
@@ -66,18 +73,23 @@ Status read_user_ledger(const Storage& storage, std::uint64_t user, UserLedger* 
                                 " does not decode (" + std::to_string(it->value().size()) +
                                 "-byte value; expected a multiple of 33); nothing purged");
     }
-    for (const LedgerEntry& e : *entries) {
-      out->cells[encode_aggregate_key(e.target, e.target_id, e.item)] += e.units;
-      (e.target == AggregateKind::Cohort ? out->cohort : out->community) += e.units;
-      ++out->entries;
-    }
+    for (const LedgerEntry& e : *entries) fn(e);
   }
   return from_rocksdb(it->status(), "ledger read of " + user_text(user) + " in '" + storage.path() + "'");
 }
 
-PurgeReceipt to_public(std::uint64_t user, const ReceiptRecord& r) {
-  return {user, r.left_at_ns, r.purged_at_ns, r.entries_removed, units_to_double(r.cohort_units),
-          units_to_double(r.community_units)};
+// An encoded aggregate key, ordered as RocksDB orders it (unsigned bytes).
+using CellKey = std::array<unsigned char, kAggregateKeySize>;
+std::string_view view(const CellKey& k) { return {reinterpret_cast<const char*>(k.data()), k.size()}; }
+
+PurgeReceipt to_public(std::uint64_t user, const ReceiptRecord& r, bool erasure_complete) {
+  return {user,
+          r.left_at_ns,
+          r.purged_at_ns,
+          r.entries_removed,
+          units_to_double(r.cohort_units),
+          units_to_double(r.community_units),
+          erasure_complete};
 }
 
 std::string status_text(MembershipStatus s) { return s == MembershipStatus::Left ? "Left" : "Active"; }
@@ -91,18 +103,35 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
     std::vector<std::uint64_t> users(user_ids.begin(), user_ids.end());
     std::sort(users.begin(), users.end());
     users.erase(std::unique(users.begin(), users.end()), users.end());
-    // Stripes in ascending order, as the bulk leave: no cycle with it.
-    std::vector<bool> touched(user_locks_.size(), false);
-    for (std::uint64_t u : users) touched[u % user_locks_.size()] = true;
-    std::vector<std::unique_lock<std::mutex>> locks;
-    for (std::size_t i = 0; i < touched.size(); ++i) {
-      if (touched[i]) locks.emplace_back(user_locks_[i]);
+    std::vector<std::uint64_t> to_erase;  // users whose ledger bytes may still be in a file
+    Result<std::vector<PurgeReceipt>> receipts = [&]() -> Result<std::vector<PurgeReceipt>> {
+      // Stripes in ascending order, as the bulk leave: no cycle with it.
+      // Held for the durable batches only, not for the erasure.
+      std::vector<bool> touched(user_locks_.size(), false);
+      for (std::uint64_t u : users) touched[u % user_locks_.size()] = true;
+      std::vector<std::unique_lock<std::mutex>> locks;
+      for (std::size_t i = 0; i < touched.size(); ++i) {
+        if (touched[i]) locks.emplace_back(user_locks_[i]);
+      }
+      return purge_locked(what, users, &to_erase);
+    }();
+    // Erase what the batches made durable, even when a later batch failed:
+    // what is not erased now stays marked for the next purge or open.
+    if (before_erasure_for_testing && !to_erase.empty()) before_erasure_for_testing();
+    const Status erased = erase_purged(to_erase);
+    if (!receipts.ok()) return receipts;
+    if (!erased.ok()) {
+      return Status(erased.code(), std::string(what) + ": the purge is done and durable (see purge_receipts), but "
+                                                       "the physical erasure of the ledger bytes did not finish; it "
+                                                       "stays marked and the next purge of the user or the next open "
+                                                       "completes it: " + erased.message());
     }
-    return purge_locked(what, users);
+    return receipts;
   });
 }
 
-Result<std::vector<PurgeReceipt>> Db::Impl::purge_locked(const char* what, const std::vector<std::uint64_t>& users) {
+Result<std::vector<PurgeReceipt>> Db::Impl::purge_locked(const char* what, const std::vector<std::uint64_t>& users,
+                                                         std::vector<std::uint64_t>* to_erase) {
   std::vector<std::uint64_t> left_at(users.size());
   for (std::size_t i = 0; i < users.size(); ++i) {
     CommunityMembership m{users[i], MembershipStatus::Active, std::nullopt};
@@ -116,68 +145,221 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_locked(const char* what, const
   }
   std::vector<PurgeReceipt> receipts;
   receipts.reserve(users.size());
-  std::optional<std::pair<std::uint64_t, std::uint64_t>> erased;  // first and last user with entries removed
   Status s = state_->exclusive([&]() -> Status {
     for (std::size_t begin = 0; begin < users.size(); begin += kPurgeBatchUsers) {
       const std::size_t end = std::min(users.size(), begin + kPurgeBatchUsers);
-      rocksdb::WriteBatch batch;
-      std::map<std::string, Units> deltas;  // one operand per cell for the whole batch
-      std::vector<std::uint64_t> floors(user_locks_.size(), 0);
+      const std::span<const std::uint64_t> batch_users(users.data() + begin, end - begin);
+      const std::string ids = batch_users.size() == 1 ? user_text(batch_users.front())
+                                                      : std::to_string(batch_users.size()) + " users (ids " +
+                                                            std::to_string(batch_users.front()) + ".." +
+                                                            std::to_string(batch_users.back()) + ")";
+      std::vector<std::uint64_t> purged;  // users of the batch with entries to remove
+      std::vector<ReceiptRecord> records;
+      std::vector<std::uint64_t> marks;  // each purged user's erasure mark value
+      std::vector<std::uint64_t> erase;
       std::vector<PurgeReceipt> pending;
       for (std::size_t i = begin; i < end; ++i) {
         const std::uint64_t u = users[i];
-        UserLedger ledger;
-        if (Status r = read_user_ledger(*storage_, u, &ledger); !r.ok()) return r;
+        UserTotals totals;
+        if (Status r = for_each_ledger_entry(*storage_, u, [&](const LedgerEntry& e) {
+              (e.target == AggregateKind::Cohort ? totals.cohort : totals.community) += e.units;
+              ++totals.entries;
+            });
+            !r.ok()) {
+          return r;
+        }
+        Result<std::optional<std::uint64_t>> marked = erasure_pending_since(u);
+        if (!marked.ok()) return marked.status();
         const Result<std::uint64_t> now = clock_.now();
         if (!now.ok()) return Status(now.status().code(), std::string(what) + "(" + user_text(u) + "): " + now.status().message());
-        const ReceiptRecord record{left_at[i], *now, ledger.entries, ledger.cohort, ledger.community};
-        pending.push_back(to_public(u, record));
-        if (ledger.entries == 0) continue;  // nothing to remove: nothing written
-        for (const auto& [key, units] : ledger.cells) deltas[key] -= units;
-        batch.DeleteRange(storage_->ledger(), ledger_begin(u), ledger_end(u));
-        std::string suffix;
-        put_u64_be(&suffix, *now);
-        storage_->put_record(&batch, EntityId(u), Tag::PurgeManifest, suffix, encode_receipt(record));
-        floors[u % floors.size()] = *now;
-        if (!erased) erased.emplace(u, u);
-        erased->second = u;
-      }
-      if (batch.Count() != 0) {
-        std::string operand;
-        for (const auto& [key, units] : deltas) {
-          operand.clear();
-          put_units(&operand, units);
-          batch.Merge(storage_->aggregates(), key, operand);
+        const ReceiptRecord record{left_at[i], *now, totals.entries, totals.cohort, totals.community};
+        pending.push_back(to_public(u, record, /*erasure_complete=*/true));  // returned once erased
+        // Nothing to remove, nothing written; an earlier purge's erasure
+        // that did not finish is finished now.
+        if (totals.entries == 0) {
+          if (*marked) erase.push_back(u);
+          continue;
         }
-        put_clock_floors(&batch, floors);
-        const std::string where = std::string(what) + " of " + std::to_string(end - begin) + " users (ids " +
-                                  std::to_string(users[begin]) + ".." + std::to_string(users[end - 1]) + ")";
-        if (Status w = storage_->write(&batch, Storage::WriteMode::Sync, where); !w.ok()) {
-          return Status(w.code(), w.message() + "; " + std::to_string(begin) + " of " + std::to_string(users.size()) +
-                                      " users were purged before the error (see purge_receipts), the rest are "
-                                      "untouched");
+        purged.push_back(u);
+        records.push_back(record);
+        marks.push_back(marked->value_or(*now));
+        erase.push_back(u);
+      }
+      if (!purged.empty()) {
+        {
+          // Before the batch: an erasure that began earlier keeps the marks
+          // this batch writes (erase_purged).
+          std::lock_guard<std::mutex> lock(marks_mu_);
+          for (std::uint64_t u : purged) purge_generation_[u] = ++generation_;
+        }
+        if (Status w = write_purge_batch(purged, records, marks, std::string(what) + " of " + ids); !w.ok()) {
+          // A failed write may still have reached the disk (RocksDB cannot
+          // tell): its users' outcome is unknown, not "untouched".
+          return Status(w.code(), w.message() + "; the purge of " + ids +
+                                      " may or may not be durable (a failed write's outcome is unknown: "
+                                      "purge_receipts tells after a reopen); " +
+                                      (begin == 0 ? std::string("no earlier batch was written")
+                                                  : std::to_string(begin) + " users before them were purged") +
+                                      (end == users.size() ? std::string()
+                                                           : ", the " + std::to_string(users.size() - end) +
+                                                                 " after them are untouched"));
         }
       }
+      to_erase->insert(to_erase->end(), erase.begin(), erase.end());
       receipts.insert(receipts.end(), pending.begin(), pending.end());
     }
     return Status::OK();
   });
   if (!s.ok()) return s;
-  if (erased) {
-    if (Status e = erase_ledger_range(ledger_begin(erased->first), ledger_end(erased->second)); !e.ok()) {
-      return Status(e.code(), std::string(what) + ": the purge is done and durable (see purge_receipts), but the "
-                                                  "physical erasure of the ledger bytes did not finish: " +
-                                  e.message());
-    }
-  }
   return receipts;
 }
 
-Status Db::Impl::erase_ledger_range(const std::string& begin, const std::string& end) {
+Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<ReceiptRecord>& records,
+                                   const std::vector<std::uint64_t>& marks, const std::string& what) {
+  IngestBatch batch(storage_.get(), "purge." + std::to_string(records.front().purged_at_ns));
+  // The aggregates' operands, in key order, in passes over the users'
+  // ledgers that each sum the cells of one key range [lo, cut): at most
+  // purge_pass_cells cells in memory, whatever the ledgers hold.
+  std::optional<CellKey> lo;
+  std::string encoded, operand;
+  for (;;) {
+    std::map<CellKey, Units> cells;
+    std::optional<CellKey> cut;  // the first key of the next pass
+    for (std::uint64_t u : users) {
+      Status r = for_each_ledger_entry(*storage_, u, [&](const LedgerEntry& e) {
+        encoded.clear();
+        put_aggregate_key(&encoded, e.target, e.target_id, e.item);
+        CellKey k;
+        std::memcpy(k.data(), encoded.data(), k.size());
+        if ((lo && k < *lo) || (cut && !(k < *cut))) return;
+        cells[k] += e.units;
+        if (cells.size() > purge_pass_cells) {
+          auto last = std::prev(cells.end());
+          cut = last->first;
+          cells.erase(last);
+        }
+      });
+      if (!r.ok()) return r;
+    }
+    for (const auto& [k, units] : cells) {
+      operand.clear();
+      put_units(&operand, -units);
+      if (rocksdb::Status m = batch.merge(storage_->aggregates(), view(k), operand); !m.ok()) return from_rocksdb(m, what);
+    }
+    if (!cut) break;
+    lo = cut;
+  }
+  // The ledger's range deletions, the receipts, then the meta records: the
+  // stripes' clock floors ("clock_floor/...") before the erasure marks
+  // ("erasure_pending/..."), each in key order.
+  std::vector<std::uint64_t> floors(user_locks_.size(), 0);
+  for (std::size_t i = 0; i < users.size(); ++i) {
+    std::uint64_t& floor = floors[users[i] % floors.size()];
+    floor = std::max(floor, records[i].purged_at_ns);
+  }
+  rocksdb::Status w;
+  for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
+    w = batch.delete_range(storage_->ledger(), ledger_begin(users[i]), ledger_end(users[i]));
+  }
+  for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
+    w = batch.put(storage_->users(), encode_receipt_key(users[i], records[i].purged_at_ns), encode_receipt(records[i]));
+  }
+  for (std::size_t stripe = 0; stripe < floors.size() && w.ok(); ++stripe) {
+    if (floors[stripe] != 0) {
+      w = batch.put(storage_->meta(), clock_floor_stripe_key(stripe), serialize_clock_floor(floors[stripe]));
+    }
+  }
+  for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
+    std::string since;
+    put_u64_be(&since, marks[i]);
+    w = batch.put(storage_->meta(), erasure_pending_key(users[i]), since);
+  }
+  if (!w.ok()) return from_rocksdb(w, what);
+  return batch.ingest(what);
+}
+
+Result<std::optional<std::uint64_t>> Db::Impl::erasure_pending_since(std::uint64_t user) const {
+  std::string value;
+  Status s = storage_->get(storage_->meta(), erasure_pending_key(user), &value);
+  if (s.code() == StatusCode::NotFound) return std::optional<std::uint64_t>();
+  if (!s.ok()) return s;
+  if (value.size() != 8) {
+    return Status::Corruption("erasure mark of " + user_text(user) + " in '" + storage_->path() + "' has a " +
+                              std::to_string(value.size()) + "-byte value; expected 8");
+  }
+  return std::optional<std::uint64_t>(get_u64_be(value.data()));
+}
+
+Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
+  if (users.empty()) return Status::OK();
+  // One erasure at a time: each waits for every obsolete file to go, and
+  // two would hold each other's file deletions disabled.
+  std::lock_guard<std::mutex> lock(erase_mu_);
+  std::uint64_t generation;  // purge batches written before this erasure began
+  {
+    std::lock_guard<std::mutex> marks(marks_mu_);
+    generation = generation_;
+  }
+  std::vector<std::pair<std::string, std::string>> ranges;
+  for (std::uint64_t u : users) {
+    // Adjacent users share one range: a bulk purge compacts only their ledgers.
+    if (!ranges.empty() && ranges.back().second == ledger_begin(u)) ranges.back().second = ledger_end(u);
+    else ranges.emplace_back(ledger_begin(u), ledger_end(u));
+  }
+  if (Status s = erase_ledger_ranges(ranges); !s.ok()) return s;
+  // Erased: the marks go, except those of users whose next purge wrote its
+  // batch (and its mark) after this erasure began: that purge's own
+  // erasure removes it. Under marks_mu_, which a purge takes before its
+  // batch, so such a batch's mark always lands after this delete. Not
+  // synced: a deletion lost to a crash only makes the next open erase again.
+  std::lock_guard<std::mutex> marks(marks_mu_);
+  rocksdb::WriteBatch done;
+  for (std::uint64_t u : users) {
+    auto g = purge_generation_.find(u);
+    if (g != purge_generation_.end() && g->second > generation) continue;
+    done.Delete(storage_->meta(), erasure_pending_key(u));
+    if (g != purge_generation_.end()) purge_generation_.erase(g);
+  }
+  return storage_->write(&done, Storage::WriteMode::Async, "erasure marks of " + std::to_string(users.size()) + " users");
+}
+
+Status Db::Impl::complete_pending_erasures() {
+  std::vector<std::uint64_t> users;
+  auto it = storage_->iterator(storage_->meta());
+  const std::string_view prefix(kErasurePendingPrefix);
+  for (it->Seek(rocksdb::Slice(prefix.data(), prefix.size())); it->Valid() && view(it->key()).starts_with(prefix);
+       it->Next()) {
+    if (it->key().size() == prefix.size() + 8) users.push_back(get_u64_be(it->key().data() + prefix.size()));
+  }
+  if (Status s = from_rocksdb(it->status(), "scan of the erasure marks of '" + storage_->path() + "'"); !s.ok()) return s;
+  it.reset();
+  return erase_purged(users);
+}
+
+Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, std::string>>& ranges) {
   // Every memtable to SST: the WALs that held the purged ledger records (and
   // the purge batch itself, whose range tombstone starts with the prefix)
   // are then no longer needed by any column family.
   if (Status s = storage_->flush(); !s.ok()) return s;
+  // A compaction keeps what a snapshot older than the purge batches can
+  // still see: wait until every such snapshot (a verify() that began before
+  // them) is released. Later snapshots (the writer's) see the deletion.
+  rocksdb::DB* db = storage_->db();
+  const rocksdb::SequenceNumber purged = db->GetLatestSequenceNumber();
+  const auto deadline = std::chrono::steady_clock::now() + erasure_wait;
+  for (;;) {
+    std::uint64_t oldest = 0;
+    if (!db->GetIntProperty(rocksdb::DB::Properties::kOldestSnapshotSequence, &oldest)) {
+      return Status::IOError("cannot read rocksdb.oldest-snapshot-sequence of '" + storage_->path() + "'");
+    }
+    if (oldest == 0 || oldest >= purged) break;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return Status::IOError("a snapshot older than the purge (sequence " + std::to_string(oldest) + " < " +
+                             std::to_string(purged) + ") was not released within " +
+                             std::to_string(erasure_wait.count()) + " ms (a long verify() holds one until it ends)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   rocksdb::CompactRangeOptions options;
   options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
   // Exclusive: RocksDB first waits for the compactions under way. One that
@@ -185,39 +367,73 @@ Status Db::Impl::erase_ledger_range(const std::string& begin, const std::string&
   // into a new file after a concurrent manual compaction has passed its
   // range (seen once in CI with compactions starting at 2 L0 files).
   options.exclusive_manual_compaction = true;
-  const rocksdb::Slice b(begin), e(end);
-  rocksdb::DB* db = storage_->db();
-  if (Status s = from_rocksdb(db->CompactRange(options, storage_->ledger(), &b, &e),
-                              "compaction of the purged ledger range of '" + storage_->path() + "'");
-      !s.ok()) {
-    return s;
+  for (const auto& [begin, end] : ranges) {
+    const rocksdb::Slice b(begin), e(end);
+    if (Status s = from_rocksdb(db->CompactRange(options, storage_->ledger(), &b, &e),
+                                "compaction of the purged ledger range of '" + storage_->path() + "'");
+        !s.ok()) {
+      return s;
+    }
   }
-  // RocksDB deletes obsolete files in a background job that may end after
-  // Flush and CompactRange return; re-enabling deletions runs a full purge
-  // of obsolete files in this thread.
-  if (Status s = from_rocksdb(db->DisableFileDeletions(), "disable file deletions"); !s.ok()) return s;
-  if (Status s = from_rocksdb(db->EnableFileDeletions(/*force=*/false), "enable file deletions"); !s.ok()) return s;
-  // A WAL another thread is deleting right now is skipped by that purge:
-  // wait until no WAL older than the oldest one still needed is on disk.
-  std::uint64_t keep = 0;
-  if (!db->GetIntProperty(rocksdb::DB::Properties::kMinLogNumberToKeep, &keep)) {
-    return Status::IOError("cannot read rocksdb.min-log-number-to-keep of '" + storage_->path() + "'");
-  }
-  for (int waited = 0;; ++waited) {
-    std::string stale;
+  // No live file holds a purged record now; obsolete ones still may, until
+  // RocksDB deletes them. Those on disk now (and not live) are the ones to
+  // wait for: a file created later is made from live files, or is a batch
+  // of the writer, and holds none.
+  Result<std::vector<std::string>> obsolete = obsolete_files();
+  if (!obsolete.ok()) return obsolete.status();
+  std::vector<std::string> waiting = std::move(*obsolete);
+  std::string stale_wal;
+  const auto give_up = std::chrono::steady_clock::now() + erasure_wait;
+  for (;;) {
+    // Re-enabling deletions runs a full purge of obsolete files in this
+    // thread (erase_mu_ keeps other erasures from holding them disabled).
+    if (Status s = from_rocksdb(db->DisableFileDeletions(), "disable file deletions"); !s.ok()) return s;
+    if (Status s = from_rocksdb(db->EnableFileDeletions(/*force=*/false), "enable file deletions"); !s.ok()) return s;
+    // Still waiting for: what is still on disk and not live (a file another
+    // thread is deleting, or one a reader's iterator still holds).
+    Result<std::vector<std::string>> now = obsolete_files();
+    if (!now.ok()) return now.status();
+    std::vector<std::string> still;
+    std::set_intersection(waiting.begin(), waiting.end(), now->begin(), now->end(), std::back_inserter(still));
+    waiting = std::move(still);
+    // A WAL older than the oldest one any column family needs.
+    std::uint64_t keep = 0;
+    if (!db->GetIntProperty(rocksdb::DB::Properties::kMinLogNumberToKeep, &keep)) {
+      return Status::IOError("cannot read rocksdb.min-log-number-to-keep of '" + storage_->path() + "'");
+    }
+    stale_wal.clear();
     std::error_code ec;
     for (const auto& entry : std::filesystem::directory_iterator(storage_->path(), ec)) {
       const std::string name = entry.path().filename().string();
-      if (name.size() > 4 && name.ends_with(".log") && std::strtoull(name.c_str(), nullptr, 10) < keep) stale = name;
+      if (name.size() > 4 && name.ends_with(".log") && std::strtoull(name.c_str(), nullptr, 10) < keep) stale_wal = name;
     }
     if (ec) return Status::IOError("listing '" + storage_->path() + "': " + ec.message());
-    if (stale.empty()) return Status::OK();
-    if (waited == kObsoleteWalWaitMs) {
-      return Status::IOError("obsolete WAL '" + storage_->path() + "/" + stale + "' was not deleted within " +
-                             std::to_string(kObsoleteWalWaitMs) + " ms");
+    if (waiting.empty() && stale_wal.empty()) return Status::OK();
+    if (std::chrono::steady_clock::now() >= give_up) {
+      return Status::IOError("obsolete file '" + storage_->path() + "/" +
+                             (waiting.empty() ? stale_wal : waiting.front()) + "' was not deleted within " +
+                             std::to_string(erasure_wait.count()) +
+                             " ms (a long scan, such as verify(), can hold the files it reads until it ends)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
+}
+
+Result<std::vector<std::string>> Db::Impl::obsolete_files() const {
+  std::vector<rocksdb::LiveFileMetaData> live_meta;
+  storage_->db()->GetLiveFilesMetaData(&live_meta);
+  std::vector<std::string> live;
+  for (const rocksdb::LiveFileMetaData& f : live_meta) live.push_back(std::filesystem::path(f.name).filename().string());
+  std::sort(live.begin(), live.end());
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(storage_->path(), ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.ends_with(".sst") && !std::binary_search(live.begin(), live.end(), name)) out.push_back(std::move(name));
+  }
+  if (ec) return Status::IOError("listing '" + storage_->path() + "': " + ec.message());
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 Result<std::vector<PurgeReceipt>> Db::Impl::purge_receipts(std::uint64_t user_id) const {
@@ -236,9 +452,12 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_receipts(std::uint64_t user_id
                                   "-byte value; expected " + std::to_string(kReceiptSize) +
                                   " bytes of version 1 whose purged_at_ns matches the key)");
       }
-      out.push_back(to_public(user_id, *r));
+      out.push_back(to_public(user_id, *r, /*erasure_complete=*/true));
     }
     if (Status s = from_rocksdb(it->status(), "purge_receipts(" + user_text(user_id) + ")"); !s.ok()) return s;
+    Result<std::optional<std::uint64_t>> marked = erasure_pending_since(user_id);
+    if (!marked.ok()) return marked.status();
+    for (PurgeReceipt& r : out) r.erasure_complete = !*marked || r.purged_at_ns < **marked;
     return out;
   });
 }

@@ -23,14 +23,23 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
                                    std::to_string(signal.user_id) + " on item " + std::to_string(signal.item_id) +
                                    (std::isfinite(signal.weight) ? " exceeds 1e12 in magnitude" : " is not finite"));
   }
+  if (context.cohort_ids.size() > kMaxCohortsPerSignal) {
+    return Status::InvalidArgument("signal_with_context: the context of the signal of user " +
+                                   std::to_string(signal.user_id) + " on item " + std::to_string(signal.item_id) +
+                                   " lists " + std::to_string(context.cohort_ids.size()) +
+                                   " cohorts; at most kMaxCohortsPerSignal (" + std::to_string(kMaxCohortsPerSignal) +
+                                   ") are accepted; nothing changed");
+  }
   return guarded("signal_with_context", [&]() -> Result<SignalOutcome> {
     if (options_.read_only) {
       return Status::InvalidArgument("signal_with_context: the Db at '" + storage_->path() + "' is open read-only");
     }
     // Backpressure comes first, outside the read section: the writer waits
-    // out read sections, so a signal must not wait for it inside one.
+    // out read sections, so a signal must not wait for it inside one. A
+    // signal made from a sink callback is inside one already (the outer
+    // signal's): it never waits, and past the hard bound it is Busy.
     if (closed_.load(std::memory_order_relaxed)) return closed_status("signal_with_context");
-    if (Status s = state_->admit(); !s.ok()) return s;
+    if (Status s = state_->admit(grace::in_read_section()); !s.ok()) return s;
     // Everything from here to the return runs inside a read section, which a
     // leave (and close, and the state store's writer) waits out.
     grace::ReadSection section(grace_, signal.user_id);

@@ -3,9 +3,9 @@
 #include <algorithm>
 #include <vector>
 
-#include <rocksdb/sst_file_writer.h>
 #include <rocksdb/write_batch.h>
 
+#include "storage/ingest_batch.h"
 #include "storage/ledger_scan.h"
 
 namespace tidal {
@@ -121,10 +121,18 @@ void StateStore::run_writer() {
   }
 }
 
-Status StateStore::admit() {
+Status StateStore::admit(bool nested) {
   const std::uint64_t fill = entries_[active_.load(std::memory_order_acquire)].load(std::memory_order_relaxed);
   if (fill < soft_limit_) return Status::OK();
   wake_writer();
+  if (nested) {
+    if (fill < hard_limit_) return Status::OK();
+    backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+    return Status::Busy(
+        "signal_with_context called from inside a ContributionSink callback while the write buffers are full: "
+        "waiting for the writer there could deadlock (the writer waits for the callback's own signal); the signal "
+        "was not applied, make it after the callback returns");
+  }
   if (fill < hard_limit_) {
     // Between the soft and the hard bound, slow each signal a little, more
     // the fuller the buffer, so that the writer catches up before anyone
@@ -197,62 +205,6 @@ Status StateStore::drain_locked() {
   return write_frozen_locked(frozen);
 }
 
-namespace {
-
-// One batch's SST files: the aggregates' merge operands and the ledger's
-// records, each opened at its first entry, in ingest_dir().
-class BatchFiles {
- public:
-  BatchFiles(Storage* storage, std::uint64_t epoch) : storage_(storage), epoch_(epoch) {}
-  ~BatchFiles() {
-    for (const File& f : files_) {
-      if (!f.path.empty()) storage_->delete_file(f.path);
-    }
-  }
-
-  rocksdb::Status merge(std::string_view key, std::string_view value) {
-    File& f = open(0, storage_->aggregates(), "aggregates");
-    return f.writer ? f.writer->Merge(key, value) : f.open_status;
-  }
-  rocksdb::Status put(std::string_view key, std::string_view value) {
-    File& f = open(1, storage_->ledger(), "ledger");
-    return f.writer ? f.writer->Put(key, value) : f.open_status;
-  }
-  // Finishes the files and ingests them in one atomic step.
-  Status ingest(std::string_view what) {
-    std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>> done;
-    for (File& f : files_) {
-      if (!f.writer) continue;
-      if (rocksdb::Status s = f.writer->Finish(); !s.ok()) return from_rocksdb(s, what);
-      done.emplace_back(f.cf, f.path);
-    }
-    return storage_->ingest(done, what);
-  }
-
- private:
-  struct File {
-    rocksdb::ColumnFamilyHandle* cf = nullptr;
-    std::string path;
-    std::unique_ptr<rocksdb::SstFileWriter> writer;  // null until opened, or when Open failed
-    rocksdb::Status open_status;
-  };
-  File& open(int i, rocksdb::ColumnFamilyHandle* cf, const char* name) {
-    File& f = files_[i];
-    if (f.cf != nullptr) return f;
-    f.cf = cf;
-    f.path = storage_->ingest_dir() + "/" + std::to_string(epoch_) + "." + name + ".sst";
-    f.writer = storage_->sst_writer(cf);
-    if (f.open_status = f.writer->Open(f.path); !f.open_status.ok()) f.writer.reset();
-    return f;
-  }
-
-  Storage* const storage_;
-  const std::uint64_t epoch_;
-  File files_[2];
-};
-
-}  // namespace
-
 Status StateStore::write_frozen_locked(int frozen) {
   Buffer& buffer = buffers_[frozen];
   std::vector<std::pair<Cell, Units>> cells;
@@ -308,7 +260,7 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     if (!is_ledger(p)) return std::tie(p.kind, p.a, p.b) < std::tie(q.kind, q.a, q.b);
     return std::tie(p.a, p.kind, p.b, p.c) < std::tie(q.a, q.kind, q.b, q.c);
   });
-  BatchFiles files(storage_, epoch);
+  IngestBatch files(storage_, std::to_string(epoch));
   std::string key, units_value, record;  // record: the ledger entries of one user so far
   *keys = 0;
   for (std::size_t i = 0; i < cells->size(); ++i) {
@@ -319,12 +271,12 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
       put_aggregate_key(&key, static_cast<AggregateKind>(cell.kind), cell.a, cell.b);
       units_value.clear();
       put_units(&units_value, units);
-      s = files.merge(key, units_value);
+      s = files.merge(storage_->aggregates(), key, units_value);
       ++*keys;
     } else {
       put_ledger_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
       if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
-        s = files.put(encode_ledger_key(cell.a, epoch), record);
+        s = files.put(storage_->ledger(), encode_ledger_key(cell.a, epoch), record);
         record.clear();
         ++*keys;
       }
@@ -371,16 +323,13 @@ StateStoreStats StateStore::stats() const {
 }
 
 Status StateStore::verify(VerifyReport* report) const {
-  const rocksdb::Snapshot* snapshot = storage_->db()->GetSnapshot();
-  LedgerScan ledger;
-  Status s = scan_ledger(*storage_, snapshot, &ledger);
-  if (s.ok()) {
-    report->records_checked += ledger.records;
-    for (std::string& p : ledger.problems) report->problems.push_back(std::move(p));
-    s = compare_with_ledger(*storage_, snapshot, std::move(ledger.totals), &report->records_checked,
-                            [&](const AggregateMismatch& m) { report->problems.push_back(m.what); });
-  }
-  storage_->db()->ReleaseSnapshot(snapshot);
+  // In passes of bounded memory, at one snapshot (storage/ledger_scan.h).
+  LedgerCheck check;
+  Status s = check_ledger(
+      *storage_, /*snapshot=*/nullptr, &check,
+      [&](std::string problem) { report->problems.push_back(std::move(problem)); },
+      [&](const AggregateMismatch& m) { report->problems.push_back(m.what); });
+  report->records_checked += check.ledger_records + check.aggregates;
   return s;
 }
 

@@ -84,9 +84,13 @@ class StateStore {
   // Stops the writer and writes what is pending. Idempotent.
   Status stop();
 
-  // Before a signal's read section: waits while the buffers are full. The
-  // error of the failing writer when it cannot drain.
-  Status admit();
+  // Before a signal's read section: slows the signal a little past the soft
+  // bound and waits while the buffers are full; the error of the failing
+  // writer when it cannot drain. A `nested` signal (made from inside a
+  // ContributionSink callback, so inside a read section the writer's grace
+  // period waits for) never sleeps or waits: past the hard bound it gets
+  // Busy at once instead of waiting for a writer that waits for it.
+  Status admit(bool nested);
 
   // Inside a signal's read section: the buffer every cell of the signal goes
   // to (read once per signal, so every batch holds whole signals).

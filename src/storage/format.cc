@@ -102,6 +102,12 @@ std::optional<MembershipStatus> deserialize_history_status(std::string_view byte
 
 // ---- meta records ----
 
+std::string erasure_pending_key(std::uint64_t user_id) {
+  std::string key(kErasurePendingPrefix);
+  put_u64_be(&key, user_id);
+  return key;
+}
+
 std::string clock_floor_stripe_key(std::uint64_t stripe) {
   std::string key = kClockFloorPrefix;
   put_u64_be(&key, stripe);

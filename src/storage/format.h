@@ -101,6 +101,14 @@ inline constexpr char kClockFloorPrefix[] = "clock_floor/";
 inline constexpr char kClockLeaseKey[] = "clock_floor/lease";
 inline constexpr std::size_t kClockFloorValueSize = 8;
 
+// Purges whose physical erasure has not finished: "erasure_pending/" +
+// [user_id: 8 bytes BE] -> [purged_at_ns: 8 bytes BE] of the user's earliest
+// receipt not yet erased. Written in the purge's batch, deleted once no SST
+// or WAL file holds the purged ledger; a writable open finishes every
+// erasure still marked (docs/PURGE.md).
+inline constexpr char kErasurePendingPrefix[] = "erasure_pending/";
+std::string erasure_pending_key(std::uint64_t user_id);
+
 // "clock_floor/" + [stripe: 8 bytes BE].
 std::string clock_floor_stripe_key(std::uint64_t stripe);
 // [ts: 8 bytes LE].

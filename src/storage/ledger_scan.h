@@ -1,42 +1,55 @@
 // Invariant I1 over a whole Db: every cohort and community aggregate equals
 // the sum of the contribution-ledger entries for it. verify() checks it;
-// re-materialization recomputes aggregates from the same scan.
+// re-materialization recomputes aggregates from the same check.
+//
+// In bounded memory, whatever the size of the state. The ledger is keyed by
+// user and the aggregates by cell, so the sums cannot be formed in one walk
+// beside the aggregates. They are formed in passes over ranges [lo, hi) of
+// aggregate keys instead:
+//   1. read the whole ledger, summing only the entries whose cell is in
+//      [lo, hi), in an ordered map of at most `max_cells` cells. When a new
+//      cell would not fit, the largest key (the new one or the map's last)
+//      is dropped and hi lowered to it, so hi ends at the smallest key
+//      dropped and every cell below it is summed whole;
+//   2. read the stored aggregates in [lo, hi) and compare, in key order;
+//   3. the next pass starts at lo = hi; the pass whose hi was never lowered
+//      (it reached the end of the key space) is the last.
+// Every pass reads one RocksDB snapshot, so together they check one state.
+// Cost: max(1, ceil(shared cells / max_cells)) reads of the whole ledger,
+// one read of the aggregates. Memory: at most `max_cells` map nodes, about
+// 96 bytes each (a 17-byte key and a 16-byte sum in a std::map node, as
+// glibc allocates it): about 96 MiB at the default of 2^20 cells.
 #ifndef TIDAL_STORAGE_LEDGER_SCAN_H_
 #define TIDAL_STORAGE_LEDGER_SCAN_H_
 
-#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
-#include <string_view>
-#include <unordered_map>
-#include <vector>
 
 #include "storage/state_format.h"
 #include "storage/storage.h"
 
 namespace tidal {
 
-// An encoded aggregate key held inline: at 1.5M shared cells a std::string
-// key (17 bytes, past the short-string buffer) cost one more allocation each.
-using AggregateKey = std::array<char, kAggregateKeySize>;
-struct AggregateKeyHash {
-  std::size_t operator()(const AggregateKey& k) const noexcept {
-    return std::hash<std::string_view>{}(std::string_view(k.data(), k.size()));
-  }
-};
-// Sums of ledger entries per aggregate.
-using LedgerTotals = std::unordered_map<AggregateKey, Units, AggregateKeyHash>;
+// The most cells one pass holds, by default.
+inline constexpr std::size_t kLedgerPassCells = std::size_t{1} << 20;
 
-struct LedgerScan {
-  LedgerTotals totals;
-  std::uint64_t records = 0;  // ledger records read
-  std::uint64_t entries = 0;  // entries in them
-  std::vector<std::string> problems;  // records that do not decode, naming the key
-};
+// The cap of the checks that start from now on: kLedgerPassCells unless
+// set_ledger_pass_cells changed it. Thread-safe.
+std::size_t ledger_pass_cells();
+// For tests and benchmarks, process-wide: sets the cap of every check that
+// starts from now on (0: back to kLedgerPassCells). Thread-safe.
+void set_ledger_pass_cells(std::size_t cells);
 
-// Reads the whole ledger column family as of `snapshot` (null: latest).
-Status scan_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerScan* out);
+// What the checks of this process did since the last reset, for tests and
+// benchmarks. Thread-safe.
+struct LedgerPassTally {
+  std::uint64_t passes = 0;
+  std::size_t peak_cells = 0;  // the most cells one pass held at once
+};
+LedgerPassTally ledger_pass_tally();
+void reset_ledger_pass_tally();
 
 // One shared aggregate that differs from its ledger sum (or does not decode).
 struct AggregateMismatch {
@@ -45,13 +58,24 @@ struct AggregateMismatch {
   Units recomputed;
 };
 
-// Compares every stored cohort and community aggregate, as of `snapshot`,
-// with `totals`, and each total with its aggregate; personal cells are
-// checked only to decode. Calls `fn` per mismatch; counts cells in `checked`.
-// Consumes `totals` (each total is erased once its aggregate is seen, so the
-// memory shrinks as the scan goes).
-Status compare_with_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerTotals totals,
-                           std::uint64_t* checked, const std::function<void(const AggregateMismatch&)>& fn);
+struct LedgerCheck {
+  std::uint64_t ledger_records = 0;  // ledger records read (counted in the first pass only)
+  std::uint64_t ledger_entries = 0;  // entries in them
+  std::uint64_t aggregates = 0;  // stored cells checked, personal ones included
+  std::uint64_t passes = 0;
+};
+
+// Checks I1 as of `snapshot` (null: a snapshot of its own, for every pass).
+// Calls `problem` once per ledger record that does not decode (naming the
+// key), all before the first call of `mismatch`; then `mismatch` per shared
+// aggregate that differs from its ledger sum or does not decode, in key
+// order (a sum with no stored aggregate reads "stored 0 (absent)"). Personal
+// cells are checked only to decode. Holds at most `max_cells` cells at once
+// (at least 1). Non-OK when a read fails, naming what was being read.
+Status check_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerCheck* out,
+                    const std::function<void(std::string)>& problem,
+                    const std::function<void(const AggregateMismatch&)>& mismatch,
+                    std::size_t max_cells = ledger_pass_cells());
 
 }  // namespace tidal
 

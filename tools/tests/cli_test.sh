@@ -153,7 +153,7 @@ t --db "$DB" purge x; rc_is 2; err_has "invalid user id 'x'"
 t --db "$DB" receipts 2 --repair; rc_is 2; err_has -- '--repair applies to rematerialize only'
 t --db "$DB" purge 1; rc_is 1; err_has 'user 1 is Active'
 t --db "$DB" purge 2; rc_is 0; out_has '^user 2: purged at .*: 0 ledger entries removed'
-t --db "$DB" --json purge 2; rc_is 0; json 'd["user_id"] == 2 and d["entries_removed"] == 0 and d["left_at_ns"] > 0'
+t --db "$DB" --json purge 2; rc_is 0; json 'd["user_id"] == 2 and d["entries_removed"] == 0 and d["left_at_ns"] > 0 and d["erasure_complete"] is True'
 t --db "$DB" receipts 2; rc_is 0; out_has '^user 2: 0 purge receipts$'  # nothing removed: nothing written
 t --db "$DB" --json receipts 2; rc_is 0; json 'd["user_id"] == 2 and d["receipts"] == []'
 printf '%s\n' 2 ' 12 ' 1 zz '' 13 >"$WORK/purge.txt"

@@ -1,0 +1,56 @@
+// One atomic ingestion of SST files: at most one file per column family,
+// each written in key order into the Db's ingest_dir(), then added to the
+// database together (Storage::ingest): after a crash or a power cut either
+// every file is there or none. The state store's writer stores its batches
+// so, and a purge its subtraction, ledger deletion and receipt. Building the
+// files streams to disk: the memory does not grow with the batch.
+#ifndef TIDAL_STORAGE_INGEST_BATCH_H_
+#define TIDAL_STORAGE_INGEST_BATCH_H_
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <rocksdb/sst_file_writer.h>
+
+#include "storage/storage.h"
+
+namespace tidal {
+
+class IngestBatch {
+ public:
+  // Files are named <ingest_dir>/<name>.<column family>.sst; `name` must be
+  // unique among batches built at the same time.
+  IngestBatch(Storage* storage, std::string name) : storage_(storage), name_(std::move(name)) {}
+  ~IngestBatch();  // deletes the files (ingest copies them)
+  IngestBatch(const IngestBatch&) = delete;
+  IngestBatch& operator=(const IngestBatch&) = delete;
+
+  // Each column family's keys must come in ascending order.
+  rocksdb::Status put(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string_view value);
+  rocksdb::Status merge(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string_view value);
+  rocksdb::Status delete_range(rocksdb::ColumnFamilyHandle* cf, std::string_view begin, std::string_view end);
+
+  bool empty() const { return files_.empty(); }
+  // Finishes the files and ingests them in one atomic, durable step.
+  Status ingest(std::string_view what);
+
+ private:
+  struct File {
+    rocksdb::ColumnFamilyHandle* cf = nullptr;
+    std::string path;
+    std::unique_ptr<rocksdb::SstFileWriter> writer;  // null when Open failed
+    rocksdb::Status open_status;
+  };
+  // The column family's file, opened at its first entry.
+  File& file(rocksdb::ColumnFamilyHandle* cf);
+
+  Storage* const storage_;
+  const std::string name_;
+  std::vector<File> files_;
+};
+
+}  // namespace tidal
+
+#endif  // TIDAL_STORAGE_INGEST_BATCH_H_
