@@ -1,9 +1,12 @@
 #include "bench_util.h"
 
 #include <stdlib.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "db/impl.h"
@@ -30,6 +33,19 @@ void check(const Status& s) {
 }
 
 }  // namespace
+
+double rss_mib() {
+  long pages = 0, resident = 0;
+  std::ifstream statm("/proc/self/statm");
+  statm >> pages >> resident;
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+}
+
+double peak_rss_mib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024;
+}
 
 std::string scratch_dir(const std::string& name) {
   const char* base = std::getenv("TIDAL_BENCH_DIR");

@@ -13,6 +13,10 @@ namespace tidal::bench {
 // A fresh directory under $TMPDIR (or $TIDAL_BENCH_DIR), removed at exit.
 std::string scratch_dir(const std::string& name);
 
+// The process's resident set now, and its peak so far (ru_maxrss), in MiB.
+double rss_mib();
+double peak_rss_mib();
+
 // Opens a Db or aborts with the Status.
 std::unique_ptr<Db> must_open(const std::string& path, const Options& options = {});
 

@@ -4,6 +4,8 @@
 //                                 Left user with that many ledger entries
 //   BM_LeaveInTheStripeDuringErasure  leaves of users in the purged user's
 //                                 lock stripe while a 1e4-entry purge erases
+//   BM_PurgeOneUserOfAMillionCells  one user with 1M ledger cells: peak RSS
+//                                 (run it alone; its own Db)
 //   BM_BulkPurge/10000            one bulk call over 10,000 Left users spread
 //                                 over the whole key space (10 entries each)
 //   BM_Rematerialize              rematerialize_shared_aggregates(false) over
@@ -83,8 +85,10 @@ struct Fixture {
   std::uint64_t next_small = 0, next_large = 0;
 };
 
+Fixture* g_fixture = nullptr;  // built by the first benchmark that needs it
+
 Fixture& fixture() {
-  static Fixture* f = [] {
+  static Fixture* f = g_fixture = [] {
     auto* out = new Fixture();
     out->path = scratch_dir("purge_bench") + "/db";
     const auto t0 = std::chrono::steady_clock::now();
@@ -226,6 +230,64 @@ void BM_LeaveInTheStripeDuringErasure(benchmark::State& state) {
 BENCHMARK(BM_LeaveInTheStripeDuringErasure)->UseManualTime()->Iterations(1)->Repetitions(5)
     ->Unit(benchmark::kMillisecond);
 
+// One user whose ledger holds 1M cells (1,000 cohorts x 1,000 items, one
+// record per cohort): the purge builds its batch in passes of at most
+// 262,144 cells, so its memory stays bounded. Run it alone (peak RSS is per
+// process): purge_bench --benchmark_filter=MillionCells. The Db is written
+// as SST files in key order, streaming (no map of the cells).
+void BM_PurgeOneUserOfAMillionCells(benchmark::State& state) {
+  constexpr std::uint64_t kUser = 7, kCohorts = 1000, kCellItems = 1000;
+  const std::string path = scratch_dir("purge_million") + "/db";
+  if (!must_open(path)->close().ok()) std::abort();
+  {
+    rocksdb::Options options;
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    for (const char* n : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+    cfs[3].options.merge_operator = new_units_add_operator();
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    check(rocksdb::DB::Open(options, path, cfs, &handles, &raw), "open");
+    rocksdb::SstFileWriter ledger(rocksdb::EnvOptions(), options, handles[4]);
+    rocksdb::SstFileWriter aggregates(rocksdb::EnvOptions(), options, handles[3]);
+    check(ledger.Open(path + "/../ledger.sst"), "sst open");
+    check(aggregates.Open(path + "/../aggregates.sst"), "sst open");
+    std::string record, units;
+    for (std::uint64_t c = 0; c < kCohorts; ++c) {
+      record.clear();
+      for (std::uint64_t i = 0; i < kCellItems; ++i) {
+        const Units u = 1'000'000'000 + static_cast<Units>((c + i) % 7);
+        put_ledger_entry(&record, {AggregateKind::Cohort, c, i, u});
+        units.clear();
+        put_units(&units, u);
+        check(aggregates.Put(encode_aggregate_key(AggregateKind::Cohort, c, i), units), "sst put");
+      }
+      check(ledger.Put(encode_ledger_key(kUser, c + 1), record), "sst put");
+    }
+    check(ledger.Finish(), "sst finish");
+    check(aggregates.Finish(), "sst finish");
+    check(raw->IngestExternalFile(handles[4], {path + "/../ledger.sst"}, rocksdb::IngestExternalFileOptions()), "ingest");
+    check(raw->IngestExternalFile(handles[3], {path + "/../aggregates.sst"}, rocksdb::IngestExternalFileOptions()),
+          "ingest");
+    for (auto* h : handles) check(raw->DestroyColumnFamilyHandle(h), "handle");
+    check(raw->Close(), "close");
+    delete raw;
+  }
+  std::unique_ptr<Db> db = must_open(path);
+  if (!db->leave_community_layer(kUser).ok()) std::abort();
+  const double before = rss_mib();
+  std::uint64_t removed = 0;
+  for (auto _ : state) {
+    Result<PurgeReceipt> r = db->purge_community_contributions(kUser);
+    if (!r.ok()) state.SkipWithError(r.status().to_string().c_str());
+    removed = r.ok() ? r->entries_removed : 0;
+  }
+  state.counters["entries_removed"] = static_cast<double>(removed);
+  state.counters["rss_before_MiB"] = before;
+  state.counters["peak_rss_MiB"] = peak_rss_mib();
+  if (!db->close().ok()) std::abort();
+}
+BENCHMARK(BM_PurgeOneUserOfAMillionCells)->Iterations(1)->Unit(benchmark::kSecond);
+
 void BM_BulkPurge(benchmark::State& state) {
   Fixture& f = fixture();
   const auto n = static_cast<std::uint64_t>(state.range(0));
@@ -257,13 +319,17 @@ void BM_Rematerialize(benchmark::State& state) {
 BENCHMARK(BM_Rematerialize)->Iterations(1)->Repetitions(3)->Unit(benchmark::kSecond);
 
 }  // namespace
+
+void close_fixture() {
+  if (g_fixture != nullptr) (void)g_fixture->db->close();
+}
+
 }  // namespace tidal::bench
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();
-  tidal::bench::Fixture& f = tidal::bench::fixture();
-  (void)f.db->close();
+  tidal::bench::close_fixture();
   benchmark::Shutdown();
   return 0;
 }

@@ -1,0 +1,28 @@
+// One batch of a Db's change feed: exact deltas of shared (cohort and
+// community) aggregates, in the order the Db stored them. A Db with
+// Options::change_feed writes them (Db::read_changes); a GlobalView sums
+// them over every shard (<tidal/global_view.h>). The payload's bytes are
+// documented in docs/FORMAT.md ("The change feed"), so a consumer in any
+// language can decode it; it never holds a user id or a personal-layer cell.
+#ifndef TIDAL_CHANGE_BATCH_H_
+#define TIDAL_CHANGE_BATCH_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace tidal {
+
+struct ChangeBatch {
+  std::uint64_t shard_id = 0;
+  std::uint64_t seq = 0;  // 1, 2, 3, ... per shard: never a gap, never reused
+  std::string payload;    // at most kMaxChangePayloadBytes
+};
+
+// The largest payload of one batch: a larger write becomes several
+// consecutive batches, written in the same atomic step.
+inline constexpr std::size_t kMaxChangePayloadBytes = 512 << 10;
+
+}  // namespace tidal
+
+#endif  // TIDAL_CHANGE_BATCH_H_

@@ -1,0 +1,86 @@
+#include "storage/feed_format.h"
+
+#include <cstring>
+
+namespace tidal {
+
+std::string encode_feed_key(std::uint64_t seq) {
+  std::string key;
+  put_u64_be(&key, seq);
+  return key;
+}
+
+std::optional<std::uint64_t> decode_feed_key(std::string_view key) {
+  if (key.size() != 8) return std::nullopt;
+  return get_u64_be(key.data());
+}
+
+void FeedEncoder::add(std::string_view encoded_key, Units delta) {
+  if (count_ == kMaxFeedEntries) seal();
+  if (count_ == 0) {
+    current_.assign({static_cast<char>(kFeedVersion), static_cast<char>(origin_), 0, 0, 0, 0});
+  }
+  current_.append(encoded_key);
+  put_units(&current_, delta);
+  ++count_;
+}
+
+void FeedEncoder::seal() {
+  if (count_ == 0) return;
+  for (unsigned i = 0; i < 4; ++i) current_[2 + i] = static_cast<char>((count_ >> (8 * i)) & 0xff);
+  payloads_.push_back(std::move(current_));
+  current_.clear();
+  count_ = 0;
+}
+
+std::vector<std::string> FeedEncoder::finish() {
+  seal();
+  return std::move(payloads_);
+}
+
+bool decode_feed_payload(std::string_view payload, const std::function<void(const FeedEntry&)>& fn,
+                         std::string* error) {
+  if (payload.size() < kFeedHeaderSize) {
+    *error = std::to_string(payload.size()) + "-byte payload, shorter than its 6-byte header";
+    return false;
+  }
+  if (static_cast<std::uint8_t>(payload[0]) != kFeedVersion) {
+    *error = "payload version " + std::to_string(static_cast<std::uint8_t>(payload[0])) + ", expected 1";
+    return false;
+  }
+  const auto origin = static_cast<std::uint8_t>(payload[1]);
+  if (origin < 1 || origin > 3) {
+    *error = "payload origin " + std::to_string(origin) + ", expected 1, 2 or 3";
+    return false;
+  }
+  std::uint32_t count = 0;
+  for (unsigned i = 0; i < 4; ++i) count |= static_cast<std::uint32_t>(static_cast<std::uint8_t>(payload[2 + i])) << (8 * i);
+  if (payload.size() != kFeedHeaderSize + std::size_t{count} * kFeedEntrySize) {
+    *error = std::to_string(payload.size()) + "-byte payload for " + std::to_string(count) + " entries; expected " +
+             std::to_string(kFeedHeaderSize + std::size_t{count} * kFeedEntrySize);
+    return false;
+  }
+  // Checked whole before any entry is handed out.
+  std::string_view last;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const std::string_view key = payload.substr(kFeedHeaderSize + i * kFeedEntrySize, kAggregateKeySize);
+    std::optional<AggregateCell> cell = decode_aggregate_key(key);
+    if (!cell || cell->kind == AggregateKind::Personal) {
+      *error = "entry " + std::to_string(i) + " is not a cohort or community aggregate (key " + hex(key) + ")";
+      return false;
+    }
+    if (i > 0 && !(last < key)) {
+      *error = "entry " + std::to_string(i) + " (key " + hex(key) + ") is not above the entry before it";
+      return false;
+    }
+    last = key;
+  }
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const std::string_view entry = payload.substr(kFeedHeaderSize + i * kFeedEntrySize, kFeedEntrySize);
+    const AggregateCell cell = *decode_aggregate_key(entry.substr(0, kAggregateKeySize));
+    fn({cell.kind, cell.owner, cell.item, *decode_units(entry.substr(kAggregateKeySize))});
+  }
+  return true;
+}
+
+}  // namespace tidal

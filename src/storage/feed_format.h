@@ -1,0 +1,77 @@
+// The change feed's bytes (docs/FORMAT.md, "The change feed").
+//
+//   feed CF   key   [seq: 8 BE]                     (8 bytes)
+//             value the payload:
+//               [version: 1 = 0x01]
+//               [origin: 1]  1 the writer's batch, 2 a purge, 3 a repair
+//               [count: 4 LE]
+//               count entries of 33 bytes, keys strictly ascending:
+//                 [aggregate key: 17] = [kind: 1, 2 cohort / 3 community]
+//                                       [owner: 8 BE][item: 8 BE]
+//                 [delta: 16 LE]      Units, two's complement
+//
+// A payload is at most kMaxChangePayloadBytes (15,887 entries); a larger set
+// of deltas is split into consecutive payloads (FeedEncoder).
+#ifndef TIDAL_STORAGE_FEED_FORMAT_H_
+#define TIDAL_STORAGE_FEED_FORMAT_H_
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "storage/state_format.h"
+#include "tidal/change_batch.h"
+
+namespace tidal {
+
+inline constexpr std::uint8_t kFeedVersion = 1;
+inline constexpr std::size_t kFeedHeaderSize = 6;
+inline constexpr std::size_t kFeedEntrySize = kAggregateKeySize + kUnitsSize;  // 33
+inline constexpr std::size_t kMaxFeedEntries = (kMaxChangePayloadBytes - kFeedHeaderSize) / kFeedEntrySize;
+
+enum class FeedOrigin : std::uint8_t { Writer = 1, Purge = 2, Repair = 3 };
+
+// [seq: 8 BE].
+std::string encode_feed_key(std::uint64_t seq);
+std::optional<std::uint64_t> decode_feed_key(std::string_view key);
+
+// One delta of a shared aggregate.
+struct FeedEntry {
+  AggregateKind kind;  // Cohort or Community
+  std::uint64_t owner;
+  std::uint64_t item;
+  Units delta;
+};
+
+// Builds payloads from entries added in ascending key order: each payload
+// holds at most kMaxFeedEntries; `finish` returns them all.
+class FeedEncoder {
+ public:
+  explicit FeedEncoder(FeedOrigin origin) : origin_(origin) {}
+  // `encoded_key` is a 17-byte aggregate key of a cohort or community cell.
+  void add(std::string_view encoded_key, Units delta);
+  bool empty() const { return payloads_.empty() && count_ == 0; }
+  std::vector<std::string> finish();
+
+ private:
+  void seal();
+  const FeedOrigin origin_;
+  std::vector<std::string> payloads_;
+  std::string current_;
+  std::uint32_t count_ = 0;
+};
+
+// Decodes a payload: calls `fn` per entry, in order. False (after calling
+// `fn` for none of them) when the payload does not decode: wrong version or
+// origin, a length that does not match its count, a kind other than cohort
+// or community, or keys that are not strictly ascending; `error` then says
+// which.
+bool decode_feed_payload(std::string_view payload, const std::function<void(const FeedEntry&)>& fn,
+                         std::string* error);
+
+}  // namespace tidal
+
+#endif  // TIDAL_STORAGE_FEED_FORMAT_H_
