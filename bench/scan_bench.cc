@@ -9,12 +9,9 @@
 // by an earlier run with TIDAL_SCAN_BENCH_DIR set (kept, and reused when it
 // holds a Db of the same size):
 //   TIDAL_SCAN_BENCH_DIR=/tmp/scan scan_bench --benchmark_filter=BM_Build
-//   /usr/bin/time -v scan_bench --benchmark_filter='BM_Verify/0$'
+//   TIDAL_SCAN_BENCH_DIR=/tmp/scan /usr/bin/time -v scan_bench --benchmark_filter='BM_Verify/0/'
 // The Db is written as SST files in key order, streaming: each cell's sum is
 // known from its index, so building it holds no map of the cells.
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -59,19 +56,6 @@ LedgerEntry cell(std::uint64_t n, std::uint64_t total) {
   const std::uint64_t half = total / 2, m = n < half ? n : n - half;
   return {n < half ? AggregateKind::Cohort : AggregateKind::Community, m / kItems, m % kItems,
           static_cast<Units>(1'000'000'000 + n % 7)};
-}
-
-double rss_mib() {
-  long pages = 0, resident = 0;
-  std::ifstream statm("/proc/self/statm");
-  statm >> pages >> resident;
-  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1 << 20);
-}
-
-double peak_rss_mib() {
-  rusage u{};
-  ::getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024;
 }
 
 // Writes the ledger (each cell gets kEntriesPerCell entries, from different
