@@ -1,14 +1,17 @@
 // tidalctl: inspect and administer a tidal Db from the shell, modelled on
-// RocksDB's ldb. Uses only the public API (<tidal/db.h>).
+// RocksDB's ldb, and a global view (view PATH ...). Uses only the public API
+// (<tidal/db.h>, <tidal/global_view.h>).
 //
 // Read-only commands open with Options::read_only, so they work while a host
 // service holds the Db; write commands need the Db to themselves.
 // Exit codes: 0 success, 1 the operation failed (or found problems),
 // 2 bad usage (nothing was opened, created or changed).
 #include <tidal/db.h>
+#include <tidal/global_view.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -31,6 +34,7 @@ constexpr int kExitFailed = 1;
 constexpr int kExitUsage = 2;
 
 constexpr char kUsage[] = R"(Usage: tidalctl --db PATH [--json] COMMAND [ARGS]
+       tidalctl [--json] view PATH applied | cohort ID ITEM | community ID ITEM
 
 Read-only commands (work while a host service holds the Db open):
   status USER      the user's community-layer status, last leave time and communities
@@ -60,6 +64,12 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
                    lines starting with '#' are skipped; bad lines are reported
                    with their line number and skipped, the good ones applied
 
+Global view (PATH is a GlobalView's directory, opened read-only: works while a
+host service holds it; nothing is created or written):
+  view PATH applied            every shard's applied seq, in shard order
+  view PATH cohort ID ITEM     the cohort's score of ITEM, summed over every shard
+  view PATH community ID ITEM  the community's score of ITEM, summed over every shard
+
 Options:
   --db PATH        the Db directory (required; never created)
   --json           machine output: one JSON object (list-left: one per line)
@@ -83,6 +93,7 @@ constexpr Command kCommands[] = {
     {"status", true, false},    {"history", true, false}, {"list-left", false, false}, {"stats", false, false},
     {"verify", false, false},   {"leave", true, true},    {"rejoin", true, true},
     {"purge", true, true},      {"receipts", true, false}, {"rematerialize", false, false},
+    {"view", false, false},  // view PATH ...: a GlobalView, not a Db (cmd_view)
 };
 
 struct Args {
@@ -529,6 +540,104 @@ bool read_lines(const std::string& path, std::vector<std::string>* lines) {
   return !in->bad();
 }
 
+// ---- global view ----
+
+// `score` in the shortest form that reads back as the same double ("0.3").
+std::string shortest(double score) {
+  char buf[64];
+  const std::to_chars_result r = std::to_chars(buf, buf + sizeof buf, score);
+  return std::string(buf, r.ptr);
+}
+
+int view_applied(const tidal::GlobalView& view, bool json) {
+  tidal::Result<std::vector<tidal::ShardProgress>> shards = view.applied_shards();
+  if (!shards.ok()) return db_failure("view applied", shards.status());
+  if (json) {
+    std::string items;
+    for (const tidal::ShardProgress& p : *shards) {
+      if (!items.empty()) items += ',';
+      items += "{\"shard_id\":" + std::to_string(p.shard_id) + ",\"applied_seq\":" + std::to_string(p.applied_seq) + "}";
+    }
+    std::printf("{\"shards\":[%s]}\n", items.c_str());
+    return kExitOk;
+  }
+  std::printf("%-20s  %s\n", "shard_id", "applied_seq");
+  for (const tidal::ShardProgress& p : *shards) {
+    std::printf("%-20llu  %llu\n", static_cast<unsigned long long>(p.shard_id),
+                static_cast<unsigned long long>(p.applied_seq));
+  }
+  std::printf("(%zu shards)\n", shards->size());
+  return kExitOk;
+}
+
+int view_score(const tidal::GlobalView& view, const std::string& kind, std::uint64_t id, std::uint64_t item,
+               bool json) {
+  tidal::Result<double> score = kind == "cohort" ? view.cohort_score(id, item) : view.community_score(id, item);
+  if (!score.ok()) return db_failure("view " + kind, score.status());
+  const auto i = static_cast<unsigned long long>(id);
+  const auto it = static_cast<unsigned long long>(item);
+  if (json) {
+    std::printf("{\"%s_id\":%llu,\"item_id\":%llu,\"score\":%s}\n", kind.c_str(), i, it, shortest(*score).c_str());
+  } else {
+    std::printf("%-12s %llu\n%-12s %llu\n%-12s %s\n", (kind + "_id").c_str(), i, "item_id", it, "score",
+                shortest(*score).c_str());
+  }
+  return kExitOk;
+}
+
+// tidalctl [--json] view PATH applied | cohort ID ITEM | community ID ITEM.
+// The view is opened read-only: it works while a host service holds it, and
+// never creates or changes anything.
+int cmd_view(const Args& args) {
+  if (args.db) return usage_error("view takes the view's directory as its first operand (view PATH ...), not --db");
+  if (args.from) return usage_error("--from applies to leave, rejoin and purge only, not view");
+  if (args.repair) return usage_error("--repair applies to rematerialize only, not view");
+  const std::vector<std::string> operands(args.positional.begin() + 1, args.positional.end());
+  const std::string forms = "view PATH applied, view PATH cohort ID ITEM or view PATH community ID ITEM";
+  if (operands.size() < 2) return usage_error("view needs a PATH and what to show: " + forms);
+  const std::string& path = operands[0];
+  const std::string& what = operands[1];
+  std::uint64_t id = 0, item = 0;
+  if (what == "applied") {
+    if (operands.size() != 2) return usage_error("view PATH applied takes no more arguments (got '" + operands[2] + "')");
+  } else if (what == "cohort" || what == "community") {
+    if (operands.size() != 4) {
+      return usage_error("view PATH " + what + " takes exactly ID and ITEM (got " + std::to_string(operands.size() - 2) +
+                         ")");
+    }
+    const std::optional<std::uint64_t> parsed_id = tidal::cli::parse_u64(operands[2]);
+    const std::optional<std::uint64_t> parsed_item = tidal::cli::parse_u64(operands[3]);
+    if (!parsed_id || !parsed_item) {
+      const bool bad_id = !parsed_id;
+      return usage_error("invalid " + (bad_id ? what + " id" : std::string("item id")) + " '" +
+                         operands[bad_id ? 2 : 3] +
+                         "': expected an unsigned 64-bit decimal integer (digits only, 0..18446744073709551615)");
+    }
+    id = *parsed_id;
+    item = *parsed_item;
+  } else {
+    return usage_error("unknown view command '" + what + "': " + forms);
+  }
+
+  tidal::GlobalViewOptions options;
+  options.read_only = true;
+  tidal::Result<std::unique_ptr<tidal::GlobalView>> opened = tidal::GlobalView::open(path, options);
+  if (!opened.ok()) {
+    const tidal::Status& s = opened.status();
+    std::fprintf(stderr, "tidalctl: cannot open the global view at '%s': %s\n", path.c_str(), s.to_string().c_str());
+    // Missing, a file, a Db or another database: a path that is not a view.
+    const bool bad_path = s.code() == tidal::StatusCode::NotFound || s.code() == tidal::StatusCode::InvalidArgument;
+    return bad_path ? kExitUsage : kExitFailed;
+  }
+  tidal::GlobalView& view = **opened;
+  const int rc = what == "applied" ? view_applied(view, args.json) : view_score(view, what, id, item, args.json);
+  if (tidal::Status s = view.close(); !s.ok()) {
+    std::fprintf(stderr, "tidalctl: close of the global view at '%s' failed: %s\n", path.c_str(), s.to_string().c_str());
+    return kExitFailed;
+  }
+  return rc;
+}
+
 int run(int argc, char** argv) {
   Args args;
   if (std::optional<std::string> error = parse_args(argc, argv, &args)) return usage_error(*error);
@@ -544,6 +653,7 @@ int run(int argc, char** argv) {
     if (c.name == name) command = &c;
   }
   if (command == nullptr) return usage_error("unknown command '" + name + "'");
+  if (name == "view") return cmd_view(args);
   if (!args.db) return usage_error("missing --db PATH (the Db directory " + name + " should use)");
 
   // Operands, all checked before anything is opened.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CLI tests of tidalctl, run by ctest (tidalctl_cli):
-#   cli_test.sh TIDALCTL DB_HOLDER CORRUPT_RECORDS WORKDIR
+#   cli_test.sh TIDALCTL DB_HOLDER CORRUPT_RECORDS WORKDIR VIEW_MAKER
 # Each check prints FAIL with the command, what was expected and what came
 # out; the script exits 1 if any check failed.
 set -u
@@ -9,6 +9,7 @@ CTL=$1
 HOLDER=$2
 CORRUPT=$3
 WORK=$4
+VIEW_MAKER=$5
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
@@ -197,6 +198,45 @@ out_has '^verify: [0-9]+ records checked, 2 problems$'
 t --db "$DB" --json verify; rc_is 1; json 'd["ok"] is False and len(d["problems"]) == 2'
 t --db "$DB" status 1; rc_is 1; err_has 'Corruption: .*user 8'
 t --db "$DB" list-left; rc_is 1; err_has 'Corruption: .*user 8'
+
+# ---- tidalctl view: a global view, read-only ----
+VIEW=$WORK/view
+"$VIEW_MAKER" "$VIEW" || { echo "FAIL: could not create $VIEW"; exit 1; }
+before=$(fingerprint "$VIEW")
+t view "$VIEW" applied; rc_is 0; out_has '^shard_id +applied_seq$'; out_has '^\(0 shards\)$'
+t --json view "$VIEW" applied; rc_is 0; json 'd == {"shards": []}'
+t view "$VIEW" cohort 7 9; rc_is 0; out_has '^cohort_id +7$'; out_has '^item_id +9$'; out_has '^score +0$'
+t view "$VIEW" --json community 18446744073709551615 0; rc_is 0
+json 'd == {"community_id": 18446744073709551615, "item_id": 0, "score": 0}'
+checks=$((checks + 1)); [ "$before" = "$(fingerprint "$VIEW")" ] || { rc=0; fail "tidalctl view changed files in $VIEW"; }
+# Batches applied through the public API (payload bytes from docs/FORMAT.md).
+for batch in "3 1 cohort 7 9 300000000" "1 1 community 5 6 -2500000000" "3 2 cohort 7 9 100000000"; do
+  "$VIEW_MAKER" "$VIEW" $batch >/dev/null || { echo "FAIL: could not apply '$batch' to $VIEW"; exit 1; }
+done
+t view "$VIEW" applied; rc_is 0; out_has '^1 +1$'; out_has '^3 +2$'; out_has '^\(2 shards\)$'
+t --json view "$VIEW" applied; rc_is 0
+json 'd == {"shards": [{"shard_id": 1, "applied_seq": 1}, {"shard_id": 3, "applied_seq": 2}]}'
+t view "$VIEW" cohort 7 9; rc_is 0; out_has '^score +0\.4$'   # 0.3 + 0.1, exact
+t --json view "$VIEW" community 5 6; rc_is 0; json 'd["community_id"] == 5 and d["item_id"] == 6 and d["score"] == -2.5'
+t --json view "$VIEW" cohort 5 6; rc_is 0; json 'd["score"] == 0'
+# usage errors (exit 2, nothing opened)
+t view; rc_is 2; err_has 'view needs a PATH'
+t view "$VIEW"; rc_is 2; err_has 'view needs a PATH'
+t view "$VIEW" frobnicate; rc_is 2; err_has "unknown view command 'frobnicate'"
+t view "$VIEW" applied 1; rc_is 2; err_has 'takes no more arguments'
+t view "$VIEW" cohort 7; rc_is 2; err_has 'takes exactly ID and ITEM'
+t view "$VIEW" cohort x 9; rc_is 2; err_fixed "invalid cohort id 'x'"
+t view "$VIEW" community 5 -6; rc_is 2; err_fixed "invalid item id '-6'"
+t --db "$VIEW" view "$VIEW" applied; rc_is 2; err_has 'not --db'
+# paths that are not a view (exit 2, nothing created)
+t view "$WORK/no-view" applied; rc_is 2; err_has "global view at '$WORK/no-view'.*no such directory"
+checks=$((checks + 1)); [ ! -e "$WORK/no-view" ] || fail "tidalctl view created $WORK/no-view"
+mkdir "$WORK/empty-view"
+t view "$WORK/empty-view" applied; rc_is 2; err_has 'holds no database'
+checks=$((checks + 1)); [ -z "$(ls -A "$WORK/empty-view")" ] || fail "tidalctl view created files in $WORK/empty-view"
+t view "$WORK/afile" cohort 1 1; rc_is 2; err_has 'regular file'
+t view "$DB" applied; rc_is 2; err_has 'holds a tidal Db'
+t --db "$VIEW" status 1; rc_is 2; err_has "lacks tidal's column families"   # a read-only Db open refuses a view
 
 echo "$checks checks, $failures failed"
 [ "$failures" -eq 0 ]

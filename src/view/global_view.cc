@@ -1,0 +1,564 @@
+// The GlobalView: every shard's change feed summed in one RocksDB database
+// (view/view_format.h). Open and its checks, the Call that counts every
+// public call so that close() waits for them, apply, reads and checkpoint.
+#include "tidal/global_view.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <system_error>
+#include <utility>
+
+#include <rocksdb/cache.h>
+#include <rocksdb/db.h>
+#include <rocksdb/filter_policy.h>
+#include <rocksdb/table.h>
+#include <rocksdb/utilities/checkpoint.h>
+#include <rocksdb/write_batch.h>
+
+#include "db/guarded.h"
+#include "storage/feed_format.h"
+#include "storage/state_format.h"
+#include "storage/storage.h"
+#include "view/global_view_impl.h"
+#include "view/view_format.h"
+
+namespace tidal {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string view_at(const std::string& path) { return "global view at '" + path + "'"; }
+std::string cannot_open(const std::string& path) { return "cannot open tidal " + view_at(path); }
+std::string shard_seq(std::uint64_t shard, std::uint64_t seq) {
+  return "shard " + std::to_string(shard) + " seq " + std::to_string(seq);
+}
+rocksdb::Slice slice(std::string_view s) { return {s.data(), s.size()}; }
+std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
+
+// ---- which directories this process holds ----
+
+// Views this process has open for writing, keyed by the directory itself
+// (device, inode), so that every spelling of it (symlink, "a/../a", trailing
+// '/') finds the entry; the value is the path the holder opened, for
+// messages. RocksDB's own lock table is keyed by the path string, and an
+// fcntl lock never conflicts with its own process: without this table a
+// second spelling would open a second writer. Guarded by g_open_mu, which
+// open holds from the check to the insert.
+using DirId = std::pair<dev_t, ino_t>;
+std::mutex g_open_mu;
+std::map<DirId, std::string> g_open_dirs;
+
+Status check_not_open_here(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return Status::OK();  // no directory yet: nothing open there
+  auto it = g_open_dirs.find({st.st_dev, st.st_ino});
+  if (it == g_open_dirs.end()) return Status::OK();
+  return Status::Busy(cannot_open(path) + ": it is already open for writing by another handle in this process, as '" +
+                      it->second + "'");
+}
+
+// Busy when another process holds RocksDB's LOCK on the directory, checked
+// before RocksDB's open, which would first start a new info LOG (renaming
+// the holder's). Only after check_not_open_here: closing any descriptor of
+// LOCK drops this process's own fcntl lock on it.
+Status check_not_held_elsewhere(const std::string& path) {
+  const int fd = ::open((path + "/LOCK").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::OK();  // no LOCK file yet: nobody holds it
+  struct flock probe {};
+  probe.l_type = F_WRLCK;
+  probe.l_whence = SEEK_SET;
+  const bool held = ::fcntl(fd, F_GETLK, &probe) == 0 && probe.l_type != F_UNLCK;
+  ::close(fd);
+  if (!held) return Status::OK();
+  return Status::Busy(cannot_open(path) + ": it is already open by another process (pid " +
+                      std::to_string(probe.l_pid) + " holds " + path + "/LOCK)");
+}
+
+bool is_lock_error(const rocksdb::Status& s) {
+  const std::string text = s.ToString();
+  return s.IsIOError() && (text.find("/LOCK") != std::string::npos || text.find("lock hold") != std::string::npos);
+}
+
+// What is at `path` before RocksDB is asked to open it: nothing to open (a
+// Status), a database (true) or nothing yet (false).
+Result<bool> check_path(const std::string& path, const GlobalViewOptions& options) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec && ec != std::errc::no_such_file_or_directory) return Status::IOError(cannot_open(path) + ": " + ec.message());
+  if (!fs::exists(st)) {
+    if (!options.create_if_missing || options.read_only) {
+      return Status::NotFound(cannot_open(path) + ": no such directory" +
+                              (options.read_only ? " (a read-only open never creates one)" : ""));
+    }
+    return false;
+  }
+  if (!fs::is_directory(st)) {
+    return Status::InvalidArgument(cannot_open(path) + ": it is a " +
+                                   (fs::is_regular_file(st) ? "regular file" : "non-directory file") +
+                                   ", not a directory");
+  }
+  const bool exists = fs::exists(fs::path(path) / "CURRENT", ec);
+  if (!exists && (options.read_only || !options.create_if_missing)) {
+    return Status::NotFound(cannot_open(path) + ": the directory holds no database (no CURRENT file)" +
+                            (options.read_only ? "; a read-only open never creates one" : ""));
+  }
+  if (options.read_only) return exists;
+  if (::access(path.c_str(), W_OK | X_OK) != 0) {
+    return Status::IOError(cannot_open(path) + ": directory is not writable (" + std::strerror(errno) + ")");
+  }
+  if (Status s = check_not_held_elsewhere(path); !s.ok()) return s;
+  return exists;
+}
+
+// InvalidArgument unless the database at `path` has exactly the view's
+// column families: a tidal Db (or any other RocksDB database) is refused
+// before RocksDB opens it for writing, so it is left as it was.
+Status check_column_families(const std::string& path) {
+  std::vector<std::string> names;
+  rocksdb::Status s = rocksdb::DB::ListColumnFamilies(rocksdb::DBOptions(), path, &names);
+  if (!s.ok()) return from_rocksdb(s, cannot_open(path) + ": listing its column families failed");
+  std::sort(names.begin(), names.end());
+  if (names == std::vector<std::string>{kViewAggregatesFamily, kViewMetaFamily}) return Status::OK();
+  std::string list;
+  for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
+  if (std::find(names.begin(), names.end(), "users") != names.end()) {
+    return Status::InvalidArgument(cannot_open(path) + ": the directory holds a tidal Db (column families " + list +
+                                   "), not a global view");
+  }
+  return Status::InvalidArgument(cannot_open(path) + ": the directory holds a RocksDB database that is not a tidal " +
+                                 "global view (column families " + list + "; a view has aggregates, default)");
+}
+
+// The RocksDB options of a view: bounded memory (the block cache, index and
+// filter blocks included, and 64 MiB of memtables), bloom filters, the
+// integer-add merge operator on aggregates, and the files kept small on a
+// small disk (no WAL preallocation, at most 16 MiB of WAL, two info logs).
+// The partitioned index and filters are the Db's (storage/storage.cc): a
+// point read loads one small partition, not a whole file's filter.
+rocksdb::Options view_options(const GlobalViewOptions& config,
+                              std::vector<rocksdb::ColumnFamilyDescriptor>* descriptors) {
+  rocksdb::Options options;
+  options.create_if_missing = config.create_if_missing && !config.read_only;
+  options.create_missing_column_families = !config.read_only;
+  options.paranoid_checks = true;
+  options.avoid_flush_during_shutdown = false;
+  options.keep_log_file_num = 2;
+  options.allow_fallocate = false;
+  options.max_total_wal_size = 16 << 20;
+  options.db_write_buffer_size = 64 << 20;
+
+  rocksdb::BlockBasedTableOptions table;
+  table.block_cache = rocksdb::NewLRUCache(config.block_cache_bytes);
+  table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
+  table.cache_index_and_filter_blocks = true;
+  table.cache_index_and_filter_blocks_with_high_priority = true;
+  table.index_type = rocksdb::BlockBasedTableOptions::kTwoLevelIndexSearch;
+  table.partition_filters = true;
+  table.metadata_block_size = 4096;
+  table.pin_top_level_index_and_filter = true;
+  std::shared_ptr<rocksdb::TableFactory> factory(rocksdb::NewBlockBasedTableFactory(table));
+
+  rocksdb::ColumnFamilyOptions meta(options);
+  meta.table_factory = factory;
+  rocksdb::ColumnFamilyOptions aggregates(options);
+  aggregates.table_factory = factory;
+  aggregates.merge_operator = new_units_add_operator();
+  aggregates.level_compaction_dynamic_level_bytes = true;
+  descriptors->emplace_back(kViewMetaFamily, meta);
+  descriptors->emplace_back(kViewAggregatesFamily, aggregates);
+  return options;
+}
+
+// ---- views alive in the process, for the exit handler ----
+
+// Allocated once and never destroyed, so it outlives every static destructor.
+struct LiveViews {
+  std::mutex mu;
+  std::vector<GlobalView::Impl*> impls;
+  bool exiting = false;  // set by the exit handler; ~GlobalView then leaks the Impl
+};
+LiveViews& live_views() {
+  static LiveViews* const views = new LiveViews();
+  return *views;
+}
+
+bool exit_started() {
+  LiveViews& views = live_views();
+  std::lock_guard<std::mutex> lock(views.mu);
+  return views.exiting;
+}
+
+void close_all_at_exit();
+
+// Registered at the end of the first successful open, so it runs before the
+// destructors of RocksDB's statics built during that open (which close
+// needs) and before that of a host global constructed earlier, which then
+// finds its view closed (as the Db's exit handler, db/db_impl_open.cc).
+void register_exit_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] { std::atexit(&close_all_at_exit); });
+}
+
+}  // namespace
+
+// One public call, counted in calls_ while it runs; refused (Closed, counting
+// nothing) once close() has begun. closed_ and calls_ are seq_cst on both
+// sides (Dekker): either the caller sees closed_, or close() sees the call
+// counted and waits for it.
+class GlobalView::Impl::Call {
+ public:
+  Call(const Impl* impl, const char* what) : impl_(impl) {
+    impl_->calls_.fetch_add(1, std::memory_order_seq_cst);
+    if (impl_->closed_.load(std::memory_order_seq_cst)) {
+      status_ = Status::Closed(std::string(what) + " on a closed global view");
+    }
+  }
+  ~Call() {
+    if (impl_->calls_.fetch_sub(1, std::memory_order_seq_cst) == 1 && impl_->closed_.load(std::memory_order_seq_cst)) {
+      std::lock_guard<std::mutex> lock(impl_->drain_mu_);  // close() is waiting or has not checked calls_ yet
+      impl_->drained_.notify_all();
+    }
+  }
+  Call(const Call&) = delete;
+  Call& operator=(const Call&) = delete;
+  const Status& status() const { return status_; }
+
+ private:
+  const Impl* impl_;
+  Status status_;
+};
+
+namespace {
+void close_all_at_exit() {
+  LiveViews& views = live_views();
+  // Held throughout, so no ~Impl runs on another thread meanwhile.
+  std::lock_guard<std::mutex> lock(views.mu);
+  views.exiting = true;
+  for (GlobalView::Impl* impl : views.impls) (void)impl->close();
+}
+}  // namespace
+
+GlobalView::Impl::Impl(std::string path, const GlobalViewOptions& options)
+    : path_(std::move(path)), options_(options) {
+  LiveViews& views = live_views();
+  std::lock_guard<std::mutex> lock(views.mu);
+  views.impls.push_back(this);
+}
+
+GlobalView::Impl::~Impl() {
+  if (db_ != nullptr) (void)shut_down(/*flush=*/false);
+  LiveViews& views = live_views();
+  std::lock_guard<std::mutex> lock(views.mu);
+  views.impls.erase(std::find(views.impls.begin(), views.impls.end(), this));
+}
+
+Result<std::unique_ptr<GlobalView>> GlobalView::Impl::open(const std::string& path, const GlobalViewOptions& options,
+                                                           rocksdb::Env* env) {
+  // Constructed (listed for the exit handler) before g_open_mu is taken, and
+  // destroyed after it is released: the exit handler takes the two locks in
+  // the other order (live_views().mu, then g_open_mu in shut_down).
+  auto impl = std::unique_ptr<Impl>(new Impl(path, options));
+  std::unique_lock<std::mutex> registry(g_open_mu);
+  if (!options.read_only) {
+    if (Status s = check_not_open_here(path); !s.ok()) return s;
+  }
+  Result<bool> exists = check_path(path, options);
+  if (!exists.ok()) return exists.status();
+  if (*exists) {
+    if (Status s = check_column_families(path); !s.ok()) return s;
+  }
+
+  std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
+  rocksdb::Options rocks = view_options(options, &descriptors);
+  if (env != nullptr) rocks.env = env;
+  rocksdb::DB* raw = nullptr;
+  const rocksdb::Status s = options.read_only
+                                ? rocksdb::DB::OpenForReadOnly(rocks, path, descriptors, &impl->handles_, &raw)
+                                : rocksdb::DB::Open(rocks, path, descriptors, &impl->handles_, &raw);
+  if (!s.ok()) {
+    if (is_lock_error(s)) {
+      return Status::Busy(cannot_open(path) + ": it is already open by another handle (this process or another one): " +
+                          s.ToString());
+    }
+    return from_rocksdb(s, cannot_open(path));
+  }
+  impl->db_.reset(raw);
+  if (Status f = impl->check_format(/*created=*/!*exists); !f.ok()) return f;  // ~Impl closes RocksDB
+  if (!options.read_only) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      return Status::IOError(cannot_open(path) + ": stat of the directory failed (" + std::strerror(errno) + ")");
+    }
+    impl->registry_id_ = DirId{st.st_dev, st.st_ino};
+    std::error_code ec;
+    const fs::path canonical = fs::weakly_canonical(path, ec);
+    g_open_dirs.emplace(*impl->registry_id_, ec ? path : canonical.string());
+  }
+  register_exit_handler();
+  return std::unique_ptr<GlobalView>(new GlobalView(std::move(impl)));
+}
+
+Status GlobalView::Impl::check_format(bool created) {
+  std::string mark;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta(), kViewFormatKey, &mark);
+  if (s.ok()) {
+    if (mark == kViewFormat) return Status::OK();
+    return Status::InvalidArgument(cannot_open(path_) + ": its view_format is '" + mark + "'; this version reads '" +
+                                   kViewFormat + "' (docs/FORMAT.md)");
+  }
+  if (!s.IsNotFound()) return from_rocksdb(s, cannot_open(path_) + ": reading its view_format failed");
+  if (!created) {
+    // A creation cut short before the mark was written left nothing else.
+    for (rocksdb::ColumnFamilyHandle* cf : handles_) {
+      std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), cf));
+      it->SeekToFirst();
+      if (it->Valid() && cf == meta() && it->key() == rocksdb::Slice(kCleanCloseKey)) it->Next();
+      if (Status is = from_rocksdb(it->status(), cannot_open(path_)); !is.ok()) return is;
+      if (it->Valid()) {
+        return Status::InvalidArgument(cannot_open(path_) + ": it has the column families of a view and records, "
+                                       "but no view_format mark (not written by tidal)");
+      }
+    }
+  }
+  if (options_.read_only) return Status::OK();  // an empty view: it reads as one
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return from_rocksdb(db_->Put(wo, meta(), kViewFormatKey, kViewFormat),
+                      cannot_open(path_) + ": writing its view_format failed");
+}
+
+Status GlobalView::Impl::shut_down(bool flush) {
+  Status result;
+  if (flush && !options_.read_only) {
+    // RocksDB deletes a WAL only once a flush moved every column family past
+    // it, and a flush of empty memtables does nothing: a memtable-only
+    // record makes it happen, so the next open replays no WAL.
+    rocksdb::WriteOptions no_wal;
+    no_wal.disableWAL = true;
+    (void)db_->Put(no_wal, meta(), kCleanCloseKey, "");
+    rocksdb::FlushOptions fo;
+    fo.allow_write_stall = true;
+    result = from_rocksdb(db_->Flush(fo, handles_), "close of the " + view_at(path_));
+  }
+  for (rocksdb::ColumnFamilyHandle* h : handles_) {
+    if (Status s = from_rocksdb(db_->DestroyColumnFamilyHandle(h), "close of the " + view_at(path_));
+        !s.ok() && result.ok()) {
+      result = s;
+    }
+  }
+  handles_.clear();
+  if (Status s = from_rocksdb(db_->Close(), "close of the " + view_at(path_)); !s.ok() && result.ok()) result = s;
+  db_.reset();
+  if (registry_id_) {
+    std::lock_guard<std::mutex> registry(g_open_mu);
+    g_open_dirs.erase(*registry_id_);
+    registry_id_.reset();
+  }
+  return result;
+}
+
+Status GlobalView::Impl::close() {
+  std::lock_guard<std::mutex> closing(close_mu_);
+  if (closed_.exchange(true, std::memory_order_seq_cst)) return Status::OK();
+  {
+    std::unique_lock<std::mutex> lock(drain_mu_);
+    drained_.wait(lock, [&] { return calls_.load(std::memory_order_seq_cst) == 0; });
+  }
+  return shut_down(/*flush=*/true);
+}
+
+Result<std::uint64_t> GlobalView::Impl::read_applied(std::uint64_t shard_id) const {
+  const std::string key = encode_applied_key(shard_id);
+  std::string value;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta(), key, &value);
+  if (s.IsNotFound()) return std::uint64_t{0};
+  if (!s.ok()) {
+    return from_rocksdb(s, "read of shard " + std::to_string(shard_id) + "'s applied seq (key " + hex(key) +
+                               ") of the " + view_at(path_));
+  }
+  std::optional<std::uint64_t> seq = decode_applied_seq(value);
+  if (!seq) {
+    return Status::Corruption("shard " + std::to_string(shard_id) + "'s applied seq (key " + hex(key) + ") of the " +
+                              view_at(path_) + " has a " + std::to_string(value.size()) + "-byte value; expected 8");
+  }
+  return *seq;
+}
+
+Result<bool> GlobalView::Impl::apply(const ChangeBatch& batch) {
+  Call call(this, "apply");
+  if (!call.status().ok()) return call.status();
+  const std::string what = "apply of " + shard_seq(batch.shard_id, batch.seq) + " to the " + view_at(path_);
+  if (options_.read_only) return Status::InvalidArgument(what + ": the view is open read-only");
+  if (batch.seq == 0) return Status::InvalidArgument(what + ": seqs start at 1; nothing changed");
+
+  // The payload is decoded whole, into the batch's merge operands, before
+  // anything is read or written.
+  if (batch.payload.size() > kMaxChangePayloadBytes) {
+    return Status::Corruption(what + ": the payload does not decode: " + std::to_string(batch.payload.size()) +
+                              " bytes, above kMaxChangePayloadBytes (" + std::to_string(kMaxChangePayloadBytes) +
+                              "); nothing changed");
+  }
+  rocksdb::WriteBatch write;
+  rocksdb::Status added;
+  std::string key, units;
+  std::string error;
+  const bool decoded = decode_feed_payload(
+      batch.payload,
+      [&](const FeedEntry& e) {
+        key.clear();
+        put_aggregate_key(&key, e.kind, e.owner, e.item);
+        units.clear();
+        put_units(&units, e.delta);
+        if (added.ok()) added = write.Merge(aggregates(), slice(key), slice(units));
+      },
+      &error);
+  if (!decoded) return Status::Corruption(what + ": the payload does not decode: " + error + "; nothing changed");
+  if (!added.ok()) return from_rocksdb(added, what + ": building its write failed; nothing changed");
+
+  std::lock_guard<std::mutex> serial(apply_mu_);
+  Result<std::uint64_t> applied = read_applied(batch.shard_id);
+  if (!applied.ok()) return applied.status();
+  if (batch.seq <= *applied) return false;  // delivered again
+  if (batch.seq != *applied + 1) {
+    return Status::Corruption("gap: shard " + std::to_string(batch.shard_id) + " has applied through " +
+                              std::to_string(*applied) + "; batch seq " + std::to_string(batch.seq) + " (" +
+                              view_at(path_) + "); nothing changed: apply seq " + std::to_string(*applied + 1) +
+                              " first");
+  }
+  // The deltas and the shard's new applied seq in one atomic, fsynced write:
+  // after a crash either both are there or neither.
+  added = write.Put(meta(), encode_applied_key(batch.shard_id), encode_applied_seq(batch.seq));
+  if (!added.ok()) return from_rocksdb(added, what + ": building its write failed; nothing changed");
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  if (Status s = from_rocksdb(db_->Write(wo, &write),
+                              what + " failed; the batch may or may not be stored (applied_seq tells after a "
+                                     "reopen; delivering it again is safe)");
+      !s.ok()) {
+    return s;
+  }
+  return true;
+}
+
+Result<std::uint64_t> GlobalView::Impl::applied_seq(std::uint64_t shard_id) const {
+  Call call(this, "applied_seq");
+  if (!call.status().ok()) return call.status();
+  return read_applied(shard_id);
+}
+
+Result<std::vector<ShardProgress>> GlobalView::Impl::applied_shards() const {
+  Call call(this, "applied_shards");
+  if (!call.status().ok()) return call.status();
+  std::vector<ShardProgress> out;
+  const rocksdb::Slice prefix(kAppliedPrefix, kAppliedPrefixSize);
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), meta()));
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    const std::optional<std::uint64_t> shard = decode_applied_key(view(it->key()));
+    const std::optional<std::uint64_t> seq = decode_applied_seq(view(it->value()));
+    if (!shard || !seq) {
+      return Status::Corruption("applied record (key " + hex(view(it->key())) + ") of the " + view_at(path_) +
+                                " does not decode: expected an 8-byte shard id in the key and an 8-byte seq, got a " +
+                                std::to_string(it->value().size()) + "-byte value");
+    }
+    out.push_back({*shard, *seq});
+  }
+  if (Status s = from_rocksdb(it->status(), "applied_shards of the " + view_at(path_)); !s.ok()) return s;
+  return out;
+}
+
+Result<double> GlobalView::Impl::score(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const {
+  Call call(this, "score read");
+  if (!call.status().ok()) return call.status();
+  const std::string key = encode_aggregate_key(kind, owner, item);
+  const std::string cell = describe(AggregateCell{kind, owner, item});
+  std::string value;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), aggregates(), slice(key), &value);
+  if (s.IsNotFound()) return 0.0;
+  if (!s.ok()) return from_rocksdb(s, "read of aggregate " + cell + " (key " + hex(key) + ") of the " + view_at(path_));
+  std::optional<Units> sum = decode_units(value);
+  if (!sum) {
+    return Status::Corruption("aggregate " + cell + " (key " + hex(key) + ") of the " + view_at(path_) + " has a " +
+                              std::to_string(value.size()) + "-byte value; expected 16");
+  }
+  return units_to_double(*sum);
+}
+
+Status GlobalView::Impl::checkpoint(const std::string& dir) const {
+  Call call(this, "checkpoint");
+  if (!call.status().ok()) return call.status();
+  const std::string what = "checkpoint of the " + view_at(path_) + " into '" + dir + "'";
+  if (options_.read_only) return Status::InvalidArgument(what + ": the view is open read-only");
+  if (dir.empty()) return Status::InvalidArgument(what + ": no directory given");
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(dir, ec))) {
+    return Status::InvalidArgument(what + ": '" + dir + "' already exists; a checkpoint is made into a new directory");
+  }
+  // Applies wait, so the copy holds exactly the batches applied before it.
+  std::lock_guard<std::mutex> serial(apply_mu_);
+  rocksdb::Checkpoint* raw = nullptr;
+  if (Status s = from_rocksdb(rocksdb::Checkpoint::Create(db_.get(), &raw), what); !s.ok()) return s;
+  std::unique_ptr<rocksdb::Checkpoint> cp(raw);
+  // log_size_for_flush 0: memtables are flushed first, so the copy is SST files.
+  return from_rocksdb(cp->CreateCheckpoint(dir, /*log_size_for_flush=*/0), what);
+}
+
+// ---- GlobalView facade ----
+
+GlobalView::GlobalView(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+GlobalView::~GlobalView() {
+  if (!impl_) return;
+  (void)guarded("global view close", [&] { return impl_->close(); });
+  // Past the exit handler RocksDB's statics may be gone: leave the Impl
+  // (closed) to the operating system.
+  if (exit_started()) (void)impl_.release();
+}
+
+Result<std::unique_ptr<GlobalView>> GlobalView::open(const std::string& path, const GlobalViewOptions& options) {
+  return guarded("global view open", [&]() -> Result<std::unique_ptr<GlobalView>> {
+    return Impl::open(path, options, nullptr);
+  });
+}
+
+Status GlobalView::close() {
+  return guarded("global view close", [&] { return impl_->close(); });
+}
+
+Result<bool> GlobalView::apply(const ChangeBatch& batch) {
+  return guarded("global view apply", [&] { return impl_->apply(batch); });
+}
+
+Result<std::uint64_t> GlobalView::applied_seq(std::uint64_t shard_id) const {
+  return guarded("global view applied_seq", [&] { return impl_->applied_seq(shard_id); });
+}
+
+Result<std::vector<ShardProgress>> GlobalView::applied_shards() const {
+  return guarded("global view applied_shards", [&] { return impl_->applied_shards(); });
+}
+
+Result<double> GlobalView::cohort_score(std::uint64_t cohort_id, std::uint64_t item_id) const {
+  return guarded("global view score read", [&] { return impl_->score(AggregateKind::Cohort, cohort_id, item_id); });
+}
+
+Result<double> GlobalView::community_score(std::uint64_t community_id, std::uint64_t item_id) const {
+  return guarded("global view score read",
+                 [&] { return impl_->score(AggregateKind::Community, community_id, item_id); });
+}
+
+Status GlobalView::checkpoint(const std::string& dir) const {
+  return guarded("global view checkpoint", [&] { return impl_->checkpoint(dir); });
+}
+
+}  // namespace tidal
