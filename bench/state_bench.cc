@@ -115,9 +115,10 @@ double run_signals(std::uint64_t per_thread, Fn fn) {
 
 // tidal's Db: memberships joined without fsync, then reopened with the
 // defaults (the state store syncs each batch; aggregate_write_period 1 s).
-std::unique_ptr<Db> make_state_store_db(std::size_t write_buffer_bytes) {
+std::unique_ptr<Db> make_state_store_db(std::size_t write_buffer_bytes, bool change_feed = false) {
   {
-    const std::string path = scratch_dir("state-" + std::to_string(write_buffer_bytes));
+    const std::string path =
+        scratch_dir("state-" + std::to_string(write_buffer_bytes) + (change_feed ? "-feed" : ""));
     {
       Options bulk;
       bulk.sync_writes = false;
@@ -129,6 +130,7 @@ std::unique_ptr<Db> make_state_store_db(std::size_t write_buffer_bytes) {
     }
     Options options;
     options.write_buffer_bytes = write_buffer_bytes;
+    options.change_feed = change_feed;
     return must_open(path, options);
   }
 }
@@ -316,6 +318,41 @@ void BM_ThroughputRatio(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_ThroughputRatio)->Iterations(1)->UseManualTime()->Unit(benchmark::kSecond);
+
+// What the change feed costs the signal path's throughput: each iteration
+// runs TIDAL_STATE_BENCH_SIGNALS signals (then flush()) through a Db
+// without the feed, then through one with it, which a consumer then trims
+// (as a publisher does once its batches are acknowledged). Reports the
+// ratio of the two rates (1.0: free).
+std::unique_ptr<Db> g_feed_db;
+
+void BM_ChangeFeedThroughputRatio(benchmark::State& state) {
+  const std::uint64_t per_thread = env_or("TIDAL_STATE_BENCH_SIGNALS", 2'000'000) / kSignalThreads;
+  const double total = static_cast<double>(per_thread * kSignalThreads);
+  Db& plain = state_store_db();
+  if (!g_feed_db) g_feed_db = make_state_store_db(Options{}.write_buffer_bytes, /*change_feed=*/true);
+  Db& fed = *g_feed_db;
+  for (auto _ : state) {
+    auto start = Clock::now();
+    run_signals(per_thread, [&plain](const DemoSignal& s) { signal_state_store(plain, s); });
+    check(plain.flush(), "flush");
+    const double plain_s = seconds(Clock::now() - start);
+    const Stats before = fed.stats();
+    start = Clock::now();
+    run_signals(per_thread, [&fed](const DemoSignal& s) { signal_state_store(fed, s); });
+    check(fed.flush(), "flush");
+    const double feed_s = seconds(Clock::now() - start);
+    const Stats after = fed.stats();
+    check(fed.trim_changes(after.change_feed_last_seq), "trim");
+    state.SetIterationTime(plain_s + feed_s);
+    state.counters["plain_per_s"] = total / plain_s;
+    state.counters["feed_per_s"] = total / feed_s;
+    state.counters["ratio"] = plain_s / feed_s;
+    state.counters["feed_batches"] = static_cast<double>(after.change_feed_last_seq - before.change_feed_last_seq);
+    state.counters["feed_MiB"] = static_cast<double>(after.change_feed_pending_bytes) / (1 << 20);
+  }
+}
+BENCHMARK(BM_ChangeFeedThroughputRatio)->Iterations(1)->Repetitions(3)->UseManualTime()->Unit(benchmark::kSecond);
 
 // ---- 2. signal latency while flush() runs ----
 
@@ -526,6 +563,7 @@ int main(int argc, char** argv) {
   benchmark::Shutdown();
   using namespace tidal::bench;
   g_state_dbs.clear();
+  g_feed_db.reset();
   g_hand_written.reset();
   g_in_memory.reset();
   for (auto& f : g_read_fixtures) f.reset();

@@ -29,6 +29,11 @@
 //     joins u to community u, signals u on items 1 (weight 1.5) and 2
 //     (0.25) with cohort u, flushes and prints "F <u>", leaves and prints
 //     "B <u>", purges u and prints "A <u> <entries removed>" (4 expected).
+//   tidal_crash_child feed <db-path> <shard> <seed>
+//     Opens the Db with the change feed on (shard <shard>), joins users
+//     0-39 to communities 100-102, prints "R", then signals random users on
+//     items 0-49 with two of cohorts 0-6 (the writer writes every 20 ms), and
+//     every 300 signals leaves, purges and rejoins a user, printing "P <u>".
 //   tidal_crash_child open <db-path>
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
@@ -100,6 +105,37 @@ int run_signals(const std::string& path, std::uint64_t period_ms) {
     say("A " + std::to_string(i) + " " +
         std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()));
     ::usleep(100);
+  }
+}
+
+// Signals users 0..39 (joined to communities 100..102) on items 0..49 with
+// cohorts 0..6, with the change feed on; every 300 signals leaves, purges
+// and rejoins one user. The writer writes every 20 ms.
+int run_feed(const std::string& path, std::uint64_t shard, std::uint64_t seed) {
+  tidal::Options options;
+  options.change_feed = true;
+  options.shard_id = shard;
+  options.aggregate_write_period = std::chrono::milliseconds(20);
+  auto db = tidal::Db::open(path, options);
+  if (!db.ok()) fail("open", db.status());
+  for (std::uint64_t u = 0; u < 40; ++u) {
+    if (tidal::Status s = (*db)->join_community(u, 100 + u % 3); !s.ok()) fail("join", s);
+  }
+  say("R");
+  std::mt19937_64 rng(seed);
+  for (std::uint64_t i = 1;; ++i) {
+    const std::uint64_t user = rng() % 40;
+    const double weight = static_cast<double>(rng() % 1000) / 7.0 - 40.0;
+    auto out = (*db)->signal_with_context({user, rng() % 50, weight}, tidal::SignalContext{{rng() % 7, rng() % 7}});
+    if (!out.ok()) fail("signal", out.status());
+    if (i % 300 == 0) {
+      const std::uint64_t leaver = rng() % 40;
+      if (tidal::Status s = (*db)->leave_community_layer(leaver); !s.ok()) fail("leave", s);
+      auto purged = (*db)->purge_community_contributions(leaver);
+      if (!purged.ok()) fail("purge", purged.status());
+      if (tidal::Status s = (*db)->rejoin_community_layer(leaver); !s.ok()) fail("rejoin", s);
+      say("P " + std::to_string(leaver));
+    }
   }
 }
 
@@ -177,6 +213,9 @@ int main(int argc, char** argv) {
   if (mode == "open" && argc == 3) return run_open(argv[2]);
   if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "signals" && argc == 4) return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10));
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> | purges <db> <first-user>");
+  if (mode == "feed" && argc == 5) {
+    return run_feed(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
+  }
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> | purges <db> <first-user> | feed <db> <shard> <seed>");
   return 2;
 }

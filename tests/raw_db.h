@@ -25,6 +25,16 @@ struct RawDb {
     for (const char* name : {"default", "users", "by_tag", "aggregates", "ledger"}) {
       cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
     }
+    // And any other column family the Db has (the change feed's), which a
+    // read-write open must name.
+    std::vector<std::string> existing;
+    if (rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &existing).ok()) {
+      for (const std::string& name : existing) {
+        bool known = false;
+        for (const auto& cf : cfs) known = known || cf.name == name;
+        if (!known) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+      }
+    }
     cfs[kAggregates].options.merge_operator = new_units_add_operator();
     rocksdb::Options options;
     options.create_if_missing = true;

@@ -50,6 +50,8 @@ Read-only commands (work while a host service holds the Db open):
   rematerialize    recompute every cohort and community aggregate from the
                    contribution ledger and compare exactly; one line per
                    mismatch (key, stored, recomputed), exit 1 if any
+  changes          the change feed: shard id, last seq, trim point and the
+                   payload bytes not yet trimmed ("off" without a feed)
 
 Write commands (need the Db to themselves; fail with exit 1 while it is held):
   leave USER       leave the community layer (durable on return; no-op if Left)
@@ -94,6 +96,7 @@ constexpr Command kCommands[] = {
     {"verify", false, false},   {"leave", true, true},    {"rejoin", true, true},
     {"purge", true, true},      {"receipts", true, false}, {"rematerialize", false, false},
     {"view", false, false},  // view PATH ...: a GlobalView, not a Db (cmd_view)
+    {"changes", false, false},
 };
 
 struct Args {
@@ -232,6 +235,32 @@ int cmd_list_left(tidal::Db& db, bool json) {
   });
   if (!s.ok()) return db_failure("list-left", s);
   if (!json) std::printf("(%llu users Left)\n", static_cast<unsigned long long>(count));
+  return kExitOk;
+}
+
+int cmd_changes(tidal::Db& db, bool json) {
+  const tidal::Stats st = db.stats();
+  if (json) {
+    if (!st.change_feed) {
+      std::printf("{\"change_feed\":false}\n");
+    } else {
+      std::printf("{\"change_feed\":true,\"shard_id\":%llu,\"last_seq\":%llu,\"trimmed_seq\":%llu,\"pending_bytes\":%llu}\n",
+                  static_cast<unsigned long long>(st.change_feed_shard_id),
+                  static_cast<unsigned long long>(st.change_feed_last_seq),
+                  static_cast<unsigned long long>(st.change_feed_trimmed_seq),
+                  static_cast<unsigned long long>(st.change_feed_pending_bytes));
+    }
+    return kExitOk;
+  }
+  if (!st.change_feed) {
+    std::printf("change_feed    off (the Db keeps no change feed)\n");
+    return kExitOk;
+  }
+  std::printf("change_feed    on\nshard_id       %llu\nlast_seq       %llu\ntrimmed_seq    %llu\npending_bytes  %llu\n",
+              static_cast<unsigned long long>(st.change_feed_shard_id),
+              static_cast<unsigned long long>(st.change_feed_last_seq),
+              static_cast<unsigned long long>(st.change_feed_trimmed_seq),
+              static_cast<unsigned long long>(st.change_feed_pending_bytes));
   return kExitOk;
 }
 
@@ -685,6 +714,20 @@ int run(int argc, char** argv) {
   // instead of failing the open (read-only: nothing is written).
   if (name == "verify") options.corrupt_record_policy = tidal::CorruptRecordPolicy::TreatAsLeft;
   tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(path, options);
+  if (!opened.ok() && !options.read_only && opened.status().code() == tidal::StatusCode::InvalidArgument &&
+      opened.status().message().find("keeps a change feed") != std::string::npos) {
+    // A Db with a change feed: a write must go into its feed too. Its shard
+    // id, from a read-only open, then the writable open with the feed.
+    tidal::Options ro = options;
+    ro.read_only = true;
+    tidal::Result<std::unique_ptr<tidal::Db>> reader = tidal::Db::open(path, ro);
+    if (reader.ok()) {
+      options.change_feed = true;
+      options.shard_id = (*reader)->stats().change_feed_shard_id;
+      (void)(*reader)->close();
+      opened = tidal::Db::open(path, options);
+    }
+  }
   if (!opened.ok()) {
     const tidal::Status& s = opened.status();
     if (s.code() == tidal::StatusCode::Busy) return held_failure(name, path, s.to_string());
@@ -700,6 +743,7 @@ int run(int argc, char** argv) {
   else if (name == "history") rc = cmd_history(db, *user, args.json);
   else if (name == "list-left") rc = cmd_list_left(db, args.json);
   else if (name == "stats") rc = cmd_stats(db, args.json);
+  else if (name == "changes") rc = cmd_changes(db, args.json);
   else if (name == "verify") rc = cmd_verify(db, args.json);
   else if (name == "receipts") rc = cmd_receipts(db, *user, args.json);
   else if (name == "rematerialize") rc = cmd_rematerialize(db, args.repair, args.json);

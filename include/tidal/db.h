@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "tidal/change_batch.h"
 #include "tidal/status.h"
 #include "tidal/version.h"
 
@@ -169,6 +170,25 @@ struct Options {
   // RocksDB block cache shared by every column family, index and filter
   // blocks included: the memory score reads use. Default: 64 MiB.
   std::size_t block_cache_bytes = 64 << 20;
+
+  // Keep a change feed: every change to a shared (cohort or community)
+  // aggregate, as exact deltas in batches numbered 1, 2, 3, ..., written in
+  // the same atomic step as the change and kept on disk until trim_changes
+  // (read_changes, docs/CONTRACT.md "Change feed"). Once a Db keeps a feed,
+  // every writable open must set it (else InvalidArgument). Turning it on
+  // for a Db that holds shared aggregates writes their values first, as
+  // batch 1.. (the seed), so a view fed from seq 1 is complete. Default: off.
+  bool change_feed = false;
+  // This Db's shard, carried by every batch; stored at the first open with
+  // change_feed, and another id later is InvalidArgument. Default: 0.
+  std::uint64_t shard_id = 0;
+  // Bound on the feed's untrimmed payload bytes. While the feed holds this
+  // much, no write is made (so it passes the bound by at most one write):
+  // the writer keeps its batch in memory and retries (signals
+  // then meet backpressure and, once the buffers are full, get Busy), a
+  // purge or a repair returns Busy, until the consumers trim. Nothing is
+  // ever dropped. Default: 1 GiB.
+  std::uint64_t change_feed_max_bytes = std::uint64_t{1} << 30;
 };
 
 // Counters a host would export. Each is a sum since open except users_left,
@@ -189,6 +209,12 @@ struct Stats {
   std::uint64_t aggregate_cells_written = 0;   // aggregate cells and ledger records stored
   std::uint64_t aggregate_cells_pending = 0;   // cells in memory now, not yet stored
   std::uint64_t backpressure_waits = 0;        // signals that waited for the writer (buffers full)
+  // The change feed (all 0 without one):
+  bool change_feed = false;                     // the Db keeps a change feed
+  std::uint64_t change_feed_shard_id = 0;       // its shard
+  std::uint64_t change_feed_last_seq = 0;       // the last batch written
+  std::uint64_t change_feed_trimmed_seq = 0;    // trimmed through this seq
+  std::uint64_t change_feed_pending_bytes = 0;  // payload bytes of the untrimmed batches
 };
 
 // What the gate held back for one user since their last leave (in memory only).
@@ -367,6 +393,19 @@ class Db {
   Result<RematerializeReport> rematerialize_shared_aggregates(bool repair = false);
 
   Stats stats() const;
+
+  // The change feed (Options::change_feed; docs/CONTRACT.md "Change feed").
+  // InvalidArgument when the Db keeps none. Batches with seq > after_seq,
+  // oldest first, up to about max_bytes of payload (at least one when there
+  // is one; empty when none is newer); NotFound when some of them were
+  // trimmed already. A batch is readable once its write is durable.
+  Result<std::vector<ChangeBatch>> read_changes(std::uint64_t after_seq, std::size_t max_bytes) const;
+  // The last batch's seq; 0 before the first.
+  Result<std::uint64_t> last_change_seq() const;
+  // The feed may forget batches up to through_seq (durable on return).
+  // InvalidArgument past the last seq; OK and nothing changed at or below
+  // the trim point.
+  Status trim_changes(std::uint64_t through_seq);
 
   class Impl;
 

@@ -33,7 +33,48 @@ Stats Db::Impl::stats() const {
   out.aggregate_cells_written = st.cells_written;
   out.aggregate_cells_pending = st.pending_cells;
   out.backpressure_waits = st.backpressure_waits;
+  if (feed_) {
+    const ChangeFeed::Stats f = feed_->stats();
+    out.change_feed = true;
+    out.change_feed_shard_id = f.shard_id;
+    out.change_feed_last_seq = f.last_seq;
+    out.change_feed_trimmed_seq = f.trimmed_through;
+    out.change_feed_pending_bytes = f.pending_bytes;
+  }
   return out;
+}
+
+Status Db::Impl::check_feed(const char* what) const {
+  if (feed_) return Status::OK();
+  return Status::InvalidArgument(std::string(what) + ": the Db at '" + storage_->path() +
+                                 "' keeps no change feed (open it with Options::change_feed)");
+}
+
+Result<std::vector<ChangeBatch>> Db::Impl::read_changes(std::uint64_t after_seq, std::size_t max_bytes) const {
+  return guarded("read_changes", [&]() -> Result<std::vector<ChangeBatch>> {
+    Call call(this, "read_changes", /*write=*/false);
+    if (!call.status().ok()) return call.status();
+    if (Status s = check_feed("read_changes"); !s.ok()) return s;
+    return feed_->read(after_seq, max_bytes);
+  });
+}
+
+Result<std::uint64_t> Db::Impl::last_change_seq() const {
+  return guarded("last_change_seq", [&]() -> Result<std::uint64_t> {
+    Call call(this, "last_change_seq", /*write=*/false);
+    if (!call.status().ok()) return call.status();
+    if (Status s = check_feed("last_change_seq"); !s.ok()) return s;
+    return feed_->last_seq();
+  });
+}
+
+Status Db::Impl::trim_changes(std::uint64_t through_seq) {
+  return guarded("trim_changes", [&]() -> Status {
+    Call call(this, "trim_changes", /*write=*/true);
+    if (!call.status().ok()) return call.status();
+    if (Status s = check_feed("trim_changes"); !s.ok()) return s;
+    return feed_->trim(through_seq);
+  });
 }
 
 Result<double> Db::Impl::score(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const {
@@ -108,5 +149,10 @@ Result<RematerializeReport> Db::rematerialize_shared_aggregates(bool repair) {
   return impl_->rematerialize_shared_aggregates(repair);
 }
 Stats Db::stats() const { return impl_->stats(); }
+Result<std::vector<ChangeBatch>> Db::read_changes(std::uint64_t after_seq, std::size_t max_bytes) const {
+  return impl_->read_changes(after_seq, max_bytes);
+}
+Result<std::uint64_t> Db::last_change_seq() const { return impl_->last_change_seq(); }
+Status Db::trim_changes(std::uint64_t through_seq) { return impl_->trim_changes(through_seq); }
 
 }  // namespace tidal

@@ -146,6 +146,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     auto impl = std::make_unique<Impl>(options, std::move(*storage));
     Storage& st = *impl->storage_;
     if (Status s = StateStore::check_format(st); !s.ok()) return s;
+    if (Status s = impl->open_feed(); !s.ok()) return s;
     if (Status s = ensure_index(st); !s.ok()) return s;
     if (Status s = rebuild_community_memberships(st, &impl->communities_); !s.ok()) return s;
     LeaveRebuildResult leaves;
@@ -168,6 +169,30 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     register_exit_handler();
     return std::unique_ptr<Db>(new Db(std::move(impl)));
   });
+}
+
+Status Db::Impl::open_feed() {
+  Result<std::optional<std::uint64_t>> stored = ChangeFeed::stored_shard(*storage_);
+  if (!stored.ok()) return stored.status();
+  if (!options_.change_feed && *stored && !options_.read_only) {
+    return Status::InvalidArgument("cannot open tidal Db at '" + storage_->path() + "': it keeps a change feed (shard " +
+                                   std::to_string(**stored) +
+                                   "), and a writable open without Options::change_feed would leave changes out of "
+                                   "it; open it with change_feed = true and shard_id = " +
+                                   std::to_string(**stored));
+  }
+  if (!options_.change_feed && !*stored) return Status::OK();
+  if (options_.read_only && !*stored) {
+    return Status::InvalidArgument("cannot open tidal Db at '" + storage_->path() +
+                                   "' read-only with Options::change_feed: it keeps no change feed yet");
+  }
+  // Read-only without change_feed: the stored feed, to read (nothing is written).
+  const std::uint64_t shard = options_.change_feed ? options_.shard_id : **stored;
+  Result<std::unique_ptr<ChangeFeed>> feed = ChangeFeed::open(storage_.get(), shard, options_.change_feed_max_bytes);
+  if (!feed.ok()) return feed.status();
+  feed_ = std::move(*feed);
+  state_->set_feed(feed_.get());
+  return Status::OK();
 }
 
 Status Db::Impl::check_writable(const char* what) const {

@@ -26,6 +26,7 @@
 #include "db/leave_gate.h"
 #include "db/maps.h"
 #include "db/state_store.h"
+#include "feed/change_feed.h"
 #include "storage/receipt.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
@@ -75,6 +76,10 @@ class Db::Impl {
   Result<std::vector<PurgeReceipt>> purge_receipts(std::uint64_t user_id) const;
   Result<RematerializeReport> rematerialize_shared_aggregates(bool repair);
   Stats stats() const;
+  // The change feed (feed/change_feed.h).
+  Result<std::vector<ChangeBatch>> read_changes(std::uint64_t after_seq, std::size_t max_bytes) const;
+  Result<std::uint64_t> last_change_seq() const;
+  Status trim_changes(std::uint64_t through_seq);
 
   // Closes every Db still open; run once by std::atexit (see db_impl_open.cc).
   static void close_all_at_exit();
@@ -119,6 +124,11 @@ class Db::Impl {
   bool report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out);
 
   Status change_membership(std::uint64_t user_id, std::uint64_t community_id, bool join);
+  // At open, before the writer starts: the change feed, when the Db keeps
+  // one or Options::change_feed asks for it (feed/change_feed.h).
+  Status open_feed();
+  // InvalidArgument naming `what` when the Db keeps no change feed.
+  Status check_feed(const char* what) const;
   // Checks that apply to every write: open, writable, not inside a sink callback.
   Status check_writable(const char* what) const;
   // Busy when the calling thread is inside a ContributionSink callback (a
@@ -194,7 +204,8 @@ class Db::Impl {
   libcuckoo::cuckoohash_map<std::uint64_t, GateActivity> held_back_;
   LeaveGate gate_;
   grace::Domain grace_;  // this Db's read sections: one per signal, tagged with its user
-  std::unique_ptr<StateStore> state_;  // after grace_: its writer waits out read sections
+  std::unique_ptr<ChangeFeed> feed_;   // null without Options::change_feed
+  std::unique_ptr<StateStore> state_;  // after grace_ and feed_: its writer waits out read sections and writes the feed
 
   std::array<CounterStripe, 16> stripes_;
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};

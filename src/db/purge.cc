@@ -217,6 +217,13 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_locked(const char* what, const
 Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<ReceiptRecord>& records,
                                    const std::vector<std::uint64_t>& marks, const std::string& what) {
   IngestBatch batch(storage_.get(), "purge." + std::to_string(records.front().purged_at_ns));
+  // The subtraction also enters the change feed, in the same ingestion, so
+  // the purge reaches every view.
+  std::optional<ChangeFeed::Appender> feed;
+  if (feed_) {
+    feed.emplace(feed_.get(), FeedOrigin::Purge,
+                 [&](const std::string& k, const std::string& v) { return batch.put(storage_->feed(), k, v); });
+  }
   // The aggregates' operands, in key order, in passes over the users'
   // ledgers that each sum the cells of one key range [lo, cut): at most
   // purge_pass_cells cells in memory, whatever the ledgers hold.
@@ -245,6 +252,7 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
       operand.clear();
       put_units(&operand, -units);
       if (rocksdb::Status m = batch.merge(storage_->aggregates(), view(k), operand); !m.ok()) return from_rocksdb(m, what);
+      if (feed) feed->add(view(k), -units);
     }
     if (!cut) break;
     lo = cut;
@@ -275,7 +283,15 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
     w = batch.put(storage_->meta(), erasure_pending_key(users[i]), since);
   }
   if (!w.ok()) return from_rocksdb(w, what);
-  return batch.ingest(what);
+  ChangeFeed::Appended appended;
+  if (feed) {
+    Result<ChangeFeed::Appended> a = feed->finish();
+    if (!a.ok()) return a.status();
+    appended = *a;
+  }
+  if (Status s = batch.ingest(what); !s.ok()) return s;
+  if (feed) feed_->committed(appended);
+  return Status::OK();
 }
 
 Result<std::optional<std::uint64_t>> Db::Impl::erasure_pending_since(std::uint64_t user) const {

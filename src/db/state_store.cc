@@ -261,6 +261,13 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     return std::tie(p.a, p.kind, p.b, p.c) < std::tie(q.a, q.kind, q.b, q.c);
   });
   IngestBatch files(storage_, std::to_string(epoch));
+  // The shared cells' deltas also enter the change feed, in the same
+  // ingestion (the aggregates come first, in key order).
+  std::optional<ChangeFeed::Appender> feed;
+  if (feed_ != nullptr) {
+    feed.emplace(feed_, FeedOrigin::Writer,
+                 [&](const std::string& k, const std::string& v) { return files.put(storage_->feed(), k, v); });
+  }
   std::string key, units_value, record;  // record: the ledger entries of one user so far
   *keys = 0;
   for (std::size_t i = 0; i < cells->size(); ++i) {
@@ -272,6 +279,7 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
       units_value.clear();
       put_units(&units_value, units);
       s = files.merge(storage_->aggregates(), key, units_value);
+      if (feed && cell.kind != static_cast<std::uint8_t>(AggregateKind::Personal)) feed->add(key, units);
       ++*keys;
     } else {
       put_ledger_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
@@ -283,7 +291,15 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     }
     if (!s.ok()) return from_rocksdb(s, what);
   }
-  return files.ingest(what);
+  ChangeFeed::Appended appended;
+  if (feed) {
+    Result<ChangeFeed::Appended> a = feed->finish();
+    if (!a.ok()) return a.status();
+    appended = *a;
+  }
+  if (Status s = files.ingest(what); !s.ok()) return s;
+  if (feed) feed_->committed(appended);
+  return Status::OK();
 }
 
 Result<Units> StateStore::read(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const {

@@ -44,6 +44,7 @@
 
 #include <libcuckoo/cuckoohash_map.hh>
 
+#include "feed/change_feed.h"
 #include "storage/state_format.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
@@ -79,6 +80,9 @@ class StateStore {
   // scores, no ledger) is refused with InvalidArgument, nothing changed.
   static Status check_format(Storage& storage);
 
+  // Every batch also enters `feed` (null: no feed), in the same ingestion.
+  // Before start().
+  void set_feed(ChangeFeed* feed) { feed_ = feed; }
   // Starts the background writer (not for read-only Dbs).
   void start();
   // Stops the writer and writes what is pending. Idempotent.
@@ -162,6 +166,7 @@ class StateStore {
                            std::uint64_t* keys) const;
 
   Storage* const storage_;
+  ChangeFeed* feed_ = nullptr;
   const Config config_;
   const std::function<Status()> quiesce_;
   const std::uint64_t soft_limit_;  // cells in the active buffer that wake the writer and slow signals

@@ -28,7 +28,8 @@ void FeedEncoder::add(std::string_view encoded_key, Units delta) {
 void FeedEncoder::seal() {
   if (count_ == 0) return;
   for (unsigned i = 0; i < 4; ++i) current_[2 + i] = static_cast<char>((count_ >> (8 * i)) & 0xff);
-  payloads_.push_back(std::move(current_));
+  if (sink_) sink_(std::move(current_));
+  else payloads_.push_back(std::move(current_));
   current_.clear();
   count_ = 0;
 }
@@ -49,8 +50,8 @@ bool decode_feed_payload(std::string_view payload, const std::function<void(cons
     return false;
   }
   const auto origin = static_cast<std::uint8_t>(payload[1]);
-  if (origin < 1 || origin > 3) {
-    *error = "payload origin " + std::to_string(origin) + ", expected 1, 2 or 3";
+  if (origin < 1 || origin > 4) {
+    *error = "payload origin " + std::to_string(origin) + ", expected 1 to 4";
     return false;
   }
   std::uint32_t count = 0;

@@ -3,7 +3,8 @@
 //   feed CF   key   [seq: 8 BE]                     (8 bytes)
 //             value the payload:
 //               [version: 1 = 0x01]
-//               [origin: 1]  1 the writer's batch, 2 a purge, 3 a repair
+//               [origin: 1]  1 the writer's batch, 2 a purge, 3 a repair,
+//                            4 the seed (FeedOrigin)
 //               [count: 4 LE]
 //               count entries of 33 bytes, keys strictly ascending:
 //                 [aggregate key: 17] = [kind: 1, 2 cohort / 3 community]
@@ -32,7 +33,10 @@ inline constexpr std::size_t kFeedHeaderSize = 6;
 inline constexpr std::size_t kFeedEntrySize = kAggregateKeySize + kUnitsSize;  // 33
 inline constexpr std::size_t kMaxFeedEntries = (kMaxChangePayloadBytes - kFeedHeaderSize) / kFeedEntrySize;
 
-enum class FeedOrigin : std::uint8_t { Writer = 1, Purge = 2, Repair = 3 };
+// What wrote a batch: the state store's writer, a purge, a repair of
+// re-materialization, or the seed written when the feed was turned on for a
+// Db that already held shared aggregates (their values, as deltas from 0).
+enum class FeedOrigin : std::uint8_t { Writer = 1, Purge = 2, Repair = 3, Seed = 4 };
 
 // [seq: 8 BE].
 std::string encode_feed_key(std::uint64_t seq);
@@ -47,10 +51,13 @@ struct FeedEntry {
 };
 
 // Builds payloads from entries added in ascending key order: each payload
-// holds at most kMaxFeedEntries; `finish` returns them all.
+// holds at most kMaxFeedEntries. Without a sink `finish` returns them all;
+// with one, each payload goes to the sink as soon as it is full (and the
+// last at `finish`), so the memory is one payload.
 class FeedEncoder {
  public:
-  explicit FeedEncoder(FeedOrigin origin) : origin_(origin) {}
+  explicit FeedEncoder(FeedOrigin origin, std::function<void(std::string payload)> sink = nullptr)
+      : origin_(origin), sink_(std::move(sink)) {}
   // `encoded_key` is a 17-byte aggregate key of a cohort or community cell.
   void add(std::string_view encoded_key, Units delta);
   bool empty() const { return payloads_.empty() && count_ == 0; }
@@ -59,6 +66,7 @@ class FeedEncoder {
  private:
   void seal();
   const FeedOrigin origin_;
+  const std::function<void(std::string payload)> sink_;
   std::vector<std::string> payloads_;
   std::string current_;
   std::uint32_t count_ = 0;

@@ -109,6 +109,13 @@ inline constexpr std::size_t kClockFloorValueSize = 8;
 inline constexpr char kErasurePendingPrefix[] = "erasure_pending/";
 std::string erasure_pending_key(std::uint64_t user_id);
 
+// The change feed (docs/FORMAT.md, "The change feed"): the shard id, stored
+// at the first open with Options::change_feed ([shard_id: 8 BE]), and the
+// trim point ([through_seq: 8 BE][end_offset: 8 BE], the payload bytes ever
+// appended through it).
+inline constexpr char kFeedShardKey[] = "feed_shard_id";
+inline constexpr char kFeedTrimmedKey[] = "feed_trimmed";
+
 // "clock_floor/" + [stripe: 8 bytes BE].
 std::string clock_floor_stripe_key(std::uint64_t stripe);
 // [ts: 8 bytes LE].

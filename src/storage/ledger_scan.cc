@@ -104,7 +104,7 @@ void report_absent(const AggregateKey& k, Units units, const std::function<void(
   if (units == 0) return;
   const std::string key(view(k));
   fn({key, "aggregate " + describe_key(key) + ": stored 0 (absent), ledger " + units_to_string(units) + " (1e-9 units)",
-      units});
+      units, Units{0}});
 }
 
 // Step 2 of a pass: walks the stored aggregates in `range` beside `totals`.
@@ -130,7 +130,7 @@ Status compare_range(const Storage& storage, const rocksdb::Snapshot* snapshot, 
       fn({last_key,
           "aggregate " + describe_key(key) + " does not decode (" + std::to_string(it->value().size()) +
               "-byte value; expected 16)",
-          recomputed});
+          recomputed, std::nullopt});
       continue;
     }
     if (cell->kind == AggregateKind::Personal) continue;
@@ -138,7 +138,7 @@ Status compare_range(const Storage& storage, const rocksdb::Snapshot* snapshot, 
       fn({last_key,
           "aggregate " + describe_key(key) + ": stored " + units_to_string(*stored) + ", ledger " +
               units_to_string(recomputed) + " (1e-9 units)",
-          recomputed});
+          recomputed, stored});
     }
   }
   if (!it->status().ok()) {

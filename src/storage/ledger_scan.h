@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "storage/state_format.h"
@@ -56,6 +57,7 @@ struct AggregateMismatch {
   std::string key;  // encoded aggregate key
   std::string what;  // "cohort 7 item 9 (key 02...): stored 5, ledger 3" style
   Units recomputed;
+  std::optional<Units> stored;  // 0 when absent; empty when the stored value does not decode
 };
 
 struct LedgerCheck {

@@ -27,6 +27,7 @@ namespace tidal {
 namespace {
 
 const char* const kColumnFamilies[] = {"default", "users", "by_tag", "aggregates", "ledger"};
+constexpr char kFeedColumnFamily[] = "feed";
 
 bool is_lock_error(const rocksdb::Status& s) {
   const std::string text = s.ToString();
@@ -307,6 +308,12 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
 
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
   for (const char* name : kColumnFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+  // The change feed's column family exists once a writable open with
+  // Options::change_feed created it (create_feed).
+  std::vector<std::string> existing;
+  const bool listed = rocksdb::DB::ListColumnFamilies(options, path, &existing).ok();
+  const bool has_feed = listed && std::find(existing.begin(), existing.end(), kFeedColumnFamily) != existing.end();
+  if (has_feed) descriptors.emplace_back(kFeedColumnFamily, rocksdb::ColumnFamilyOptions(options));
   apply_state_store_options(config, &descriptors);
 
   auto storage = std::unique_ptr<Storage>(new Storage());
@@ -316,9 +323,10 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   rocksdb::Status s;
   if (config.read_only) {
     // A Db written by an older layout may lack a column family: open those that exist.
-    std::vector<std::string> existing;
-    s = rocksdb::DB::ListColumnFamilies(options, path, &existing);
-    if (!s.ok()) return from_rocksdb(s, "cannot open tidal Db at '" + path + "' read-only");
+    if (!listed) {
+      return from_rocksdb(rocksdb::DB::ListColumnFamilies(options, path, &existing),
+                          "cannot open tidal Db at '" + path + "' read-only");
+    }
     std::vector<rocksdb::ColumnFamilyDescriptor> present;
     for (auto& d : descriptors) {
       for (auto& e : existing) {
@@ -364,6 +372,19 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     g_open_dirs.emplace(*storage->registry_id_, canonical(path));
   }
   return storage;
+}
+
+Status Storage::create_feed() {
+  if (feed() != nullptr) return Status::OK();
+  rocksdb::ColumnFamilyOptions options(db_->GetOptions(handles_[0]));
+  rocksdb::ColumnFamilyHandle* handle = nullptr;
+  if (Status s = from_rocksdb(db_->CreateColumnFamily(options, kFeedColumnFamily, &handle),
+                              "creating the change feed of '" + path_ + "'");
+      !s.ok()) {
+    return s;
+  }
+  handles_.push_back(handle);
+  return Status::OK();
 }
 
 Storage::~Storage() {

@@ -5,6 +5,7 @@
 //               keyed tag-first, written in the same WriteBatch
 //   aggregates  personal/cohort/community sums (merge operands of an integer add)
 //   ledger      the contribution ledger: what each user gave to which aggregate
+//   feed        the change feed (only in a Db opened with Options::change_feed)
 #ifndef TIDAL_STORAGE_STORAGE_H_
 #define TIDAL_STORAGE_STORAGE_H_
 
@@ -51,6 +52,11 @@ class Storage {
   rocksdb::ColumnFamilyHandle* by_tag() const { return handles_[2]; }
   rocksdb::ColumnFamilyHandle* aggregates() const { return handles_[3]; }
   rocksdb::ColumnFamilyHandle* ledger() const { return handles_[4]; }
+  // The change feed (docs/FORMAT.md); null until create_feed().
+  rocksdb::ColumnFamilyHandle* feed() const { return handles_.size() > 5 ? handles_[5] : nullptr; }
+  // Creates the feed's column family (durable: RocksDB's MANIFEST). No-op
+  // when it exists.
+  Status create_feed();
   bool read_only() const { return read_only_; }
   const std::string& path() const { return path_; }
 

@@ -164,6 +164,15 @@ err_has 'purge.txt:3: 1: user is Active'; err_has "purge.txt:4: invalid user id 
 last="tidalctl --db $DB --json purge --from - <<< '12 13'"
 printf '12\n13\n' | "$CTL" --db "$DB" --json purge --from - >"$OUT" 2>"$ERR"; rc=$?
 rc_is 0; json 'd["action"] == "purge" and d["processed"] == 2 and d["bad_lines"] == []'
+t --db "$DB" changes; rc_is 0; out_has '^change_feed +off'
+t --db "$DB" --json changes; rc_is 0; json 'd == {"change_feed": False}'
+# A Db with a change feed: write commands go into its feed too.
+FEEDDB=$WORK/feeddb
+"$HOLDER" "$FEEDDB" --seed --feed 9 </dev/null >/dev/null || { echo "FAIL: could not seed $FEEDDB"; exit 1; }
+t --db "$FEEDDB" --json changes; rc_is 0; json 'd["change_feed"] and d["shard_id"] == 9 and d["last_seq"] == 1 and d["pending_bytes"] > 0'
+t --db "$FEEDDB" leave 4; rc_is 0
+t --db "$FEEDDB" --json purge 4; rc_is 0; json 'd["entries_removed"] == 3'
+t --db "$FEEDDB" changes; rc_is 0; out_has '^shard_id +9$'; out_has '^last_seq +2$'
 t --db "$DB" rematerialize; rc_is 0; out_has '^rematerialize: [0-9]+ aggregates checked, [0-9]+ ledger entries read, 0 mismatches$'
 t --db "$DB" --json rematerialize --repair; rc_is 0; json 'd["mismatches"] == [] and d["repaired"] is False'
 

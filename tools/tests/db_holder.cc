@@ -5,6 +5,9 @@
 //   db_holder PATH          hold the Db (create it if missing)
 //   db_holder PATH --seed   first join users 1..5 to communities, make users
 //                           2 and 3 leave and user 3 rejoin
+//   db_holder PATH [--seed] --feed SHARD
+//                           the same with the change feed on (shard SHARD);
+//                           with --seed user 4 also signals item 1 (cohort 7)
 #include <tidal/db.h>
 
 #include <cstdio>
@@ -23,11 +26,24 @@ int fail(const char* what, const tidal::Status& s) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: db_holder PATH [--seed]\n");
+    std::fprintf(stderr, "usage: db_holder PATH [--seed] [--feed SHARD]\n");
     return 2;
   }
-  const bool seed = argc > 2 && std::string_view(argv[2]) == "--seed";
-  tidal::Result<std::unique_ptr<tidal::Db>> db = tidal::Db::open(argv[1]);
+  bool seed = false;
+  tidal::Options options;
+  for (int i = 2; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--seed") {
+      seed = true;
+    } else if (arg == "--feed" && i + 1 < argc) {
+      options.change_feed = true;
+      options.shard_id = std::stoull(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: db_holder PATH [--seed] [--feed SHARD]\n");
+      return 2;
+    }
+  }
+  tidal::Result<std::unique_ptr<tidal::Db>> db = tidal::Db::open(argv[1], options);
   if (!db.ok()) return fail("open", db.status());
   if (seed) {
     for (std::uint64_t u = 1; u <= 5; ++u) {
@@ -38,6 +54,10 @@ int main(int argc, char** argv) {
       if (tidal::Status s = (*db)->leave_community_layer(u); !s.ok()) return fail("leave", s);
     }
     if (tidal::Status s = (*db)->rejoin_community_layer(3); !s.ok()) return fail("rejoin", s);
+    if (options.change_feed) {
+      auto out = (*db)->signal_with_context({4, 1, 2.5}, {{7}});
+      if (!out.ok()) return fail("signal", out.status());
+    }
   }
   std::printf("ready\n");
   std::fflush(stdout);

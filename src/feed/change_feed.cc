@@ -1,0 +1,237 @@
+#include "feed/change_feed.h"
+
+#include <algorithm>
+
+namespace tidal {
+namespace {
+
+std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
+
+std::string be64(std::uint64_t v) {
+  std::string out;
+  put_u64_be(&out, v);
+  return out;
+}
+
+// A feed record's value: [end_offset: 8 BE][payload].
+constexpr std::size_t kOffsetSize = 8;
+
+}  // namespace
+
+Result<std::optional<std::uint64_t>> ChangeFeed::stored_shard(const Storage& storage) {
+  std::string value;
+  Status s = storage.get(storage.meta(), kFeedShardKey, &value);
+  if (s.code() == StatusCode::NotFound) return std::optional<std::uint64_t>();
+  if (!s.ok()) return s;
+  if (value.size() != 8) {
+    return Status::Corruption("the change feed's shard id record of '" + storage.path() + "' has " +
+                              std::to_string(value.size()) + " bytes; expected 8");
+  }
+  if (storage.feed() == nullptr) {
+    return Status::Corruption("the Db at '" + storage.path() + "' records a change feed but has no feed column family");
+  }
+  return std::optional<std::uint64_t>(get_u64_be(value.data()));
+}
+
+Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint64_t shard_id,
+                                                     std::uint64_t max_bytes) {
+  Result<std::optional<std::uint64_t>> stored = stored_shard(*storage);
+  if (!stored.ok()) return stored.status();
+  if (*stored && **stored != shard_id) {
+    return Status::InvalidArgument("cannot open tidal Db at '" + storage->path() + "' with Options::shard_id " +
+                                   std::to_string(shard_id) + ": its change feed belongs to shard " +
+                                   std::to_string(**stored) + "; nothing changed");
+  }
+  std::unique_ptr<ChangeFeed> feed(new ChangeFeed(storage, shard_id, max_bytes));
+  if (*stored) {
+    if (Status s = feed->load(); !s.ok()) return s;
+    return feed;
+  }
+  // First open with the feed: create it and seed it with every shared
+  // aggregate's current value, in one atomic step with the shard id (a crash
+  // before it leaves no shard id, and the next open seeds again).
+  if (Status s = storage->create_feed(); !s.ok()) return s;
+  if (Status s = feed->load(); !s.ok()) return s;
+  const std::string what = "seeding the change feed of '" + storage->path() + "'";
+  IngestBatch batch(storage, "feed-seed");
+  Appender seed(feed.get(), FeedOrigin::Seed,
+                [&](const std::string& k, const std::string& v) { return batch.put(storage->feed(), k, v); },
+                /*bounded=*/false);
+  auto it = storage->iterator(storage->aggregates(), /*bulk=*/true);
+  const std::string first(1, static_cast<char>(AggregateKind::Cohort));
+  for (it->Seek(first); it->Valid(); it->Next()) {
+    std::optional<Units> units = decode_units(view(it->value()));
+    if (!units) {
+      return Status::Corruption(what + ": aggregate " + hex(view(it->key())) + " has a " +
+                                std::to_string(it->value().size()) + "-byte value; expected 16");
+    }
+    if (*units != 0) seed.add(view(it->key()), *units);
+  }
+  if (Status s = from_rocksdb(it->status(), what); !s.ok()) return s;
+  it.reset();
+  Result<Appended> appended = seed.finish();
+  if (!appended.ok()) return appended.status();
+  if (Status s = from_rocksdb(batch.put(storage->meta(), kFeedShardKey, be64(shard_id)), what); !s.ok()) return s;
+  if (Status s = batch.ingest(what); !s.ok()) return s;
+  feed->committed(*appended);
+  return feed;
+}
+
+Status ChangeFeed::load() {
+  std::string trimmed;
+  Status s = storage_->get(storage_->meta(), kFeedTrimmedKey, &trimmed);
+  if (s.ok()) {
+    if (trimmed.size() != 16) {
+      return Status::Corruption("the change feed's trim record of '" + storage_->path() + "' has " +
+                                std::to_string(trimmed.size()) + " bytes; expected 16");
+    }
+    trimmed_through_ = get_u64_be(trimmed.data());
+    trimmed_offset_ = get_u64_be(trimmed.data() + 8);
+  } else if (s.code() != StatusCode::NotFound) {
+    return s;
+  }
+  last_seq_ = trimmed_through_;
+  end_offset_ = trimmed_offset_;
+  auto it = storage_->iterator(storage_->feed());
+  it->SeekToLast();
+  if (it->Valid()) {
+    std::optional<std::uint64_t> seq = decode_feed_key(view(it->key()));
+    if (!seq || it->value().size() < kOffsetSize) {
+      return Status::Corruption("change feed record " + hex(view(it->key())) + " of '" + storage_->path() +
+                                "' does not decode");
+    }
+    if (*seq > last_seq_) {
+      last_seq_ = *seq;
+      end_offset_ = get_u64_be(it->value().data());
+    }
+  }
+  return from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'");
+}
+
+ChangeFeed::Appender::Appender(ChangeFeed* feed, FeedOrigin origin, Put put, bool bounded)
+    : feed_(feed),
+      put_(std::move(put)),
+      bounded_(bounded),
+      encoder_(origin, [this](std::string payload) { on_payload(std::move(payload)); }) {
+  std::lock_guard<std::mutex> lock(feed_->mu_);
+  next_ = {feed_->last_seq_, feed_->end_offset_};
+  first_seq_ = next_.last_seq;
+}
+
+void ChangeFeed::Appender::on_payload(std::string payload) {
+  if (!error_.ok()) return;
+  const std::uint64_t end = next_.end_offset + payload.size();
+  if (bounded_ && next_.last_seq == first_seq_) {
+    // Checked once a write, before its first payload: a write of any size
+    // goes into a feed below the bound (so the bound is passed by at most
+    // one write), none into a feed at or above it.
+    std::lock_guard<std::mutex> lock(feed_->mu_);
+    const std::uint64_t pending = next_.end_offset - feed_->trimmed_offset_;
+    if (pending >= feed_->max_bytes_) {
+      error_ = Status::Busy("the change feed of shard " + std::to_string(feed_->shard_id_) + " in '" +
+                            feed_->storage_->path() + "' holds " + std::to_string(pending) +
+                            " bytes not yet trimmed, at or above Options::change_feed_max_bytes (" +
+                            std::to_string(feed_->max_bytes_) + "); its consumers must trim_changes() what they have");
+      return;
+    }
+  }
+  std::string value = be64(end);
+  value += payload;
+  if (rocksdb::Status s = put_(encode_feed_key(next_.last_seq + 1), value); !s.ok()) {
+    error_ = from_rocksdb(s, "writing the change feed of '" + feed_->storage_->path() + "'");
+    return;
+  }
+  ++next_.last_seq;
+  next_.end_offset = end;
+}
+
+Result<ChangeFeed::Appended> ChangeFeed::Appender::finish() {
+  (void)encoder_.finish();
+  if (!error_.ok()) return error_;
+  return next_;
+}
+
+void ChangeFeed::committed(const Appended& a) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (a.last_seq <= last_seq_) return;
+  last_seq_ = a.last_seq;
+  end_offset_ = a.end_offset;
+}
+
+Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::size_t max_bytes) const {
+  std::uint64_t trimmed = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    trimmed = trimmed_through_;
+  }
+  if (after_seq < trimmed) {
+    return Status::NotFound("read_changes(after " + std::to_string(after_seq) + "): the change feed of shard " +
+                            std::to_string(shard_id_) + " is trimmed through seq " + std::to_string(trimmed) +
+                            "; batches " + std::to_string(after_seq + 1) + ".." + std::to_string(trimmed) +
+                            " are gone");
+  }
+  std::vector<ChangeBatch> out;
+  std::size_t bytes = 0;
+  auto it = storage_->iterator(storage_->feed());
+  for (it->Seek(encode_feed_key(after_seq + 1)); it->Valid() && (out.empty() || bytes < max_bytes); it->Next()) {
+    std::optional<std::uint64_t> seq = decode_feed_key(view(it->key()));
+    if (!seq || it->value().size() < kOffsetSize || *seq != after_seq + 1 + out.size()) {
+      return Status::Corruption("change feed record " + hex(view(it->key())) + " of '" + storage_->path() +
+                                "' does not decode or is out of sequence (expected seq " +
+                                std::to_string(after_seq + 1 + out.size()) + ")");
+    }
+    ChangeBatch& b = out.emplace_back();
+    b.shard_id = shard_id_;
+    b.seq = *seq;
+    b.payload.assign(it->value().data() + kOffsetSize, it->value().size() - kOffsetSize);
+    bytes += b.payload.size();
+  }
+  if (Status s = from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'"); !s.ok()) return s;
+  return out;
+}
+
+std::uint64_t ChangeFeed::last_seq() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_seq_;
+}
+
+Status ChangeFeed::trim(std::uint64_t through_seq) {
+  std::uint64_t last = 0, trimmed = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = last_seq_;
+    trimmed = trimmed_through_;
+  }
+  if (through_seq > last) {
+    return Status::InvalidArgument("trim_changes(" + std::to_string(through_seq) + "): the change feed of shard " +
+                                   std::to_string(shard_id_) + " ends at seq " + std::to_string(last) +
+                                   "; nothing trimmed");
+  }
+  if (through_seq <= trimmed) return Status::OK();
+  std::string value;
+  if (Status s = storage_->get(storage_->feed(), encode_feed_key(through_seq), &value); !s.ok()) return s;
+  if (value.size() < kOffsetSize) {
+    return Status::Corruption("change feed record of seq " + std::to_string(through_seq) + " in '" +
+                              storage_->path() + "' does not decode");
+  }
+  const std::uint64_t offset = get_u64_be(value.data());
+  rocksdb::WriteBatch batch;
+  batch.DeleteRange(storage_->feed(), encode_feed_key(0), encode_feed_key(through_seq + 1));
+  batch.Put(storage_->meta(), kFeedTrimmedKey, be64(through_seq) + be64(offset));
+  if (Status s = storage_->write(&batch, Storage::WriteMode::Sync,
+                                 "trim_changes(" + std::to_string(through_seq) + ") of '" + storage_->path() + "'");
+      !s.ok()) {
+    return s;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  trimmed_through_ = std::max(trimmed_through_, through_seq);
+  trimmed_offset_ = std::max(trimmed_offset_, offset);
+  return Status::OK();
+}
+
+ChangeFeed::Stats ChangeFeed::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {shard_id_, last_seq_, trimmed_through_, end_offset_ - trimmed_offset_};
+}
+
+}  // namespace tidal

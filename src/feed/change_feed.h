@@ -1,0 +1,109 @@
+// The Db's change feed (docs/CONTRACT.md, "Change feed"; docs/FORMAT.md,
+// "The change feed"): every change to a shared aggregate, as exact deltas in
+// batches numbered 1, 2, 3, ... per shard, written in the same atomic step
+// as the change itself and kept on disk until trimmed.
+//
+// Writers (the state store's writer, a purge, a repair) are serialized by
+// the state store's drain lock: each appends the next seqs to the batch it
+// is about to write (`append`), and calls `committed` once the write
+// landed. A failed write commits nothing, so its seqs are used again; a
+// write whose outcome RocksDB cannot tell leaves RocksDB refusing every
+// later write until a reopen, which reads the last seq from disk. So a seq
+// is never skipped and never reused. Readers (read, last_seq, stats) take
+// the feed's mutex only.
+#ifndef TIDAL_FEED_CHANGE_FEED_H_
+#define TIDAL_FEED_CHANGE_FEED_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <rocksdb/write_batch.h>
+
+#include "storage/feed_format.h"
+#include "storage/ingest_batch.h"
+#include "storage/storage.h"
+#include "tidal/change_batch.h"
+
+namespace tidal {
+
+class ChangeFeed {
+ public:
+  // What one append added, to pass to committed() after the write.
+  struct Appended {
+    std::uint64_t last_seq = 0;  // 0: nothing appended
+    std::uint64_t end_offset = 0;
+  };
+  struct Stats {
+    std::uint64_t shard_id = 0;
+    std::uint64_t last_seq = 0;
+    std::uint64_t trimmed_through = 0;
+    std::uint64_t pending_bytes = 0;  // payload bytes of the untrimmed batches
+  };
+
+  // The feed of a Db opened with Options::change_feed: checks the stored
+  // shard id (InvalidArgument, nothing changed, when it differs), or at the
+  // first such open creates the feed and seeds it (see FORMAT.md) with the
+  // Db's current shared aggregates. `storage` is writable and its state
+  // store's writer is not running yet.
+  static Result<std::unique_ptr<ChangeFeed>> open(Storage* storage, std::uint64_t shard_id, std::uint64_t max_bytes);
+  // The shard id stored in a Db, if it keeps a feed.
+  static Result<std::optional<std::uint64_t>> stored_shard(const Storage& storage);
+
+  // Builds the feed records of one write: entries added in ascending key
+  // order become payloads numbered from the next seq, each put into the
+  // write's batch as soon as it is full (`put`: an IngestBatch's or a
+  // WriteBatch's), so the memory is one payload.
+  class Appender {
+   public:
+    using Put = std::function<rocksdb::Status(const std::string& key, const std::string& value)>;
+    // `bounded`: Busy past max_bytes (false only for the seed).
+    Appender(ChangeFeed* feed, FeedOrigin origin, Put put, bool bounded = true);
+    void add(std::string_view encoded_key, Units delta) { encoder_.add(encoded_key, delta); }
+    // Seals the last payload. What to pass to committed() once the write
+    // landed; Busy (nothing to commit; the write must not be made) when the
+    // untrimmed feed holds max_bytes or more, or the batch's error.
+    Result<Appended> finish();
+
+   private:
+    void on_payload(std::string payload);
+    ChangeFeed* const feed_;
+    const Put put_;
+    const bool bounded_;
+    FeedEncoder encoder_;
+    Appended next_;
+    std::uint64_t first_seq_ = 0;  // the feed's last seq when the write began
+    Status error_;
+  };
+  void committed(const Appended& a);
+
+  // Batches with seq > after_seq, oldest first, up to about max_bytes of
+  // payload (at least one when there is one). NotFound when batches after
+  // after_seq were trimmed already.
+  Result<std::vector<ChangeBatch>> read(std::uint64_t after_seq, std::size_t max_bytes) const;
+  std::uint64_t last_seq() const;
+  Status trim(std::uint64_t through_seq);
+  Stats stats() const;
+
+ private:
+  ChangeFeed(Storage* storage, std::uint64_t shard_id, std::uint64_t max_bytes)
+      : storage_(storage), shard_id_(shard_id), max_bytes_(max_bytes) {}
+  Status load();  // last seq, trim point and offsets, from disk
+
+  Storage* const storage_;
+  const std::uint64_t shard_id_;
+  const std::uint64_t max_bytes_;
+  mutable std::mutex mu_;
+  std::uint64_t last_seq_ = 0;
+  std::uint64_t end_offset_ = 0;       // payload bytes ever appended, through last_seq_
+  std::uint64_t trimmed_through_ = 0;
+  std::uint64_t trimmed_offset_ = 0;   // payload bytes ever appended, through trimmed_through_
+};
+
+}  // namespace tidal
+
+#endif  // TIDAL_FEED_CHANGE_FEED_H_

@@ -1,0 +1,377 @@
+// The change feed (docs/CONTRACT.md, "Change feed"): what enters it, its
+// numbering, its bound, trimming, and the convergence of a GlobalView fed
+// by several shards with one Db that received everything.
+#include <filesystem>
+#include <map>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "feed_util.h"
+#include "raw_db.h"
+#include "storage/feed_format.h"
+#include "storage/state_format.h"
+#include "test_util.h"
+#include "tidal/db.h"
+#include "tidal/global_view.h"
+
+namespace tidal {
+namespace {
+
+using testing::follow;
+using testing::open_db;
+using testing::sum_feed;
+using testing::TempDir;
+using testing::value_of;
+
+std::uint64_t bits(double d) {
+  std::uint64_t b;
+  std::memcpy(&b, &d, sizeof b);
+  return b;
+}
+
+Options feed_options(std::uint64_t shard, Options options = {}) {
+  options.change_feed = true;
+  options.shard_id = shard;
+  options.aggregate_write_period = std::chrono::hours(1);  // batches only at flush
+  return options;
+}
+
+// Every shared cell of `db` the feed's sums name equals its score, and every
+// cell in `cells` is named.
+void expect_feed_equals_scores(Db& db, const std::map<std::string, Units>& sums) {
+  for (const auto& [key, units] : sums) {
+    std::optional<AggregateCell> cell = decode_aggregate_key(key);
+    ASSERT_TRUE(cell);
+    const double score = cell->kind == AggregateKind::Cohort ? value_of(db.cohort_score(cell->owner, cell->item))
+                                                              : value_of(db.community_score(cell->owner, cell->item));
+    EXPECT_EQ(bits(units_to_double(units)), bits(score)) << describe(*cell);
+  }
+}
+
+TEST(ChangeFeed, SharedChangesEnterTheFeedPersonalOnesNeverAndSeqsRunWithoutAGap) {
+  TempDir dir;
+  auto db = open_db(dir.path(), feed_options(3));
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(*db->last_change_seq(), 0u);
+  EXPECT_TRUE(db->read_changes(0, 1 << 20)->empty());
+  ASSERT_OK(db->join_community(1, 50));
+  ASSERT_OK(db->signal_with_context({1, 9, 0.1}, {{4}}));
+  ASSERT_OK(db->signal_with_context({2, 9, 0.2}, {}));  // personal only: nothing for the feed
+  ASSERT_OK(db->flush());
+  ASSERT_EQ(*db->last_change_seq(), 1u);
+  Result<std::vector<ChangeBatch>> batches = db->read_changes(0, 1 << 20);
+  ASSERT_OK(batches);
+  ASSERT_EQ(batches->size(), 1u);
+  EXPECT_EQ((*batches)[0].shard_id, 3u);
+  EXPECT_EQ((*batches)[0].seq, 1u);
+  std::vector<FeedEntry> entries;
+  std::string error;
+  ASSERT_TRUE(decode_feed_payload((*batches)[0].payload, [&](const FeedEntry& e) { entries.push_back(e); }, &error))
+      << error;
+  ASSERT_EQ(entries.size(), 2u);  // cohort 4 and community 50, item 9; never a personal cell or a user id
+  EXPECT_EQ(entries[0].kind, AggregateKind::Cohort);
+  EXPECT_EQ(entries[0].owner, 4u);
+  EXPECT_EQ(entries[0].delta, Units{100'000'000});
+  EXPECT_EQ(entries[1].kind, AggregateKind::Community);
+  EXPECT_EQ(entries[1].owner, 50u);
+  EXPECT_EQ(static_cast<std::uint8_t>((*batches)[0].payload[1]), static_cast<std::uint8_t>(FeedOrigin::Writer));
+  // A leave and a purge: the subtraction enters the feed too.
+  ASSERT_OK(db->leave_community_layer(1));
+  ASSERT_OK(db->purge_community_contributions(1));
+  EXPECT_EQ(*db->last_change_seq(), 2u);
+  batches = db->read_changes(1, 1 << 20);
+  ASSERT_OK(batches);
+  ASSERT_EQ(batches->size(), 1u);
+  EXPECT_EQ(static_cast<std::uint8_t>((*batches)[0].payload[1]), static_cast<std::uint8_t>(FeedOrigin::Purge));
+  std::map<std::string, Units> sums;
+  EXPECT_EQ(sum_feed(*db, &sums), 2u);
+  EXPECT_EQ(sums[encode_aggregate_key(AggregateKind::Cohort, 4, 9)], 0);
+  expect_feed_equals_scores(*db, sums);
+  // Seqs go on after a reopen, and after a trim and a reopen.
+  ASSERT_OK(db->close());
+  db = open_db(dir.path(), feed_options(3));
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(*db->last_change_seq(), 2u);
+  ASSERT_OK(db->trim_changes(2));
+  ASSERT_OK(db->close());
+  db = open_db(dir.path(), feed_options(3));
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(*db->last_change_seq(), 2u);
+  ASSERT_OK(db->signal_with_context({5, 9, 1.0}, {{4}}));
+  ASSERT_OK(db->flush());
+  batches = db->read_changes(2, 1 << 20);
+  ASSERT_OK(batches);
+  ASSERT_EQ(batches->size(), 1u);
+  EXPECT_EQ((*batches)[0].seq, 3u);  // never 1 again
+  EXPECT_EQ(db->stats().change_feed_last_seq, 3u);
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 2u);
+  EXPECT_EQ(db->stats().change_feed_pending_bytes, (*batches)[0].payload.size());
+}
+
+TEST(ChangeFeed, ABatchOfMoreThan512KiBBecomesConsecutiveBatchesOfOneStep) {
+  TempDir dir;
+  auto db = open_db(dir.path(), feed_options(1));
+  ASSERT_NE(db, nullptr);
+  SignalContext wide;
+  for (std::uint64_t c = 0; c < kMaxCohortsPerSignal; ++c) wide.cohort_ids.push_back(c);
+  for (std::uint64_t item = 0; item < 20; ++item) ASSERT_OK(db->signal_with_context({1, item, 1.0}, wide));
+  ASSERT_OK(db->flush());  // 20,480 shared cells in one writer batch
+  EXPECT_EQ(*db->last_change_seq(), 2u);
+  Result<std::vector<ChangeBatch>> batches = db->read_changes(0, 1);  // at least one, even below max_bytes
+  ASSERT_OK(batches);
+  ASSERT_EQ(batches->size(), 1u);
+  EXPECT_EQ((*batches)[0].payload.size(), kFeedHeaderSize + kMaxFeedEntries * kFeedEntrySize);
+  EXPECT_LE((*batches)[0].payload.size(), kMaxChangePayloadBytes);
+  std::map<std::string, Units> sums;
+  EXPECT_EQ(sum_feed(*db, &sums), 2u);
+  EXPECT_EQ(sums.size(), 20'480u);
+  expect_feed_equals_scores(*db, sums);
+}
+
+TEST(ChangeFeed, TheShardIdIsFixedAndAFeedDbMustBeOpenedWithTheFeed) {
+  TempDir dir;
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->signal_with_context({1, 1, 1.0}, {{2}}));
+    ASSERT_OK(db->close());
+  }
+  Result<std::unique_ptr<Db>> other = Db::open(dir.path(), feed_options(5));
+  ASSERT_EQ(other.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(other.status().message().find("belongs to shard 4"), std::string::npos) << other.status().to_string();
+  Result<std::unique_ptr<Db>> without = Db::open(dir.path());
+  ASSERT_EQ(without.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(without.status().message().find("change_feed = true and shard_id = 4"), std::string::npos)
+      << without.status().to_string();
+  // Nothing changed; a read-only open without the option reads the feed.
+  Options ro;
+  ro.read_only = true;
+  auto reader = open_db(dir.path(), ro);
+  ASSERT_NE(reader, nullptr);
+  EXPECT_EQ(*reader->last_change_seq(), 1u);
+  EXPECT_EQ(value_of(reader->cohort_score(2, 1)), 1.0);
+  ASSERT_OK(reader->close());
+  // A Db without a feed: the calls say so.
+  TempDir plain_dir;
+  auto plain = open_db(plain_dir.path());
+  ASSERT_NE(plain, nullptr);
+  EXPECT_EQ(plain->read_changes(0, 10).status().code(), StatusCode::InvalidArgument);
+  EXPECT_EQ(plain->last_change_seq().status().code(), StatusCode::InvalidArgument);
+  EXPECT_EQ(plain->trim_changes(1).code(), StatusCode::InvalidArgument);
+}
+
+TEST(ChangeFeed, TurningTheFeedOnSeedsItWithTheSharedAggregatesSoAViewFromSeqOneIsComplete) {
+  TempDir dir;
+  {
+    auto db = open_db(dir.path());
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->join_community(1, 70));
+    for (std::uint64_t i = 0; i < 30; ++i) ASSERT_OK(db->signal_with_context({1, i, 0.1 * static_cast<double>(i)}, {{8}}));
+    ASSERT_OK(db->close());
+  }
+  auto db = open_db(dir.path(), feed_options(2));
+  ASSERT_NE(db, nullptr);
+  ASSERT_EQ(*db->last_change_seq(), 1u);
+  Result<std::vector<ChangeBatch>> seed = db->read_changes(0, 1 << 20);
+  ASSERT_OK(seed);
+  EXPECT_EQ(static_cast<std::uint8_t>((*seed)[0].payload[1]), static_cast<std::uint8_t>(FeedOrigin::Seed));
+  ASSERT_OK(db->signal_with_context({1, 3, 5.0}, {{8}}));
+  ASSERT_OK(db->flush());
+  TempDir view_dir;
+  auto view = GlobalView::open(view_dir.path());
+  ASSERT_OK(view);
+  EXPECT_EQ(follow(*db, 2, **view), 2u);
+  for (std::uint64_t i = 0; i < 30; ++i) {
+    EXPECT_EQ(bits(value_of((*view)->cohort_score(8, i))), bits(value_of(db->cohort_score(8, i)))) << i;
+    EXPECT_EQ(bits(value_of((*view)->community_score(70, i))), bits(value_of(db->community_score(70, i)))) << i;
+  }
+}
+
+TEST(ChangeFeed, PastItsBoundWritesWaitForATrimAndNothingIsDropped) {
+  TempDir dir;
+  Options options = feed_options(1);
+  options.change_feed_max_bytes = 150;  // three batches of one cell (39 bytes each)
+  auto db = open_db(dir.path(), options);
+  ASSERT_NE(db, nullptr);
+  std::uint64_t refused = 0;
+  for (std::uint64_t i = 0; i < 10; ++i) {
+    ASSERT_OK(db->signal_with_context({1, i, 1.0}, {{4}}));
+    Status s = db->flush();
+    if (!s.ok()) {
+      ++refused;
+      EXPECT_EQ(s.code(), StatusCode::Busy) << s.to_string();
+      EXPECT_NE(s.message().find("at or above Options::change_feed_max_bytes (150)"), std::string::npos)
+          << s.to_string();
+    }
+  }
+  EXPECT_GT(refused, 0u);
+  EXPECT_LE(db->stats().change_feed_pending_bytes, 150u + 39u);  // past the bound by one write at most
+  // The refused deltas are still in memory (reads see them), and land once
+  // the consumers trim.
+  EXPECT_EQ(value_of(db->cohort_score(4, 9)), 1.0);
+  TempDir view_dir;
+  auto view = GlobalView::open(view_dir.path());
+  ASSERT_OK(view);
+  for (int round = 0; round < 20 && db->stats().aggregate_cells_pending != 0; ++round) {
+    follow(*db, 1, **view);
+    ASSERT_OK(db->trim_changes(*(*view)->applied_seq(1)));
+    (void)db->flush();
+  }
+  follow(*db, 1, **view);
+  EXPECT_EQ(db->stats().aggregate_cells_pending, 0u);
+  for (std::uint64_t i = 0; i < 10; ++i) EXPECT_EQ(value_of((*view)->cohort_score(4, i)), 1.0) << i;
+  // A purge past the bound is Busy too, with nothing changed.
+  ASSERT_OK(db->leave_community_layer(1));
+  for (std::uint64_t i = 0; i < 10; ++i) ASSERT_OK(db->signal_with_context({2, i, 1.0}, {{4}}));
+  while (db->flush().ok()) ASSERT_OK(db->signal_with_context({2, 100, 1.0}, {{4}}));
+  Result<PurgeReceipt> purge = db->purge_community_contributions(1);
+  EXPECT_EQ(purge.status().code(), StatusCode::Busy) << purge.status().to_string();
+  EXPECT_TRUE(db->purge_receipts(1)->empty());
+}
+
+TEST(ChangeFeed, ReadChangesHonoursMaxBytesAndSaysWhatWasTrimmed) {
+  TempDir dir;
+  auto db = open_db(dir.path(), feed_options(1));
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t i = 0; i < 5; ++i) {
+    ASSERT_OK(db->signal_with_context({1, i, 1.0}, {{4}}));
+    ASSERT_OK(db->flush());
+  }
+  Result<std::vector<ChangeBatch>> two = db->read_changes(0, 1);
+  ASSERT_OK(two);
+  EXPECT_EQ(two->size(), 1u);
+  Result<std::vector<ChangeBatch>> all = db->read_changes(0, 1 << 20);
+  ASSERT_OK(all);
+  EXPECT_EQ(all->size(), 5u);
+  EXPECT_TRUE(db->read_changes(5, 1 << 20)->empty());
+  ASSERT_OK(db->trim_changes(3));
+  ASSERT_OK(db->trim_changes(2));  // below the trim point: nothing changes
+  Result<std::vector<ChangeBatch>> gone = db->read_changes(1, 1 << 20);
+  EXPECT_EQ(gone.status().code(), StatusCode::NotFound);
+  EXPECT_NE(gone.status().message().find("trimmed through seq 3"), std::string::npos) << gone.status().to_string();
+  EXPECT_EQ(db->read_changes(3, 1 << 20)->size(), 2u);
+  EXPECT_EQ(db->trim_changes(9).code(), StatusCode::InvalidArgument);
+}
+
+TEST(ChangeFeed, ARepairEntersTheFeedAsTheDeltaThatMovesTheStoredSum) {
+  TempDir dir;
+  {
+    auto db = open_db(dir.path(), feed_options(1));
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->signal_with_context({1, 2, 1.5}, {{4}}));
+    ASSERT_OK(db->close());
+  }
+  {
+    testing::RawDb raw(dir.path());
+    std::string value;
+    put_units(&value, Units{7'000'000'000});  // 7.0 instead of 1.5
+    ASSERT_TRUE(raw.db->Put({}, raw.cf(testing::RawDb::kAggregates), encode_aggregate_key(AggregateKind::Cohort, 4, 2),
+                            value)
+                    .ok());
+  }
+  auto db = open_db(dir.path(), feed_options(1));
+  ASSERT_NE(db, nullptr);
+  Result<RematerializeReport> r = db->rematerialize_shared_aggregates(true);
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->repaired);
+  EXPECT_EQ(*db->last_change_seq(), 2u);
+  std::map<std::string, Units> sums;
+  sum_feed(*db, &sums, 1);
+  EXPECT_EQ(sums[encode_aggregate_key(AggregateKind::Cohort, 4, 2)], Units{-5'500'000'000});
+  EXPECT_EQ(value_of(db->cohort_score(4, 2)), 1.5);
+}
+
+// Several shards, each a Db with its own users, feed one view; a reference
+// Db receives everything. After random signals, leaves, rejoins and purges,
+// with the shards' feeds applied in changing orders and some batches
+// delivered twice, every shared score of the view equals the reference's,
+// bit for bit.
+TEST(ChangeFeed, AViewOfEveryShardEqualsOneDbThatReceivedEverythingBitForBit) {
+  TempDir dir;
+  constexpr std::uint64_t kShards = 3, kUsers = 60, kItems = 15, kCohorts = 6, kCommunities = 4;
+  std::vector<std::unique_ptr<Db>> shards;
+  for (std::uint64_t s = 0; s < kShards; ++s) {
+    Options options = feed_options(s);
+    options.aggregate_write_period = std::chrono::milliseconds(5);
+    shards.push_back(open_db(dir.sub("shard" + std::to_string(s)), options));
+    ASSERT_NE(shards.back(), nullptr);
+  }
+  auto reference = open_db(dir.sub("reference"));
+  ASSERT_NE(reference, nullptr);
+  auto shard_of = [&](std::uint64_t u) -> Db& { return *shards[u % kShards]; };
+  for (std::uint64_t u = 0; u < kUsers; ++u) {
+    for (Db* db : {&shard_of(u), reference.get()}) {
+      ASSERT_OK(db->join_community(u, 100 + u % kCommunities));
+      ASSERT_OK(db->join_community(u, 100 + (u + 1) % kCommunities));
+    }
+  }
+  auto view = GlobalView::open(dir.sub("view"));
+  ASSERT_OK(view);
+  std::mt19937_64 rng(42);
+  std::set<std::uint64_t> left;
+  for (int step = 0; step < 4000; ++step) {
+    const std::uint64_t u = rng() % kUsers;
+    const std::uint64_t dice = rng() % 100;
+    if (dice < 2 && left.count(u) == 0) {
+      ASSERT_OK(shard_of(u).leave_community_layer(u));
+      ASSERT_OK(reference->leave_community_layer(u));
+      left.insert(u);
+    } else if (dice < 3 && left.count(u) != 0) {
+      ASSERT_OK(shard_of(u).purge_community_contributions(u));
+      ASSERT_OK(reference->purge_community_contributions(u));
+      if (rng() % 2 == 0) {
+        ASSERT_OK(shard_of(u).rejoin_community_layer(u));
+        ASSERT_OK(reference->rejoin_community_layer(u));
+        left.erase(u);
+      }
+    } else {
+      const Signal signal{u, rng() % kItems, static_cast<double>(rng() % 2001) / 3.0 - 300.0};
+      SignalContext ctx;
+      for (std::uint64_t c = 0; c < rng() % 3; ++c) ctx.cohort_ids.push_back(rng() % kCohorts);
+      ASSERT_OK(shard_of(u).signal_with_context(signal, ctx));
+      ASSERT_OK(reference->signal_with_context(signal, ctx));
+    }
+    if (step % 500 == 499) {
+      // Follow the shards in a changing order, redelivering a batch now and then.
+      for (std::uint64_t k = 0; k < kShards; ++k) {
+        const std::uint64_t s = (k + static_cast<std::uint64_t>(step)) % kShards;
+        follow(*shards[s], s, **view, 1 + rng() % 4096);
+        Result<std::uint64_t> applied = (*view)->applied_seq(s);
+        ASSERT_OK(applied);
+        if (*applied > 0) {
+          Result<std::vector<ChangeBatch>> again = shards[s]->read_changes(*applied - 1, 1);
+          ASSERT_OK(again);
+          Result<bool> r = (*view)->apply(again->front());
+          ASSERT_OK(r);
+          EXPECT_FALSE(*r) << "a redelivered batch was applied twice";
+        }
+      }
+    }
+  }
+  for (auto& shard : shards) ASSERT_OK(shard->flush());
+  for (std::uint64_t s = 0; s < kShards; ++s) follow(*shards[s], s, **view);
+  std::size_t compared = 0, nonzero = 0;
+  for (std::uint64_t item = 0; item < kItems; ++item) {
+    for (std::uint64_t c = 0; c < kCohorts; ++c) {
+      const double want = value_of(reference->cohort_score(c, item));
+      EXPECT_EQ(bits(value_of((*view)->cohort_score(c, item))), bits(want)) << "cohort " << c << " item " << item;
+      ++compared;
+      nonzero += want != 0 ? 1u : 0u;
+    }
+    for (std::uint64_t m = 100; m < 100 + kCommunities; ++m) {
+      const double want = value_of(reference->community_score(m, item));
+      EXPECT_EQ(bits(value_of((*view)->community_score(m, item))), bits(want)) << "community " << m << " item " << item;
+      ++compared;
+      nonzero += want != 0 ? 1u : 0u;
+    }
+  }
+  EXPECT_GT(nonzero, compared / 2);
+}
+
+}  // namespace
+}  // namespace tidal
