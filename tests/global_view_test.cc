@@ -686,6 +686,30 @@ TEST(GlobalViewFormat, AViewOfAnotherFormatOrWithoutItsMarkIsRefused) {
   EXPECT_EQ(mark, "1");
 }
 
+// The converse: a writable Db::open on a view's directory would add tidal's
+// column families to it. It is refused, and the view still opens and reads.
+TEST(GlobalViewErrors, ADbOpenOnAViewDirectoryIsRefusedAndTheViewLeftUntouched) {
+  TempDir dir;
+  const std::string path = dir.sub("view");
+  {
+    auto view = open_view(path);
+    ASSERT_NE(view, nullptr);
+    ASSERT_OK(view->apply(batch(1, 1, {cohort(3, 4, weight(2.5))})));
+    ASSERT_OK(view->close());
+  }
+  const auto before = listing(path);
+  Options options;
+  options.create_if_missing = true;
+  Result<std::unique_ptr<Db>> db = Db::open(path, options);
+  ASSERT_FALSE(db.ok());
+  EXPECT_EQ(db.status().code(), StatusCode::InvalidArgument);
+  expect_has(db.status(), "holds another RocksDB database, not a tidal Db");
+  EXPECT_EQ(listing(path), before);
+  auto view = open_view(path);
+  ASSERT_NE(view, nullptr);
+  EXPECT_EQ(testing::value_of(view->cohort_score(3, 4)), 2.5);
+}
+
 TEST(GlobalViewErrors, ADbDirectoryIsInvalidArgumentAndLeftUntouched) {
   TempDir dir;
   const std::string path = dir.sub("db");

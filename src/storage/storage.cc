@@ -313,6 +313,16 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   std::vector<std::string> existing;
   const bool listed = rocksdb::DB::ListColumnFamilies(options, path, &existing).ok();
   const bool has_feed = listed && std::find(existing.begin(), existing.end(), kFeedColumnFamily) != existing.end();
+  // A RocksDB database of another kind (a GlobalView's directory, say) has
+  // column families but not tidal's: a writable open would add tidal's to
+  // it. (Only "default" may be a tidal Db whose creation was cut short.)
+  if (listed && existing.size() > 1 && std::find(existing.begin(), existing.end(), "users") == existing.end()) {
+    std::string names;
+    for (const std::string& n : existing) names += (names.empty() ? "" : ", ") + n;
+    return Status::InvalidArgument("cannot open tidal Db at '" + path +
+                                   "': it holds another RocksDB database, not a tidal Db (its column families: " +
+                                   names + "); nothing changed");
+  }
   if (has_feed) descriptors.emplace_back(kFeedColumnFamily, rocksdb::ColumnFamilyOptions(options));
   apply_state_store_options(config, &descriptors);
 
