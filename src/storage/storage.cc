@@ -315,8 +315,10 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   const bool has_feed = listed && std::find(existing.begin(), existing.end(), kFeedColumnFamily) != existing.end();
   // A RocksDB database of another kind (a GlobalView's directory, say) has
   // column families but not tidal's: a writable open would add tidal's to
-  // it. (Only "default" may be a tidal Db whose creation was cut short.)
-  if (listed && existing.size() > 1 && std::find(existing.begin(), existing.end(), "users") == existing.end()) {
+  // it. (Only "default" may be a tidal Db whose creation was cut short; a
+  // read-only open refuses any database without tidal's column families.)
+  if (!config.read_only && listed && existing.size() > 1 &&
+      std::find(existing.begin(), existing.end(), "users") == existing.end()) {
     std::string names;
     for (const std::string& n : existing) names += (names.empty() ? "" : ", ") + n;
     return Status::InvalidArgument("cannot open tidal Db at '" + path +
