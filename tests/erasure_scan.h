@@ -52,9 +52,10 @@ inline ErasureScan scan_files(const std::string& path, std::uint64_t user) {
       rocksdb::SstFileReader reader(options);
       // A background flush or compaction of the open Db may be writing a new
       // file (not yet readable) or deleting an input: wait until the file is
-      // whole or gone. What is gone holds nothing.
+      // whole or gone (up to 30 s: under the sanitizers RocksDB's jobs are
+      // slow). What is gone holds nothing.
       rocksdb::Status opened = reader.Open(entry.path().string());
-      for (int tries = 0; !opened.ok() && std::filesystem::exists(entry.path()) && tries < 200; ++tries) {
+      for (int tries = 0; !opened.ok() && std::filesystem::exists(entry.path()) && tries < 3000; ++tries) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         opened = reader.Open(entry.path().string());
       }

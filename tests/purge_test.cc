@@ -679,9 +679,14 @@ TEST(PurgeConcurrentTest, NoFileHoldsThePurgedLedgerOnReturnUnderConcurrentWrite
   }
   std::atomic<bool> stop{false};
   std::atomic<std::uint64_t> writes{0}, reads{0};
+  // Paced (a few tens of thousands of signals a second), so that the state,
+  // and a verify() over it, stay small under the sanitizers too: a verify()
+  // that began before a purge holds its snapshot, which the erasure waits
+  // for (at most 10 s).
   std::thread signaler([&] {
     for (std::uint64_t i = 0; !stop.load(); ++i) {
       if (db->signal_with_context({1 + i % 500, i % 97, 1.0}, {{4}}).ok()) writes.fetch_add(1);
+      if (i % 64 == 63) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   });
   std::thread reader([&] {
@@ -689,6 +694,7 @@ TEST(PurgeConcurrentTest, NoFileHoldsThePurgedLedgerOnReturnUnderConcurrentWrite
       (void)db->cohort_score(4, i % 97);
       if (i % 200 == 0) (void)db->verify();
       reads.fetch_add(1);
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   });
   std::size_t clean = 0;
