@@ -71,7 +71,7 @@ void bulk_load(const std::string& path, std::uint64_t leavers, std::uint64_t oth
   rocksdb::WriteBatch batch;
   auto flush_batch = [&](bool force) {
     if (batch.Count() >= 10000 || (force && batch.Count() > 0)) {
-      check(st.write(&batch, Storage::WriteMode::Async, "bulk load"));
+      check(st.write(Storage::Engine::Users, &batch, Storage::WriteMode::Async, "bulk load"));
       batch.Clear();
     }
   };

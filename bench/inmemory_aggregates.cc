@@ -80,7 +80,7 @@ Status Aggregates::persist(Storage& storage, rocksdb::WriteBatch* extra) {
       written.push_back({kind, key, value.score});
     }
   }
-  if (Status s = storage.write(&batch, Storage::WriteMode::NoWal, "aggregate flush of '" + storage.path() + "'");
+  if (Status s = storage.write(Storage::Engine::State, &batch, Storage::WriteMode::NoWal, "aggregate flush of '" + storage.path() + "'");
       !s.ok()) {
     return s;
   }

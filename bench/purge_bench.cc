@@ -95,15 +95,15 @@ Fixture& fixture() {
     if (!must_open(out->path)->close().ok()) std::abort();  // column families and the format mark
     rocksdb::Options options;
     std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* n : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
-    cfs[3].options.merge_operator = new_units_add_operator();
+    for (const char* n : {"default", "aggregates", "ledger", "receipts"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+    cfs[1].options.merge_operator = new_units_add_operator();
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;
-    check(rocksdb::DB::Open(options, out->path, cfs, &handles, &raw), "open");
+    check(rocksdb::DB::Open(options, out->path + "/state", cfs, &handles, &raw), "open");
     std::map<std::string, Units> totals;
     std::uint64_t entries = 0;
     {
-      rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[4]);
+      rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[2]);
       const std::string file = out->path + "/../ledger.sst";
       check(writer.Open(file), "sst open");
       const std::uint64_t users = background_users();
@@ -124,10 +124,10 @@ Fixture& fixture() {
         }
       }
       check(writer.Finish(), "sst finish");
-      check(raw->IngestExternalFile(handles[4], {file}, rocksdb::IngestExternalFileOptions()), "ingest ledger");
+      check(raw->IngestExternalFile(handles[2], {file}, rocksdb::IngestExternalFileOptions()), "ingest ledger");
     }
     {
-      rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[3]);
+      rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[1]);
       const std::string file = out->path + "/../aggregates.sst";
       check(writer.Open(file), "sst open");
       std::string v;
@@ -137,7 +137,7 @@ Fixture& fixture() {
         check(writer.Put(key, v), "sst put");
       }
       check(writer.Finish(), "sst finish");
-      check(raw->IngestExternalFile(handles[3], {file}, rocksdb::IngestExternalFileOptions()), "ingest aggregates");
+      check(raw->IngestExternalFile(handles[1], {file}, rocksdb::IngestExternalFileOptions()), "ingest aggregates");
     }
     for (auto* h : handles) check(raw->DestroyColumnFamilyHandle(h), "handle");
     check(raw->Close(), "close");
@@ -242,13 +242,13 @@ void BM_PurgeOneUserOfAMillionCells(benchmark::State& state) {
   {
     rocksdb::Options options;
     std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* n : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
-    cfs[3].options.merge_operator = new_units_add_operator();
+    for (const char* n : {"default", "aggregates", "ledger", "receipts"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+    cfs[1].options.merge_operator = new_units_add_operator();
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;
-    check(rocksdb::DB::Open(options, path, cfs, &handles, &raw), "open");
-    rocksdb::SstFileWriter ledger(rocksdb::EnvOptions(), options, handles[4]);
-    rocksdb::SstFileWriter aggregates(rocksdb::EnvOptions(), options, handles[3]);
+    check(rocksdb::DB::Open(options, path + "/state", cfs, &handles, &raw), "open");
+    rocksdb::SstFileWriter ledger(rocksdb::EnvOptions(), options, handles[2]);
+    rocksdb::SstFileWriter aggregates(rocksdb::EnvOptions(), options, handles[1]);
     check(ledger.Open(path + "/../ledger.sst"), "sst open");
     check(aggregates.Open(path + "/../aggregates.sst"), "sst open");
     std::string record, units;
@@ -265,8 +265,8 @@ void BM_PurgeOneUserOfAMillionCells(benchmark::State& state) {
     }
     check(ledger.Finish(), "sst finish");
     check(aggregates.Finish(), "sst finish");
-    check(raw->IngestExternalFile(handles[4], {path + "/../ledger.sst"}, rocksdb::IngestExternalFileOptions()), "ingest");
-    check(raw->IngestExternalFile(handles[3], {path + "/../aggregates.sst"}, rocksdb::IngestExternalFileOptions()),
+    check(raw->IngestExternalFile(handles[2], {path + "/../ledger.sst"}, rocksdb::IngestExternalFileOptions()), "ingest");
+    check(raw->IngestExternalFile(handles[1], {path + "/../aggregates.sst"}, rocksdb::IngestExternalFileOptions()),
           "ingest");
     for (auto* h : handles) check(raw->DestroyColumnFamilyHandle(h), "handle");
     check(raw->Close(), "close");

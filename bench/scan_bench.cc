@@ -64,13 +64,13 @@ void build(const std::string& path, std::uint64_t total) {
   if (!must_open(path)->close().ok()) std::abort();  // column families and the format mark
   rocksdb::Options options;
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-  for (const char* n : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
-  cfs[3].options.merge_operator = new_units_add_operator();
+  for (const char* n : {"default", "aggregates", "ledger", "receipts"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+  cfs[1].options.merge_operator = new_units_add_operator();
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* raw = nullptr;
-  check(rocksdb::DB::Open(options, path, cfs, &handles, &raw), "open");
+  check(rocksdb::DB::Open(options, path + "/state", cfs, &handles, &raw), "open");
   {
-    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[4]);
+    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[2]);
     const std::string file = path + "/../ledger.sst";
     check(writer.Open(file), "sst open");
     const std::uint64_t users = total * kEntriesPerCell / kEntriesPerRecord;
@@ -89,10 +89,10 @@ void build(const std::string& path, std::uint64_t total) {
       check(writer.Put(encode_ledger_key(u, 1), value), "sst put");
     }
     check(writer.Finish(), "sst finish");
-    check(raw->IngestExternalFile(handles[4], {file}, rocksdb::IngestExternalFileOptions()), "ingest ledger");
+    check(raw->IngestExternalFile(handles[2], {file}, rocksdb::IngestExternalFileOptions()), "ingest ledger");
   }
   {
-    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[3]);
+    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[1]);
     const std::string file = path + "/../aggregates.sst";
     check(writer.Open(file), "sst open");
     std::string value;
@@ -103,7 +103,7 @@ void build(const std::string& path, std::uint64_t total) {
       check(writer.Put(encode_aggregate_key(c.target, c.target_id, c.item), value), "sst put");
     }
     check(writer.Finish(), "sst finish");
-    check(raw->IngestExternalFile(handles[3], {file}, rocksdb::IngestExternalFileOptions()), "ingest aggregates");
+    check(raw->IngestExternalFile(handles[1], {file}, rocksdb::IngestExternalFileOptions()), "ingest aggregates");
   }
   for (auto* h : handles) check(raw->DestroyColumnFamilyHandle(h), "handle");
   check(raw->Close(), "close");

@@ -460,7 +460,7 @@ std::string db_with_entries(std::uint64_t entries) {
   if (writer) check(writer->Finish(), "sst finish");
   rocksdb::IngestExternalFileOptions ingest;
   ingest.move_files = true;
-  check(st.db()->IngestExternalFile(st.aggregates(), files, ingest), "ingest");
+  check(st.db(Storage::Engine::State)->IngestExternalFile(st.aggregates(), files, ingest), "ingest");
   check(st.close(), "storage close");
   std::fprintf(stderr, "state_bench: %llu aggregate entries in %zu SST files written in %.1f s\n",
                static_cast<unsigned long long>(entries), files.size(), seconds(Clock::now() - start));

@@ -270,7 +270,7 @@ TEST(ChangeFeed, ARepairEntersTheFeedAsTheDeltaThatMovesTheStoredSum) {
     testing::RawDb raw(dir.path());
     std::string value;
     put_units(&value, Units{7'000'000'000});  // 7.0 instead of 1.5
-    ASSERT_TRUE(raw.db->Put({}, raw.cf(testing::RawDb::kAggregates), encode_aggregate_key(AggregateKind::Cohort, 4, 2),
+    ASSERT_TRUE(raw.db(testing::RawDb::kAggregates)->Put({}, raw.cf(testing::RawDb::kAggregates), encode_aggregate_key(AggregateKind::Cohort, 4, 2),
                             value)
                     .ok());
   }

@@ -336,7 +336,7 @@ void store_floor_record(const std::string& path, std::uint64_t floor) {
   put_u64_le(&value, floor);
   rocksdb::WriteBatch batch;
   batch.Put((*st)->meta(), "clock_floor/flush", value);
-  ASSERT_OK((*st)->write(&batch, Storage::WriteMode::Sync, "test floor"));
+  ASSERT_OK((*st)->write(Storage::Engine::Users, &batch, Storage::WriteMode::Sync, "test floor"));
   ASSERT_OK((*st)->close());
 }
 

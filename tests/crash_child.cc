@@ -34,9 +34,21 @@
 //     0-39 to communities 100-102, prints "R", then signals random users on
 //     items 0-49 with two of cohorts 0-6 (the writer writes every 20 ms), and
 //     every 300 signals leaves, purges and rejoins a user, printing "P <u>".
+//   tidal_crash_child overload <db-path> <period-ms> <first>
+//     Opens the Db with aggregate_write_period = <period-ms>, prints "R",
+//     then signals flat out on one thread, for i = first, first + 1, ...: a
+//     new user i on item 7 with weight 1 and cohort i % 1000; after each
+//     signal with i % 256 == 255 returned prints "A <i> <CLOCK_MONOTONIC ns>"
+//     (every signal up to i had returned then), and every 4096 signals
+//     "S <compaction debt L0 files> <debt bytes> <signals paused so far>".
+//   tidal_crash_child migrate <db-path> <step>
+//     Opens the Db (a format-2 one, with the change feed of shard 7), and
+//     SIGKILLs itself when the upgrade to format 3 reaches <step>
+//     (Storage::migration_step_for_testing); exits 0 if it never does.
 //   tidal_crash_child open <db-path>
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -47,6 +59,7 @@
 #include <string>
 #include <thread>
 
+#include "storage/storage.h"
 #include "tidal/db.h"
 
 namespace {
@@ -106,6 +119,41 @@ int run_signals(const std::string& path, std::uint64_t period_ms) {
         std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()));
     ::usleep(100);
   }
+}
+
+int run_overload(const std::string& path, std::uint64_t period_ms, std::uint64_t first) {
+  tidal::Options options;
+  options.aggregate_write_period = std::chrono::milliseconds(period_ms);
+  auto db = tidal::Db::open(path, options);
+  if (!db.ok()) fail("open", db.status());
+  say("R");
+  for (std::uint64_t i = first;; ++i) {
+    auto out = (*db)->signal_with_context({i, 7, 1.0}, tidal::SignalContext{{i % 1000}});
+    if (!out.ok()) fail("signal", out.status());
+    if (i % 4096 == 4095) {
+      const tidal::Stats st = (*db)->stats();
+      say("S " + std::to_string(st.compaction_debt_l0_files) + " " + std::to_string(st.compaction_debt_bytes) + " " +
+          std::to_string(st.admission_delayed_signals));
+    }
+    if (i % 256 == 255) {
+      const auto now = std::chrono::steady_clock::now().time_since_epoch();
+      say("A " + std::to_string(i) + " " +
+          std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()));
+    }
+  }
+}
+
+int run_migrate(const std::string& path, int step) {
+  tidal::Storage::migration_step_for_testing = [step](int at) {
+    if (at == step) ::raise(SIGKILL);
+  };
+  tidal::Options options;
+  options.change_feed = true;
+  options.shard_id = 7;
+  auto db = tidal::Db::open(path, options);
+  if (!db.ok()) fail("open", db.status());
+  if (tidal::Status s = (*db)->close(); !s.ok()) fail("close", s);
+  return 0;
 }
 
 // Signals users 0..39 (joined to communities 100..102) on items 0..49 with
@@ -213,9 +261,13 @@ int main(int argc, char** argv) {
   if (mode == "open" && argc == 3) return run_open(argv[2]);
   if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "signals" && argc == 4) return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10));
+  if (mode == "overload" && argc == 5) {
+    return run_overload(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
+  }
+  if (mode == "migrate" && argc == 4) return run_migrate(argv[2], std::atoi(argv[3]));
   if (mode == "feed" && argc == 5) {
     return run_feed(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> | purges <db> <first-user> | feed <db> <shard> <seed>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> | purges <db> <first-user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step>");
   return 2;
 }

@@ -34,7 +34,8 @@ inline std::string read_file(const std::filesystem::path& p) {
 }
 
 // Every SST's point keys (rocksdb::SstFileReader) and range tombstones, and
-// every WAL's raw bytes, checked for the ledger prefix of `user`.
+// every WAL's raw bytes, checked for the ledger prefix of `user`: the files
+// of both engines (the Db directory and state/).
 struct ErasureScan {
   std::size_t ssts = 0, wals = 0, sst_keys = 0;
   std::vector<std::string> found;
@@ -43,8 +44,19 @@ struct ErasureScan {
 inline ErasureScan scan_files(const std::string& path, std::uint64_t user) {
   ErasureScan out;
   const std::string prefix = encode_key_prefix(EntityId(user), Tag::ContributionLedger);
-  for (const auto& entry : std::filesystem::directory_iterator(path)) {
-    const std::string name = entry.path().filename().string();
+  std::error_code ec;
+  for (auto walk = std::filesystem::recursive_directory_iterator(path, ec);
+       walk != std::filesystem::recursive_directory_iterator(); walk.increment(ec)) {
+    const auto& entry = *walk;
+    // Relative to the Db directory: "state/000012.sst".
+    const std::string name = std::filesystem::relative(entry.path(), path, ec).string();
+    // ingest/ holds the files of batches being built (the database's own
+    // copies are what is scanned), and what a failed delete left there
+    // until the next open clears it.
+    if (name == "ingest") {
+      walk.disable_recursion_pending();
+      continue;
+    }
     if (name.ends_with(".sst")) {
       ++out.ssts;
       rocksdb::Options options;

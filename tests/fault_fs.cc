@@ -82,6 +82,7 @@ class FaultWritableFile : public rocksdb::FSWritableFileOwnerWrapper {
     return fs_->check("Append", fname_, true);
   }
   IOStatus before_sync(const char* op) {
+    fs_->wait_if_held(fname_);
     if (IOStatus s = fs_->check_wal(op, fname_, true); !s.ok()) return s;
     return fs_->check(op, fname_, true);
   }
@@ -174,6 +175,27 @@ void FaultFs::clear_faults() {
   fail_wal_append_.store(false);
   fail_wal_sync_.store(false);
   fail_deletes_.store(false);
+}
+
+void FaultFs::hold_syncs_under(const std::string& prefix) {
+  std::lock_guard<std::mutex> lock(hold_mu_);
+  hold_prefix_ = prefix;
+}
+
+void FaultFs::release_syncs() {
+  {
+    std::lock_guard<std::mutex> lock(hold_mu_);
+    hold_prefix_.clear();
+  }
+  hold_cv_.notify_all();
+}
+
+void FaultFs::wait_if_held(const std::string& fname) {
+  std::unique_lock<std::mutex> lock(hold_mu_);
+  if (hold_prefix_.empty() || fname.rfind(hold_prefix_, 0) != 0) return;
+  held_.fetch_add(1);
+  hold_cv_.wait(lock, [&] { return hold_prefix_.empty(); });
+  held_.fetch_sub(1);
 }
 
 IOStatus FaultFs::check(const char* op, const std::string& fname, bool mutating) {

@@ -37,6 +37,7 @@
 #define TIDAL_TESTS_FAULT_FS_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -62,6 +63,15 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   // Makes every DeleteFile fail (RocksDB then keeps obsolete files, and
   // retries at its next purge of obsolete files); cleared by clear_faults.
   void set_fail_deletes(bool on) { fail_deletes_.store(on); }
+
+  // Holds every Sync/Fsync of a writable file whose path starts with
+  // `prefix` (a stalled disk under one engine) until release_syncs().
+  void hold_syncs_under(const std::string& prefix);
+  void release_syncs();
+  // Syncs waiting in a hold now.
+  std::uint64_t held_syncs() const { return held_.load(); }
+  // Called by the file wrappers before a Sync/Fsync of `fname`.
+  void wait_if_held(const std::string& fname);
 
   // ---- (b) Nth-operation faults ----
   // Fails the n-th counted operation from now (n >= 1); with `persistent`,
@@ -133,6 +143,10 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   void note_sync(const std::string& fname);
 
  private:
+  std::mutex hold_mu_;
+  std::condition_variable hold_cv_;
+  std::string hold_prefix_;  // empty: no hold
+  std::atomic<std::uint64_t> held_{0};
   struct FileState {
     std::uint64_t size = 0;
     std::uint64_t synced = 0;

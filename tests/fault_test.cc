@@ -53,6 +53,62 @@ std::vector<std::uint64_t> user_range(std::uint64_t first, std::uint64_t last) {
   return v;
 }
 
+// ---- two engines: a leave never waits on the state store ----
+
+// Every fsync under the state engine's directory is held, so the writer's
+// batch (its synced epoch mark, its ingestion) cannot finish; meanwhile
+// leaves, rejoins and membership changes of other users are synced to the
+// users engine and return, and the gate closes. With one RocksDB database
+// for both (format 2) the leaves' synced WAL writes queued behind the
+// writer's and this test hung (its watchdog then fails it). Once the syncs
+// are released the batch lands, and after a reopen every leave is there and
+// the aggregates hold the signals made before them.
+TEST(TwoEnginesTest, LeavesCompleteWhileTheStateEngineCannotSync) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  FaultEnv fault = FaultEnv::make();
+  Options options;
+  options.aggregate_write_period = std::chrono::milliseconds(5);
+  {
+    std::unique_ptr<Db> db = open_on(path, options, fault.env.get());
+    ASSERT_NE(db, nullptr);
+    for (std::uint64_t u = 1; u <= 8; ++u) {
+      ASSERT_TRUE(db->join_community(u, 100).ok());
+      ASSERT_TRUE(db->signal_with_context({u, 1, 1.0}, {{7}}).ok());
+    }
+    fault.fs->hold_syncs_under(path + "/state/");
+    ASSERT_TRUE(db->signal_with_context({1, 2, 1.0}, {{7}}).ok());  // a batch for the writer
+    for (int i = 0; i < 10'000 && fault.fs->held_syncs() == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    ASSERT_GT(fault.fs->held_syncs(), 0u) << "the writer never synced under " << path << "/state/";
+
+    std::atomic<bool> done{false};
+    std::thread leaver([&] {
+      for (std::uint64_t u = 1; u <= 4; ++u) EXPECT_TRUE(db->leave_community_layer(u).ok());
+      EXPECT_TRUE(db->rejoin_community_layer(4).ok());
+      EXPECT_TRUE(db->join_community(9, 100).ok());
+      done = true;
+    });
+    // A watchdog, not a timing: the leaves either return while the state
+    // engine is stuck, or never do.
+    for (int i = 0; i < 30'000 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const bool returned = done;
+    EXPECT_GT(fault.fs->held_syncs(), 0u);  // still stuck while they ran
+    fault.fs->release_syncs();
+    leaver.join();
+    ASSERT_TRUE(returned) << "leaves waited for the state engine's fsyncs";
+    for (std::uint64_t u = 1; u <= 3; ++u) EXPECT_EQ(db->community_layer_status(u)->status, MembershipStatus::Left);
+    ASSERT_TRUE(db->flush().ok());
+    ASSERT_TRUE(db->close().ok());
+  }
+  auto db = Db::open(path);
+  ASSERT_TRUE(db.ok()) << db.status().to_string();
+  for (std::uint64_t u = 1; u <= 3; ++u) EXPECT_EQ((*db)->community_layer_status(u)->status, MembershipStatus::Left);
+  EXPECT_EQ((*db)->community_layer_status(4)->status, MembershipStatus::Active);
+  EXPECT_EQ(*(*db)->communities_of(9), std::vector<std::uint64_t>{100});
+  EXPECT_EQ(*(*db)->community_score(100, 1), 8.0);
+  EXPECT_EQ(*(*db)->cohort_score(7, 2), 1.0);
+}
+
 // ---- G6: WAL failures ----
 
 void wal_failure_fails_closed(bool fail_sync) {

@@ -31,14 +31,14 @@ class RawDb {
   void put_leave_record(std::uint64_t user, std::string_view value) {
     rocksdb::WriteBatch batch;
     storage_->put_record(&batch, EntityId(user), Tag::CommunityLeave, {}, value);
-    ASSERT_TRUE(storage_->db()->Write({}, &batch).ok());
+    ASSERT_TRUE(storage_->db(Storage::Engine::Users)->Write({}, &batch).ok());
   }
   void put(rocksdb::ColumnFamilyHandle* cf, const std::string& key, std::string_view value) {
-    ASSERT_TRUE(storage_->db()->Put({}, cf, key, rocksdb::Slice(value.data(), value.size())).ok());
+    ASSERT_TRUE(storage_->db(Storage::Engine::Users)->Put({}, cf, key, rocksdb::Slice(value.data(), value.size())).ok());
   }
   void drop_index() {
-    ASSERT_TRUE(storage_->db()->Delete({}, storage_->meta(), kIndexVersionKey).ok());
-    ASSERT_TRUE(storage_->db()->DeleteRange({}, storage_->by_tag(), std::string(1, '\0'), std::string(9, '\xff')).ok());
+    ASSERT_TRUE(storage_->db(Storage::Engine::Users)->Delete({}, storage_->meta(), kIndexVersionKey).ok());
+    ASSERT_TRUE(storage_->db(Storage::Engine::Users)->DeleteRange({}, storage_->by_tag(), std::string(1, '\0'), std::string(9, '\xff')).ok());
   }
   Storage& storage() { return *storage_; }
 

@@ -95,10 +95,10 @@ void damage_shared(const std::string& path, const Workload& w) {
   std::string one, five;
   put_units(&one, 1);
   put_units(&five, 5'000'000'000);
-  ASSERT_TRUE(raw.db->Merge(wo, raw.cf(RawDb::kAggregates), w.key(0), one).ok());  // off by 1e-9
-  ASSERT_TRUE(raw.db->Delete(wo, raw.cf(RawDb::kAggregates), w.key(w.cells.size() / 2)).ok());  // absent
-  ASSERT_TRUE(raw.db->Delete(wo, raw.cf(RawDb::kAggregates), w.key(w.cells.size() - 1)).ok());  // absent, last
-  ASSERT_TRUE(raw.db->Put(wo, raw.cf(RawDb::kAggregates), encode_aggregate_key(AggregateKind::Community, 777, 3), five)
+  ASSERT_TRUE(raw.db(RawDb::kAggregates)->Merge(wo, raw.cf(RawDb::kAggregates), w.key(0), one).ok());  // off by 1e-9
+  ASSERT_TRUE(raw.db(RawDb::kAggregates)->Delete(wo, raw.cf(RawDb::kAggregates), w.key(w.cells.size() / 2)).ok());  // absent
+  ASSERT_TRUE(raw.db(RawDb::kAggregates)->Delete(wo, raw.cf(RawDb::kAggregates), w.key(w.cells.size() - 1)).ok());  // absent, last
+  ASSERT_TRUE(raw.db(RawDb::kAggregates)->Put(wo, raw.cf(RawDb::kAggregates), encode_aggregate_key(AggregateKind::Community, 777, 3), five)
                   .ok());  // no ledger entry
 }
 
@@ -106,9 +106,9 @@ void damage_shared(const std::string& path, const Workload& w) {
 void damage_undecodable(const std::string& path) {
   RawDb raw(path);
   rocksdb::WriteOptions wo;
-  ASSERT_TRUE(raw.db->Put(wo, raw.cf(RawDb::kLedger), encode_ledger_key(999, 1), std::string(32, 'x')).ok());
+  ASSERT_TRUE(raw.db(RawDb::kLedger)->Put(wo, raw.cf(RawDb::kLedger), encode_ledger_key(999, 1), std::string(32, 'x')).ok());
   ASSERT_TRUE(
-      raw.db->Put(wo, raw.cf(RawDb::kAggregates), encode_aggregate_key(AggregateKind::Personal, 999, 7), "12345678")
+      raw.db(RawDb::kAggregates)->Put(wo, raw.cf(RawDb::kAggregates), encode_aggregate_key(AggregateKind::Personal, 999, 7), "12345678")
           .ok());
 }
 

@@ -325,16 +325,16 @@ TEST(Rematerialize, FindsAndRepairsEveryAggregateThatDisagreesWithTheLedger) {
   {  // Damage two aggregates behind tidal's back: one off by 1e-9, one that has no ledger entry.
     rocksdb::Options options;
     std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* n : {"default", "users", "by_tag", "aggregates", "ledger"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
-    cfs[3].options.merge_operator = new_units_add_operator();
+    for (const char* n : {"default", "aggregates", "ledger", "receipts"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+    cfs[1].options.merge_operator = new_units_add_operator();
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;
-    ASSERT_TRUE(rocksdb::DB::Open(options, path, cfs, &handles, &raw).ok());
+    ASSERT_TRUE(rocksdb::DB::Open(options, path + "/state", cfs, &handles, &raw).ok());
     std::string one, five;
     put_units(&one, 1);
     put_units(&five, 5'000'000'000);
-    ASSERT_TRUE(raw->Merge({}, handles[3], encode_aggregate_key(AggregateKind::Cohort, 7, 5), one).ok());
-    ASSERT_TRUE(raw->Put({}, handles[3], encode_aggregate_key(AggregateKind::Community, 11, 5), five).ok());
+    ASSERT_TRUE(raw->Merge({}, handles[1], encode_aggregate_key(AggregateKind::Cohort, 7, 5), one).ok());
+    ASSERT_TRUE(raw->Put({}, handles[1], encode_aggregate_key(AggregateKind::Community, 11, 5), five).ok());
     for (auto* h : handles) (void)raw->DestroyColumnFamilyHandle(h);
     delete raw;
   }

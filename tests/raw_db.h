@@ -1,10 +1,15 @@
-// RawDb: a tidal Db directory opened as a plain RocksDB database, for tests
+// RawDb: a tidal Db directory opened as plain RocksDB databases, for tests
 // that write or inspect stored bytes directly (corrupt records, build large
-// Dbs quickly). Creates the directory and tidal's column families if missing;
-// flushes its memtables on close.
+// Dbs quickly). Format 3 (the default): the users engine in the directory
+// and the state engine in <path>/state; a new directory is created as a
+// format-3 Db. Format 2: one database with every column family, as tidal
+// wrote before format 3 (for the upgrade tests). Creates missing column
+// families; flushes its memtables on close.
 #ifndef TIDAL_TESTS_RAW_DB_H_
 #define TIDAL_TESTS_RAW_DB_H_
 
+#include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,54 +17,92 @@
 #include <gtest/gtest.h>
 #include <rocksdb/db.h>
 
+#include "storage/format.h"
 #include "storage/state_format.h"
 
 namespace tidal::testing {
 
 struct RawDb {
-  // tidal's column families, in Storage's order.
-  enum Cf { kMeta = 0, kUsers = 1, kByTag = 2, kAggregates = 3, kLedger = 4 };
+  // tidal's column families. In format 2 the state ones are in the users
+  // engine, and there is no kStateMeta or kReceipts.
+  enum Cf { kMeta, kUsers, kByTag, kStateMeta, kAggregates, kLedger, kReceipts };
+  enum class Layout { Format3, Format2 };
 
-  explicit RawDb(const std::string& path) {
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* name : {"default", "users", "by_tag", "aggregates", "ledger"}) {
-      cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
-    }
-    // And any other column family the Db has (the change feed's), which a
-    // read-write open must name.
-    std::vector<std::string> existing;
-    if (rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &existing).ok()) {
-      for (const std::string& name : existing) {
-        bool known = false;
-        for (const auto& cf : cfs) known = known || cf.name == name;
-        if (!known) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
-      }
-    }
-    cfs[kAggregates].options.merge_operator = new_units_add_operator();
-    rocksdb::Options options;
-    options.create_if_missing = true;
-    options.create_missing_column_families = true;
-    rocksdb::DB* raw = nullptr;
-    rocksdb::Status s = rocksdb::DB::Open(options, path, cfs, &handles, &raw);
-    if (!s.ok()) {
-      ADD_FAILURE() << "raw open of " << path << ": " << s.ToString();
+  explicit RawDb(const std::string& path, Layout layout = Layout::Format3) : layout_(layout) {
+    if (layout == Layout::Format2) {
+      open(path, {"default", "users", "by_tag", "aggregates", "ledger"}, &users_);
       return;
     }
-    db.reset(raw);
+    const bool fresh = !std::filesystem::exists(path + "/CURRENT");
+    if (!open(path, {"default", "users", "by_tag"}, &users_)) return;
+    if (fresh) {
+      EXPECT_TRUE(users_.db->Put(rocksdb::WriteOptions(), users_.handles[0], kDbFormatKey, kDbFormat).ok());
+    }
+    open(path + "/state", {"default", "aggregates", "ledger", "receipts"}, &state_);
   }
   ~RawDb() {
-    if (!db) return;
-    (void)db->Flush(rocksdb::FlushOptions(), handles);
-    for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
-    (void)db->Close();
+    close(&state_);
+    close(&users_);
   }
   RawDb(const RawDb&) = delete;
   RawDb& operator=(const RawDb&) = delete;
 
-  rocksdb::ColumnFamilyHandle* cf(Cf which) const { return handles[which]; }
+  bool ok() const { return users_.db != nullptr && (layout_ == Layout::Format2 || state_.db != nullptr); }
+  // The database holding `which`, and its handle.
+  rocksdb::DB* db(Cf which) const { return engine(which).db.get(); }
+  rocksdb::ColumnFamilyHandle* cf(Cf which) const {
+    static constexpr std::size_t kNone = ~std::size_t{0};
+    static constexpr std::size_t kFormat3[] = {0, 1, 2, 0, 1, 2, 3};
+    static constexpr std::size_t kFormat2[] = {0, 1, 2, kNone, 3, 4, kNone};
+    const std::size_t i = (layout_ == Layout::Format2 ? kFormat2 : kFormat3)[which];
+    return i == kNone ? nullptr : engine(which).handles[i];
+  }
 
-  std::unique_ptr<rocksdb::DB> db;
-  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+ private:
+  struct Engine {
+    std::unique_ptr<rocksdb::DB> db;
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  };
+  const Engine& engine(Cf which) const {
+    return layout_ == Layout::Format3 && which >= kStateMeta ? state_ : users_;
+  }
+  // Opens `path` with `names` first, then any other column family it has
+  // (the change feed's), which a read-write open must name.
+  static bool open(const std::string& path, std::vector<std::string> names, Engine* engine) {
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    std::vector<std::string> existing;
+    if (rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &existing).ok()) {
+      for (const std::string& name : existing) {
+        if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+      }
+    }
+    for (const std::string& name : names) {
+      cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+      if (name == "aggregates") cfs.back().options.merge_operator = new_units_add_operator();
+    }
+    rocksdb::Options options;
+    options.create_if_missing = true;
+    options.create_missing_column_families = true;
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Status s = rocksdb::DB::Open(options, path, cfs, &engine->handles, &raw);
+    if (!s.ok()) {
+      ADD_FAILURE() << "raw open of " << path << ": " << s.ToString();
+      return false;
+    }
+    engine->db.reset(raw);
+    return true;
+  }
+  static void close(Engine* engine) {
+    if (!engine->db) return;
+    (void)engine->db->Flush(rocksdb::FlushOptions(), engine->handles);
+    for (auto* h : engine->handles) (void)engine->db->DestroyColumnFamilyHandle(h);
+    (void)engine->db->Close();
+    engine->db.reset();
+  }
+
+  const Layout layout_;
+  Engine users_;
+  Engine state_;
 };
 
 }  // namespace tidal::testing

@@ -367,6 +367,7 @@ struct Workload {
   std::atomic<int> phase{kLeaving};
   std::vector<double> leave_ms;             // latency of each leave, written by the leaver only
   std::atomic<std::uint64_t> waited_us{0};  // time signal threads spent waiting for the leaver
+  std::atomic<std::uint64_t> longest_signal_ns{0};  // the longest signal_with_context call of any thread
   double signal_secs = 0;
 
   std::uint64_t leaves_done_mark() const { return cfg.signals * 6 / 10; }
@@ -393,19 +394,26 @@ void signal_thread(Workload& w, std::uint64_t t) {
   const std::uint64_t share = cfg.signals / cfg.threads + (t < cfg.signals % cfg.threads ? 1 : 0);
   tidal::SignalContext context;
   std::uint64_t unreported = 0;
+  std::uint64_t longest_ns = 0;
   for (std::uint64_t n = 0; n < share; ++n) {
     if (unreported == 0) wait_for_leaver(w);
     const tidal::Signal signal{1 + rng.below(cfg.users), 1 + rng.below(kItems),
                                0.5 + static_cast<double>(rng.below(100)) / 100.0};
     context.cohort_ids.resize(rng.below(5));
     for (std::uint64_t& c : context.cohort_ids) c = 1 + rng.below(kCohorts);
+    const auto start = SteadyClock::now();
     if (!w.db.signal_with_context(signal, context).ok()) w.signal_errors.fetch_add(1, std::memory_order_relaxed);
+    longest_ns = std::max<std::uint64_t>(
+        longest_ns, static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(SteadyClock::now() - start).count()));
     if (++unreported == 256) {
       w.signals_done.fetch_add(unreported, std::memory_order_relaxed);
       unreported = 0;
     }
   }
   w.signals_done.fetch_add(unreported, std::memory_order_relaxed);
+  for (std::uint64_t seen = w.longest_signal_ns.load(); seen < longest_ns &&
+                                                        !w.longest_signal_ns.compare_exchange_weak(seen, longest_ns);) {
+  }
 }
 
 // The leaver: leave i when 20%..60% of the signals are done, then the
@@ -479,6 +487,13 @@ void print_report(Workload& w, const tidal::Stats& st) {
     std::printf("  leave latency (durable + effective on return): p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
                 ms[ms.size() / 2], ms[ms.size() * 99 / 100], ms.back());
   }
+  std::printf("  longest signal_with_context call: %.2f ms\n", static_cast<double>(w.longest_signal_ns.load()) / 1e6);
+  std::printf("  admission (compactions behind): %llu signals paused, %.2f s in total; debt at the end: %llu MiB to "
+              "compact, %llu level-0 files\n",
+              static_cast<unsigned long long>(st.admission_delayed_signals),
+              static_cast<double>(st.admission_delay_ns) / 1e9,
+              static_cast<unsigned long long>(st.compaction_debt_bytes >> 20),
+              static_cast<unsigned long long>(st.compaction_debt_l0_files));
   std::printf("  contributions forwarded: %llu to communities, %llu to cohorts\n",
               static_cast<unsigned long long>(st.community_forwards),
               static_cast<unsigned long long>(st.cohort_attributions));

@@ -61,6 +61,9 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
   rematerialize --repair
                    as rematerialize, and rewrite each mismatching aggregate
                    from the ledger (one synced batch)
+  migrate          upgrade a Db written by tidal 0.2 or earlier (format 2, one
+                   RocksDB database) to format 3 (users and state engines);
+                   crash-safe, and what any writable open does anyway
   leave --from FILE, rejoin --from FILE, purge --from FILE
                    one user id per line (FILE '-' reads stdin); blank lines and
                    lines starting with '#' are skipped; bad lines are reported
@@ -96,7 +99,7 @@ constexpr Command kCommands[] = {
     {"verify", false, false},   {"leave", true, true},    {"rejoin", true, true},
     {"purge", true, true},      {"receipts", true, false}, {"rematerialize", false, false},
     {"view", false, false},  // view PATH ...: a GlobalView, not a Db (cmd_view)
-    {"changes", false, false},
+    {"changes", false, false},  {"migrate", false, true},
 };
 
 struct Args {
@@ -385,6 +388,14 @@ int cmd_rematerialize(tidal::Db& db, bool repair, bool json) {
 }
 
 // ---- write commands ----
+
+// The open did the work (Storage::open); this reports it.
+int cmd_migrate(bool upgraded, bool json) {
+  const char* what = upgraded ? "upgraded from format 2 to format 3" : "already in format 3; nothing changed";
+  if (json) std::printf("{\"format\":3,\"upgraded\":%s}\n", upgraded ? "true" : "false");
+  else std::printf("migrate: %s\n", what);
+  return kExitOk;
+}
 
 int cmd_purge(tidal::Db& db, std::uint64_t user, bool json) {
   tidal::Result<tidal::PurgeReceipt> r = db.purge_community_contributions(user);
@@ -713,6 +724,14 @@ int run(int argc, char** argv) {
   // verify must run to list what is wrong, so it gates a corrupt leave record
   // instead of failing the open (read-only: nothing is written).
   if (name == "verify") options.corrupt_record_policy = tidal::CorruptRecordPolicy::TreatAsLeft;
+  bool upgraded = false;
+  if (name == "migrate") {
+    // In format 3 already when a read-only open (which never upgrades) works.
+    tidal::Options ro = options;
+    ro.read_only = true;
+    tidal::Result<std::unique_ptr<tidal::Db>> probe = tidal::Db::open(path, ro);
+    upgraded = !probe.ok() && probe.status().message().find("in format 2") != std::string::npos;
+  }
   tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(path, options);
   if (!opened.ok() && !options.read_only && opened.status().code() == tidal::StatusCode::InvalidArgument &&
       opened.status().message().find("keeps a change feed") != std::string::npos) {
@@ -747,6 +766,7 @@ int run(int argc, char** argv) {
   else if (name == "verify") rc = cmd_verify(db, args.json);
   else if (name == "receipts") rc = cmd_receipts(db, *user, args.json);
   else if (name == "rematerialize") rc = cmd_rematerialize(db, args.repair, args.json);
+  else if (name == "migrate") rc = cmd_migrate(upgraded, args.json);
   else if (args.from) rc = cmd_bulk(db, name, *args.from == "-" ? "<stdin>" : *args.from, lines, args.json);
   else if (name == "purge") rc = cmd_purge(db, *user, args.json);
   else rc = cmd_leave_or_rejoin(db, name == "leave", *user, args.json);

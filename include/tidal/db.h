@@ -209,6 +209,15 @@ struct Stats {
   std::uint64_t aggregate_cells_written = 0;   // aggregate cells and ledger records stored
   std::uint64_t aggregate_cells_pending = 0;   // cells in memory now, not yet stored
   std::uint64_t backpressure_waits = 0;        // signals that waited for the writer (buffers full)
+  // Admission (docs/CONTRACT.md "Admission"): while the state engine's
+  // compactions are behind, each signal is slowed by a short pause that
+  // grows with the debt, so that the writer never has to hold a batch back.
+  std::uint64_t admission_delayed_signals = 0;  // signals that were paused so
+  std::uint64_t admission_delay_ns = 0;         // their pauses, in total
+  std::uint64_t admission_pause_ns = 0;         // the pause a signal gets now (0: none)
+  std::uint64_t compaction_debt_bytes = 0;      // the debt at the last look: bytes RocksDB estimates its
+                                                //   compactions have to rewrite (aggregates and ledger)
+  std::uint64_t compaction_debt_l0_files = 0;   //   and the most level-0 files of either
   // The change feed (all 0 without one):
   bool change_feed = false;                     // the Db keeps a change feed
   std::uint64_t change_feed_shard_id = 0;       // its shard

@@ -33,6 +33,11 @@ Stats Db::Impl::stats() const {
   out.aggregate_cells_written = st.cells_written;
   out.aggregate_cells_pending = st.pending_cells;
   out.backpressure_waits = st.backpressure_waits;
+  out.admission_delayed_signals = st.admission_delayed_signals;
+  out.admission_delay_ns = st.admission_delay_ns;
+  out.admission_pause_ns = st.admission_pause_ns;
+  out.compaction_debt_bytes = st.compaction_debt_bytes;
+  out.compaction_debt_l0_files = st.compaction_debt_l0_files;
   if (feed_) {
     const ChangeFeed::Stats f = feed_->stats();
     out.change_feed = true;

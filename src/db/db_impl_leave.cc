@@ -92,7 +92,7 @@ Status Db::Impl::write_membership(std::uint64_t user_id, const CommunityMembersh
   rocksdb::WriteBatch batch;
   put_membership(&batch, user_id, m, at_ns);
   put_clock_floor(&batch, user_id, at_ns);
-  return storage_->write(&batch, Storage::durable_if(options_.sync_writes), std::string(what) + "(" + user_text(user_id) + ")");
+  return storage_->write(Storage::Engine::Users, &batch, Storage::durable_if(options_.sync_writes), std::string(what) + "(" + user_text(user_id) + ")");
 }
 
 // Appends the 0x11 record, its index copy and the 0x12 history entry.
@@ -232,7 +232,7 @@ Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipSt
       floors[todo[i] % floors.size()] = *at;
     }
     put_clock_floors(&batch, floors);
-    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
+    if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::durable_if(options_.sync_writes),
                                    bulk_text(what, todo, begin, end));
         !s.ok()) {
       return bulk_failure(s, what, begin, todo.size());

@@ -56,7 +56,7 @@ Status Db::Impl::change_membership(std::uint64_t user_id, std::uint64_t communit
     } else {
       storage_->delete_record(&batch, EntityId(user_id), Tag::CommunityMember, suffix);
     }
-    if (Status s = storage_->write(&batch, Storage::durable_if(options_.sync_writes),
+    if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::durable_if(options_.sync_writes),
                                    std::string(what) + "(" + user_text(user_id) + ", community " +
                                        std::to_string(community_id) + ")");
         !s.ok()) {

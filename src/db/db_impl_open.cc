@@ -160,7 +160,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     if (!floor.ok()) return floor.status();
     impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
     if (!options.read_only) {
-      impl->state_->start();
+      if (Status s = impl->state_->start(); !s.ok()) return s;
       // A purge whose erasure failed or was cut short by a crash: finish it.
       // If it fails again the Db still opens; the receipts keep showing
       // erasure_complete == false until a later purge or open finishes it.
@@ -215,7 +215,7 @@ Status Db::Impl::check_outside_sink(const char* what) {
 Status Db::Impl::store_clock_lease(std::uint64_t floor) {
   rocksdb::WriteBatch batch;
   batch.Put(storage_->meta(), kClockLeaseKey, serialize_clock_floor(floor));
-  return storage_->write(&batch, Storage::durable_if(options_.sync_writes),
+  return storage_->write(Storage::Engine::Users, &batch, Storage::durable_if(options_.sync_writes),
                          "clock lease (floor " + std::to_string(floor) + " ns)");
 }
 

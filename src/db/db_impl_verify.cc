@@ -41,7 +41,7 @@ void check_users_value(const DecodedKey& key, std::string_view k, std::string_vi
       break;
     case Tag::PurgeManifest:
       if (key.suffix.size() != 8 || !decode_receipt(v)) {
-        problems.add("users", k, "purge receipt (0x10) does not decode: value " + hex(v));
+        problems.add("receipts", k, "purge receipt (0x10) does not decode: value " + hex(v));
       }
       break;
     default:
@@ -50,17 +50,23 @@ void check_users_value(const DecodedKey& key, std::string_view k, std::string_vi
 }
 
 // Every users record decodes, and (when the index is complete) every indexed
-// one has its index copy.
-Status verify_users(const Storage& storage, bool indexed, VerifyReport* report) {
+// one has its index copy. The purge receipts, in the state engine, are
+// checked the same way (`receipts`: every record must be one).
+Status verify_users(const Storage& storage, bool receipts, bool indexed, VerifyReport* report) {
   const Problems problems{report};
-  auto it = storage.iterator(storage.users());
+  const char* const family = receipts ? "receipts" : "users";
+  auto it = storage.iterator(receipts ? storage.receipts() : storage.users());
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     ++report->records_checked;
     const std::string_view k = view(it->key());
     const std::string_view v = view(it->value());
     auto key = decode_key(k);
     if (!key) {
-      problems.add("users", k, "key shorter than 9 bytes");
+      problems.add(family, k, "key shorter than 9 bytes");
+      continue;
+    }
+    if (receipts && key->tag != static_cast<std::uint8_t>(Tag::PurgeManifest)) {
+      problems.add(family, k, "not a purge receipt (tag " + hex(std::string_view(k).substr(8, 1)) + ")");
       continue;
     }
     check_users_value(*key, k, v, problems);
@@ -68,7 +74,7 @@ Status verify_users(const Storage& storage, bool indexed, VerifyReport* report) 
       if (Status s = check_index_copy(storage, *key, k, v, problems.fn()); !s.ok()) return s;
     }
   }
-  return from_rocksdb(it->status(), "verify scan of users");
+  return from_rocksdb(it->status(), std::string("verify scan of ") + family);
 }
 
 }  // namespace
@@ -82,8 +88,9 @@ Result<VerifyReport> Db::Impl::verify() const {
     if (!indexed.ok()) return indexed.status();
 
     VerifyReport report;
-    Status s = verify_users(*storage_, *indexed, &report);
+    Status s = verify_users(*storage_, /*receipts=*/false, *indexed, &report);
     if (!s.ok()) return s;
+    if (s = verify_users(*storage_, /*receipts=*/true, *indexed, &report); !s.ok()) return s;
     if (*indexed) {
       if (s = verify_index(*storage_, &report.records_checked, Problems{&report}.fn()); !s.ok()) return s;
     }

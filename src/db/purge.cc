@@ -270,17 +270,17 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
     w = batch.delete_range(storage_->ledger(), ledger_begin(users[i]), ledger_end(users[i]));
   }
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
-    w = batch.put(storage_->users(), encode_receipt_key(users[i], records[i].purged_at_ns), encode_receipt(records[i]));
+    w = batch.put(storage_->receipts(), encode_receipt_key(users[i], records[i].purged_at_ns), encode_receipt(records[i]));
   }
   for (std::size_t stripe = 0; stripe < floors.size() && w.ok(); ++stripe) {
     if (floors[stripe] != 0) {
-      w = batch.put(storage_->meta(), clock_floor_stripe_key(stripe), serialize_clock_floor(floors[stripe]));
+      w = batch.put(storage_->state_meta(), clock_floor_stripe_key(stripe), serialize_clock_floor(floors[stripe]));
     }
   }
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
     std::string since;
     put_u64_be(&since, marks[i]);
-    w = batch.put(storage_->meta(), erasure_pending_key(users[i]), since);
+    w = batch.put(storage_->state_meta(), erasure_pending_key(users[i]), since);
   }
   if (!w.ok()) return from_rocksdb(w, what);
   ChangeFeed::Appended appended;
@@ -296,7 +296,7 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
 
 Result<std::optional<std::uint64_t>> Db::Impl::erasure_pending_since(std::uint64_t user) const {
   std::string value;
-  Status s = storage_->get(storage_->meta(), erasure_pending_key(user), &value);
+  Status s = storage_->get(storage_->state_meta(), erasure_pending_key(user), &value);
   if (s.code() == StatusCode::NotFound) return std::optional<std::uint64_t>();
   if (!s.ok()) return s;
   if (value.size() != 8) {
@@ -333,15 +333,15 @@ Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
   for (std::uint64_t u : users) {
     auto g = purge_generation_.find(u);
     if (g != purge_generation_.end() && g->second > generation) continue;
-    done.Delete(storage_->meta(), erasure_pending_key(u));
+    done.Delete(storage_->state_meta(), erasure_pending_key(u));
     if (g != purge_generation_.end()) purge_generation_.erase(g);
   }
-  return storage_->write(&done, Storage::WriteMode::Async, "erasure marks of " + std::to_string(users.size()) + " users");
+  return storage_->write(Storage::Engine::State, &done, Storage::WriteMode::Async, "erasure marks of " + std::to_string(users.size()) + " users");
 }
 
 Status Db::Impl::complete_pending_erasures() {
   std::vector<std::uint64_t> users;
-  auto it = storage_->iterator(storage_->meta());
+  auto it = storage_->iterator(storage_->state_meta());
   const std::string_view prefix(kErasurePendingPrefix);
   for (it->Seek(rocksdb::Slice(prefix.data(), prefix.size())); it->Valid() && view(it->key()).starts_with(prefix);
        it->Next()) {
@@ -356,17 +356,18 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
   // Every memtable to SST: the WALs that held the purged ledger records (and
   // the purge batch itself, whose range tombstone starts with the prefix)
   // are then no longer needed by any column family.
-  if (Status s = storage_->flush(); !s.ok()) return s;
+  if (Status s = storage_->flush(Storage::Engine::State); !s.ok()) return s;
   // A compaction keeps what a snapshot older than the purge batches can
   // still see: wait until every such snapshot (a verify() that began before
   // them) is released. Later snapshots (the writer's) see the deletion.
-  rocksdb::DB* db = storage_->db();
+  rocksdb::DB* db = storage_->db(Storage::Engine::State);
+  const std::string dir = storage_->state_path();
   const rocksdb::SequenceNumber purged = db->GetLatestSequenceNumber();
   const auto deadline = std::chrono::steady_clock::now() + erasure_wait;
   for (;;) {
     std::uint64_t oldest = 0;
     if (!db->GetIntProperty(rocksdb::DB::Properties::kOldestSnapshotSequence, &oldest)) {
-      return Status::IOError("cannot read rocksdb.oldest-snapshot-sequence of '" + storage_->path() + "'");
+      return Status::IOError("cannot read rocksdb.oldest-snapshot-sequence of '" + dir + "'");
     }
     if (oldest == 0 || oldest >= purged) break;
     if (std::chrono::steady_clock::now() >= deadline) {
@@ -415,18 +416,18 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
     // A WAL older than the oldest one any column family needs.
     std::uint64_t keep = 0;
     if (!db->GetIntProperty(rocksdb::DB::Properties::kMinLogNumberToKeep, &keep)) {
-      return Status::IOError("cannot read rocksdb.min-log-number-to-keep of '" + storage_->path() + "'");
+      return Status::IOError("cannot read rocksdb.min-log-number-to-keep of '" + dir + "'");
     }
     stale_wal.clear();
     std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator(storage_->path(), ec)) {
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
       const std::string name = entry.path().filename().string();
       if (name.size() > 4 && name.ends_with(".log") && std::strtoull(name.c_str(), nullptr, 10) < keep) stale_wal = name;
     }
-    if (ec) return Status::IOError("listing '" + storage_->path() + "': " + ec.message());
+    if (ec) return Status::IOError("listing '" + dir + "': " + ec.message());
     if (waiting.empty() && stale_wal.empty()) return Status::OK();
     if (std::chrono::steady_clock::now() >= give_up) {
-      return Status::IOError("obsolete file '" + storage_->path() + "/" +
+      return Status::IOError("obsolete file '" + dir + "/" +
                              (waiting.empty() ? stale_wal : waiting.front()) + "' was not deleted within " +
                              std::to_string(erasure_wait.count()) +
                              " ms (a long scan, such as verify(), can hold the files it reads until it ends)");
@@ -437,17 +438,17 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
 
 Result<std::vector<std::string>> Db::Impl::obsolete_files() const {
   std::vector<rocksdb::LiveFileMetaData> live_meta;
-  storage_->db()->GetLiveFilesMetaData(&live_meta);
+  storage_->db(Storage::Engine::State)->GetLiveFilesMetaData(&live_meta);
   std::vector<std::string> live;
   for (const rocksdb::LiveFileMetaData& f : live_meta) live.push_back(std::filesystem::path(f.name).filename().string());
   std::sort(live.begin(), live.end());
   std::vector<std::string> out;
   std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator(storage_->path(), ec)) {
+  for (const auto& entry : std::filesystem::directory_iterator(storage_->state_path(), ec)) {
     std::string name = entry.path().filename().string();
     if (name.ends_with(".sst") && !std::binary_search(live.begin(), live.end(), name)) out.push_back(std::move(name));
   }
-  if (ec) return Status::IOError("listing '" + storage_->path() + "': " + ec.message());
+  if (ec) return Status::IOError("listing '" + storage_->state_path() + "': " + ec.message());
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -458,7 +459,7 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_receipts(std::uint64_t user_id
     if (!call.status().ok()) return call.status();
     const std::string prefix = encode_key_prefix(EntityId(user_id), Tag::PurgeManifest);
     std::vector<PurgeReceipt> out;
-    auto it = storage_->iterator(storage_->users());
+    auto it = storage_->iterator(storage_->receipts());
     for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
       const std::string_view key = view(it->key());
       std::optional<ReceiptRecord> r = decode_receipt(view(it->value()));

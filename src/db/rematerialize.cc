@@ -71,7 +71,7 @@ Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repai
         if (!a.ok()) return a.status();
         appended = *a;
       }
-      if (r = storage_->write(&batch, Storage::WriteMode::Sync, std::string(what) + " repair of " +
+      if (r = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync, std::string(what) + " repair of " +
                                                                   std::to_string(fixes.size()) + " aggregates");
           !r.ok()) {
         return r;

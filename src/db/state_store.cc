@@ -25,9 +25,18 @@ constexpr std::size_t kBytesPerCell = 128;
 constexpr std::uint64_t kSoftBoundNum = 3, kSoftBoundDen = 4;
 // The longest pause admit() adds to one signal below the hard bound.
 constexpr std::uint64_t kMaxPauseMicros = 1000;
-// The longest the background writer holds a batch back while RocksDB's
-// compactions are behind (Storage::compaction_behind).
-constexpr auto kMaxCompactionWait = std::chrono::seconds(10);
+// How often the writer looks at the compaction debt (RocksDB properties,
+// each a lock of its mutex: too costly for every signal).
+constexpr auto kDebtLookPeriod = std::chrono::milliseconds(20);
+// The pause admit() gives each signal at the top of the debt range.
+constexpr std::uint64_t kMaxAdmissionPauseNs = 2'000'000;
+
+// Where `v` is in [start, full], 0 to 1.
+double share(std::uint64_t v, std::uint64_t start, std::uint64_t full) {
+  if (v <= start) return 0;
+  if (v >= full) return 1;
+  return static_cast<double>(v - start) / static_cast<double>(full - start);
+}
 
 }  // namespace
 
@@ -41,31 +50,23 @@ StateStore::StateStore(Storage* storage, const Config& config, std::function<Sta
 
 StateStore::~StateStore() { (void)stop(); }
 
-Status StateStore::check_format(Storage& storage) {
-  std::string format;
-  Status s = storage.get(storage.meta(), kStateFormatKey, &format);
-  if (s.ok()) {
-    if (format == kStateFormat) return Status::OK();
-    return Status::InvalidArgument("cannot open tidal Db at '" + storage.path() + "': its aggregates are in format " +
-                                   format + "; this version reads format " + kStateFormat);
-  }
-  if (s.code() != StatusCode::NotFound) return s;
-  auto it = storage.iterator(storage.aggregates());
-  it->SeekToFirst();
-  if (it->Valid()) {
-    return Status::InvalidArgument(
-        "cannot open tidal Db at '" + storage.path() +
-        "': its aggregates were written by tidal 0.1 (double scores, no contribution ledger), which this version "
-        "cannot read exactly; open it with tidal 0.1 to export them");
-  }
-  if (s = from_rocksdb(it->status(), "format check of '" + storage.path() + "'"); !s.ok()) return s;
-  if (storage.read_only()) return Status::OK();
-  rocksdb::WriteBatch batch;
-  batch.Put(storage.meta(), kStateFormatKey, kStateFormat);
-  return storage.write(&batch, Storage::WriteMode::Sync, "format mark of '" + storage.path() + "'");
-}
+Status StateStore::check_format(Storage& storage) { return storage.check_state_format(); }
 
-void StateStore::start() { writer_ = std::thread([this] { run_writer(); }); }
+Status StateStore::start() {
+  std::string stored;
+  Status s = storage_->get(storage_->state_meta(), kStateEpochKey, &stored);
+  if (s.ok()) {
+    if (stored.size() != 8) {
+      return Status::Corruption("the state store's epoch record of '" + storage_->path() + "' has " +
+                                std::to_string(stored.size()) + " bytes; expected 8");
+    }
+    last_epoch_ = get_u64_be(stored.data());
+  } else if (s.code() != StatusCode::NotFound) {
+    return s;
+  }
+  writer_ = std::thread([this] { run_writer(); });
+  return Status::OK();
+}
 
 Status StateStore::stop() {
   {
@@ -82,7 +83,7 @@ Status StateStore::stop() {
   if (frozen_live_) {
     // The last batch could not be written; its deltas are lost with this
     // handle, which `s` reports. The snapshot must not outlive the database.
-    storage_->db()->ReleaseSnapshot(frozen_snapshot_);
+    storage_->db(Storage::Engine::State)->ReleaseSnapshot(frozen_snapshot_);
     frozen_snapshot_ = nullptr;
     frozen_live_ = false;
   }
@@ -99,29 +100,47 @@ void StateStore::wake_writer() {
 
 void StateStore::run_writer() {
   std::unique_lock<std::mutex> lock(writer_mu_);
+  // Batches start write_period apart (start to start), or sooner when the
+  // soft bound wakes the writer; between them the writer looks at the debt.
+  auto next = std::chrono::steady_clock::now() + config_.write_period;
   while (!stop_) {
-    writer_cv_.wait_for(lock, config_.write_period, [this] { return stop_ || wake_; });
+    const auto look = std::chrono::steady_clock::now() + kDebtLookPeriod;
+    writer_cv_.wait_until(lock, std::min(next, look), [this] { return stop_ || wake_; });
     if (stop_) break;
+    lock.unlock();
+    look_at_debt();
+    lock.lock();
+    const auto now = std::chrono::steady_clock::now();
+    if (!wake_ && now < next) continue;
     wake_ = false;
-    // While RocksDB's compactions are behind, one more batch would make it
-    // delay or stop every write, and leaves and rejoins share its write queue
-    // (at 1M users a leave waited 17 s behind stalled batches). So the writer
-    // waits instead, and signals meet the backpressure of admit(); leaves go
-    // straight through. At most kMaxCompactionWait, so that a compaction that
-    // does not progress (a failing disk) ends in a write whose error is
-    // reported rather than in signals waiting for ever.
-    const auto give_up = std::chrono::steady_clock::now() + kMaxCompactionWait;
-    while (!stop_ && storage_->compaction_behind() && std::chrono::steady_clock::now() < give_up) {
-      writer_cv_.wait_for(lock, std::chrono::milliseconds(10), [this] { return stop_; });
-    }
-    if (stop_) break;
+    next = now + config_.write_period;
     lock.unlock();
     (void)flush();  // the outcome is kept in last_error_ and the counters
     lock.lock();
   }
 }
 
+void StateStore::look_at_debt() {
+  const Storage::CompactionDebt debt = storage_->compaction_debt();
+  debt_bytes_.store(debt.pending_bytes, std::memory_order_relaxed);
+  debt_l0_files_.store(debt.l0_files, std::memory_order_relaxed);
+  const double x = std::max(share(debt.pending_bytes, Storage::kDebtStartBytes, Storage::kDebtFullBytes),
+                            share(debt.l0_files, Storage::kDebtStartL0Files, Storage::kDebtFullL0Files));
+  pause_ns_.store(static_cast<std::uint64_t>(x * x * kMaxAdmissionPauseNs), std::memory_order_relaxed);
+}
+
 Status StateStore::admit(bool nested) {
+  // The compaction debt's pause; never for a nested signal (it would hold
+  // up the sink's caller, whose read section the writer may be waiting out).
+  if (const std::uint64_t pause = pause_ns_.load(std::memory_order_relaxed); pause != 0 && !nested) {
+    delayed_signals_.fetch_add(1, std::memory_order_relaxed);
+    const auto start = std::chrono::steady_clock::now();
+    std::this_thread::sleep_for(std::chrono::nanoseconds(pause));
+    delay_ns_.fetch_add(static_cast<std::uint64_t>(
+                            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+                                .count()),
+                        std::memory_order_relaxed);
+  }
   const std::uint64_t fill = entries_[active_.load(std::memory_order_acquire)].load(std::memory_order_relaxed);
   if (fill < soft_limit_) return Status::OK();
   wake_writer();
@@ -187,7 +206,7 @@ Status StateStore::drain_locked() {
     } else {
       frozen = active_.load(std::memory_order_relaxed);
       if (entries_[frozen].load(std::memory_order_relaxed) == 0) return Status::OK();
-      frozen_snapshot_ = storage_->db()->GetSnapshot();
+      frozen_snapshot_ = storage_->db(Storage::Engine::State)->GetSnapshot();
       frozen_live_ = true;
       active_.store(1 - frozen, std::memory_order_release);
     }
@@ -213,18 +232,22 @@ Status StateStore::write_frozen_locked(int frozen) {
     cells.assign(locked.begin(), locked.end());
   }
   const std::string what = "aggregate write of '" + storage_->path() + "'";
-  // The batch's epoch names its ledger records: RocksDB's next sequence
-  // number, taken by a synced record of it. An ingestion need not take a
-  // sequence number of its own (a file that overlaps nothing goes in at 0;
-  // only because the frozen snapshot is held does RocksDB 7.8 give it one),
-  // so without the record two batches could share an epoch, and the second's
-  // ledger records would replace the first's. One fsync a batch.
-  const std::uint64_t epoch = storage_->db()->GetLatestSequenceNumber() + 1;
+  // The batch's epoch names its ledger records: above the last batch's
+  // (the synced meta record, taken first) and RocksDB's next sequence
+  // number. An ingestion need not take a sequence number of its own (a file
+  // that overlaps nothing goes in at 0; only because the frozen snapshot is
+  // held does RocksDB 7.8 give it one), so without the record two batches
+  // could share an epoch, and the second's ledger records would replace the
+  // first's; and a Db upgraded from format 2 has ledger records named by the
+  // old engine's sequence numbers, above the new one's. One fsync a batch.
+  rocksdb::DB* db = storage_->db(Storage::Engine::State);
+  const std::uint64_t epoch = std::max(db->GetLatestSequenceNumber(), last_epoch_) + 1;
   rocksdb::WriteBatch mark;
   std::string epoch_value;
   put_u64_be(&epoch_value, epoch);
-  mark.Put(storage_->meta(), kStateEpochKey, epoch_value);
-  Status s = storage_->write(&mark, Storage::WriteMode::Sync, what);
+  mark.Put(storage_->state_meta(), kStateEpochKey, epoch_value);
+  Status s = storage_->write(Storage::Engine::State, &mark, Storage::WriteMode::Sync, what);
+  if (s.ok()) last_epoch_ = epoch;
   std::uint64_t keys = 0;
   if (s.ok()) s = write_batch_files(&cells, epoch, what, &keys);
   if (!s.ok()) {
@@ -234,7 +257,7 @@ Status StateStore::write_frozen_locked(int frozen) {
   {
     std::unique_lock<std::shared_mutex> view(view_mu_);
     frozen_live_ = false;
-    storage_->db()->ReleaseSnapshot(frozen_snapshot_);
+    storage_->db(Storage::Engine::State)->ReleaseSnapshot(frozen_snapshot_);
     frozen_snapshot_ = nullptr;
   }
   buffer.clear();
@@ -335,6 +358,11 @@ StateStoreStats StateStore::stats() const {
   out.cells_written = cells_written_.load(std::memory_order_relaxed);
   out.backpressure_waits = backpressure_waits_.load(std::memory_order_relaxed);
   out.pending_cells = entries_[0].load(std::memory_order_relaxed) + entries_[1].load(std::memory_order_relaxed);
+  out.admission_delayed_signals = delayed_signals_.load(std::memory_order_relaxed);
+  out.admission_delay_ns = delay_ns_.load(std::memory_order_relaxed);
+  out.admission_pause_ns = pause_ns_.load(std::memory_order_relaxed);
+  out.compaction_debt_bytes = debt_bytes_.load(std::memory_order_relaxed);
+  out.compaction_debt_l0_files = debt_l0_files_.load(std::memory_order_relaxed);
   return out;
 }
 

@@ -28,8 +28,20 @@
 // write) or stored sum + active (after it), under a shared lock the writer
 // takes exclusively only to switch between the two.
 //
-// Past the bound, admit() makes signals wait for the writer (backpressure);
-// while the writer is failing, they get its error instead of waiting forever.
+// The writer starts a batch every write_period (start to start) whatever
+// the state engine's compactions are doing: RocksDB's write stalls are off
+// there, so no batch is ever held back and the crash window stays
+// write_period plus one batch's write. Admission control keeps the
+// compactions from falling ever further behind instead: the writer looks at
+// the compaction debt (Storage::compaction_debt) every kDebtLookPeriod and
+// sets a pause that every signal then takes in admit(), zero below the
+// start of the debt range and growing with the square of the debt across it
+// (in the spirit of RocksDB's delayed write rate), so that throughput
+// settles where the disk keeps up and no signal call waits long.
+//
+// Past the buffers' bound, admit() makes signals wait for the writer
+// (backpressure); while the writer is failing, they get its error instead of
+// waiting forever.
 #ifndef TIDAL_DB_STATE_STORE_H_
 #define TIDAL_DB_STATE_STORE_H_
 
@@ -58,6 +70,11 @@ struct StateStoreStats {
   std::uint64_t cells_written = 0;     // aggregate cells and ledger records written
   std::uint64_t backpressure_waits = 0;
   std::uint64_t pending_cells = 0;     // cells in memory now
+  std::uint64_t admission_delayed_signals = 0;
+  std::uint64_t admission_delay_ns = 0;
+  std::uint64_t admission_pause_ns = 0;
+  std::uint64_t compaction_debt_bytes = 0;
+  std::uint64_t compaction_debt_l0_files = 0;
 };
 
 class StateStore {
@@ -74,17 +91,14 @@ class StateStore {
   StateStore(const StateStore&) = delete;
   StateStore& operator=(const StateStore&) = delete;
 
-  // Checks that the stored aggregates are in this version's format (16-byte
-  // integer sums, meta key "state_format" = "2") and marks a Db that has
-  // none yet. A Db whose aggregates were written by tidal 0.1 (8-byte double
-  // scores, no ledger) is refused with InvalidArgument, nothing changed.
+  // Storage::check_state_format.
   static Status check_format(Storage& storage);
 
   // Every batch also enters `feed` (null: no feed), in the same ingestion.
   // Before start().
   void set_feed(ChangeFeed* feed) { feed_ = feed; }
   // Starts the background writer (not for read-only Dbs).
-  void start();
+  Status start();
   // Stops the writer and writes what is pending. Idempotent.
   Status stop();
 
@@ -153,6 +167,8 @@ class StateStore {
   }
   void wake_writer();
   void run_writer();
+  // Reads the compaction debt and sets the pause admit() gives each signal.
+  void look_at_debt();
   // One drain: swap (unless a failed batch is still frozen), quiesce, write.
   // Caller holds drain_mu_.
   Status drain_locked();
@@ -183,6 +199,7 @@ class StateStore {
   const rocksdb::Snapshot* frozen_snapshot_ = nullptr;  // storage without the frozen buffer
 
   std::mutex drain_mu_;  // one drain at a time
+  std::uint64_t last_epoch_ = 0;  // of the last batch's mark; guarded by drain_mu_ (and set before the writer starts)
 
   // Writer thread control and backpressure.
   std::mutex writer_mu_;
@@ -194,6 +211,10 @@ class StateStore {
   std::thread writer_;
 
   std::atomic<std::uint64_t> writes_{0}, write_failures_{0}, cells_written_{0}, backpressure_waits_{0};
+  // Admission: the pause each signal takes now, and the debt it comes from.
+  std::atomic<std::uint64_t> pause_ns_{0};
+  std::atomic<std::uint64_t> debt_bytes_{0}, debt_l0_files_{0};
+  std::atomic<std::uint64_t> delayed_signals_{0}, delay_ns_{0};
 };
 
 }  // namespace tidal

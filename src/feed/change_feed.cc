@@ -20,7 +20,7 @@ constexpr std::size_t kOffsetSize = 8;
 
 Result<std::optional<std::uint64_t>> ChangeFeed::stored_shard(const Storage& storage) {
   std::string value;
-  Status s = storage.get(storage.meta(), kFeedShardKey, &value);
+  Status s = storage.get(storage.state_meta(), kFeedShardKey, &value);
   if (s.code() == StatusCode::NotFound) return std::optional<std::uint64_t>();
   if (!s.ok()) return s;
   if (value.size() != 8) {
@@ -71,7 +71,7 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   it.reset();
   Result<Appended> appended = seed.finish();
   if (!appended.ok()) return appended.status();
-  if (Status s = from_rocksdb(batch.put(storage->meta(), kFeedShardKey, be64(shard_id)), what); !s.ok()) return s;
+  if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedShardKey, be64(shard_id)), what); !s.ok()) return s;
   if (Status s = batch.ingest(what); !s.ok()) return s;
   feed->committed(*appended);
   return feed;
@@ -79,7 +79,7 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
 
 Status ChangeFeed::load() {
   std::string trimmed;
-  Status s = storage_->get(storage_->meta(), kFeedTrimmedKey, &trimmed);
+  Status s = storage_->get(storage_->state_meta(), kFeedTrimmedKey, &trimmed);
   if (s.ok()) {
     if (trimmed.size() != 16) {
       return Status::Corruption("the change feed's trim record of '" + storage_->path() + "' has " +
@@ -217,8 +217,8 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
   const std::uint64_t offset = get_u64_be(value.data());
   rocksdb::WriteBatch batch;
   batch.DeleteRange(storage_->feed(), encode_feed_key(0), encode_feed_key(through_seq + 1));
-  batch.Put(storage_->meta(), kFeedTrimmedKey, be64(through_seq) + be64(offset));
-  if (Status s = storage_->write(&batch, Storage::WriteMode::Sync,
+  batch.Put(storage_->state_meta(), kFeedTrimmedKey, be64(through_seq) + be64(offset));
+  if (Status s = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync,
                                  "trim_changes(" + std::to_string(through_seq) + ") of '" + storage_->path() + "'");
       !s.ok()) {
     return s;

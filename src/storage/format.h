@@ -75,7 +75,14 @@ char serialize_history_status(MembershipStatus status);
 // Empty optional unless exactly one byte of value 0 or 1.
 std::optional<MembershipStatus> deserialize_history_status(std::string_view bytes);
 
-// ---- meta records (the default column family) ----
+// ---- meta records (the default column family of each engine) ----
+
+// The layout of the Db directory, in the users engine's meta: "3" for two
+// engines (the users engine in the directory, the state engine in state/).
+// Absent in format 2, where one RocksDB database held every column family;
+// written last by the migration (storage/migrate.cc), as its commit point.
+inline constexpr char kDbFormatKey[] = "db_format";
+inline constexpr char kDbFormat[] = "3";
 
 // Present, with value kIndexVersion, once the by_tag index is complete
 // (storage/index.h).

@@ -38,13 +38,13 @@ Status ensure_index(Storage& storage) {
     batch.Put(storage.by_tag(), slice(encode_index_key(EntityId(key->user_id), static_cast<Tag>(key->tag), key->suffix)),
               it->value());
     if (static_cast<std::size_t>(batch.Count()) >= kBackfillBatch) {
-      if (s = storage.write(&batch, Storage::WriteMode::Async, "index backfill"); !s.ok()) return s;
+      if (s = storage.write(Storage::Engine::Users, &batch, Storage::WriteMode::Async, "index backfill"); !s.ok()) return s;
       batch.Clear();
     }
   }
   if (s = iterator_status(*it, storage, "index backfill scan"); !s.ok()) return s;
   batch.Put(storage.meta(), kIndexVersionKey, kIndexVersion);
-  return storage.write(&batch, Storage::WriteMode::Sync, "index backfill");
+  return storage.write(Storage::Engine::Users, &batch, Storage::WriteMode::Sync, "index backfill");
 }
 
 Status scan_tag(const Storage& storage, Tag tag,

@@ -172,7 +172,7 @@ Status check_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, L
                     const std::function<void(std::string)>& problem,
                     const std::function<void(const AggregateMismatch&)>& mismatch, std::size_t max_cells) {
   std::optional<rocksdb::ManagedSnapshot> own;
-  if (snapshot == nullptr) snapshot = own.emplace(storage.db()).snapshot();
+  if (snapshot == nullptr) snapshot = own.emplace(storage.db(Storage::Engine::State)).snapshot();
   max_cells = std::max<std::size_t>(max_cells, 1);
   Range range;
   Totals totals;

@@ -26,7 +26,6 @@
 namespace tidal {
 namespace {
 
-const char* const kColumnFamilies[] = {"default", "users", "by_tag", "aggregates", "ledger"};
 constexpr char kFeedColumnFamily[] = "feed";
 
 bool is_lock_error(const rocksdb::Status& s) {
@@ -229,13 +228,12 @@ void set_hostile_fs_options(const std::string& path, rocksdb::Options* options) 
   options->max_total_wal_size = 16 << 20;
 }
 
-// The state store's column families: a bounded block cache shared by every
-// column family (index and filter blocks included), the integer-add merge
-// operator on aggregates, and bloom filters so a point read of a cell that is
-// not in a file skips it.
-void apply_state_store_options(const Storage::Config& config, std::vector<rocksdb::ColumnFamilyDescriptor>* cfs) {
+// Every column family of both engines: a bounded block cache shared by
+// all of them (index and filter blocks included), and bloom filters so a
+// point read of a key that is not in a file skips it.
+void set_table_options(const std::shared_ptr<rocksdb::Cache>& cache, rocksdb::ColumnFamilyOptions* options) {
   rocksdb::BlockBasedTableOptions table;
-  table.block_cache = rocksdb::NewLRUCache(config.block_cache_bytes);
+  table.block_cache = cache;
   table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
   // Index and filters count against the cache bound, partitioned: a point
   // read loads one small partition, not a whole file's filter (a 1 MiB
@@ -247,30 +245,52 @@ void apply_state_store_options(const Storage::Config& config, std::vector<rocksd
   table.partition_filters = true;
   table.metadata_block_size = 4096;
   table.pin_top_level_index_and_filter = true;
-  for (auto& cf : *cfs) cf.options.table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
-  (*cfs)[3].options.merge_operator = new_units_add_operator();
+  options->table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+}
+
+// The column families of a state store (the state engine's, or format 2's
+// in the users engine while it is migrated): the integer-add merge operator
+// on the aggregates, small ledger files, and compaction settings for a
+// column family fed by ingestion.
+void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions* options) {
+  if (name == "aggregates") options->merge_operator = new_units_add_operator();
   // A purge force-compacts the purged user's key range of the ledger, which
   // rewrites every SST file overlapping it: small files keep that rewrite
   // (and the purge's latency) small. 1 MiB instead of RocksDB's 64 MiB: on
   // a 10M-entry ledger the compaction step of a purge took ~95 ms with 4 MiB
   // files and ~35 ms with 1 MiB (bench/README.md, "Purge").
-  (*cfs)[4].options.target_file_size_base = 1 << 20;
-  // The state store ingests one file per batch into each (Storage::ingest).
-  // RocksDB puts an ingested file in the deepest level its keys do not
-  // overlap, so a young Db's first batches landed one per level (L6, L5,
-  // L4, ...), where no size target ever compacted them, and a score read
-  // searched every one: p50 10 us instead of 3.7 (bench/README.md, "Score
-  // reads"). With dynamic level sizes an ingested file goes to L0 or to the
-  // lowest level in use, and a compaction starts at 2 level-0 files, so a
-  // quiet Db settles into few files. Under load, a compaction takes every L0
-  // file there is: room for kPaceL0Files of them before RocksDB slows writes.
-  for (std::size_t i : {3u, 4u}) {
-    auto& options = (*cfs)[i].options;
-    options.level_compaction_dynamic_level_bytes = true;
-    options.level0_file_num_compaction_trigger = 2;
-    options.level0_slowdown_writes_trigger = Storage::kL0SlowdownFiles;
-    options.level0_stop_writes_trigger = Storage::kL0StopFiles;
+  if (name == "ledger") options->target_file_size_base = 1 << 20;
+  if (name == "aggregates" || name == "ledger") {
+    // The state store ingests one file per batch into each (Storage::ingest).
+    // RocksDB puts an ingested file in the deepest level its keys do not
+    // overlap, so a young Db's first batches landed one per level (L6, L5,
+    // L4, ...), where no size target ever compacted them, and a score read
+    // searched every one: p50 10 us instead of 3.7 (bench/README.md, "Score
+    // reads"). With dynamic level sizes an ingested file goes to L0 or to the
+    // lowest level in use, and a compaction starts at 2 level-0 files, so a
+    // quiet Db settles into few files.
+    options->level_compaction_dynamic_level_bytes = true;
+    options->level0_file_num_compaction_trigger = 2;
   }
+  // No write stalls: RocksDB would delay or stop the writer's ingestions
+  // and epoch marks, and a batch held back is a batch a crash may lose.
+  // Admission control slows signals instead (Storage::compaction_debt,
+  // StateStore::admit); these triggers are far past where it has them at
+  // a crawl.
+  options->level0_slowdown_writes_trigger = 1 << 16;
+  options->level0_stop_writes_trigger = 1 << 16;
+  options->soft_pending_compaction_bytes_limit = 0;
+  options->hard_pending_compaction_bytes_limit = 0;
+}
+
+// The column families of each engine, in the order of Storage's accessors.
+const char* const kUsersFamilies[] = {"default", "users", "by_tag"};
+const char* const kStateFamilies[] = {"default", "aggregates", "ledger", "receipts"};
+// Format 2 kept these in the users engine (storage/migrate.cc moves them).
+const char* const kLegacyFamilies[] = {"aggregates", "ledger", "feed"};
+
+bool contains(const std::vector<std::string>& names, std::string_view name) {
+  return std::find(names.begin(), names.end(), name) != names.end();
 }
 
 }  // namespace
@@ -302,57 +322,57 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   if (config.env != nullptr) options.env = config.env;
   // A read-only open writes nothing, not even a LOG (RocksDB then logs nowhere).
   if (!config.read_only) set_hostile_fs_options(path, &options);
-  // RocksDB's memtables, across every column family, stay within 64 MiB
+  // Each engine's memtables, across its column families, stay within 64 MiB
   // (besides tidal's own write buffers and the block cache).
   options.db_write_buffer_size = 64 << 20;
 
-  std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
-  for (const char* name : kColumnFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
-  // The change feed's column family exists once a writable open with
-  // Options::change_feed created it (create_feed).
+  auto storage = std::unique_ptr<Storage>(new Storage());
+  storage->path_ = path;
+  storage->read_only_ = config.read_only;
+  storage->block_cache_ = rocksdb::NewLRUCache(config.block_cache_bytes);
+
   std::vector<std::string> existing;
   const bool listed = rocksdb::DB::ListColumnFamilies(options, path, &existing).ok();
-  const bool has_feed = listed && std::find(existing.begin(), existing.end(), kFeedColumnFamily) != existing.end();
-  // A RocksDB database of another kind (a GlobalView's directory, say) has
-  // column families but not tidal's: a writable open would add tidal's to
-  // it. (Only "default" may be a tidal Db whose creation was cut short; a
-  // read-only open refuses any database without tidal's column families.)
-  if (!config.read_only && listed && existing.size() > 1 &&
-      std::find(existing.begin(), existing.end(), "users") == existing.end()) {
+  // A RocksDB database of another kind (a GlobalView's directory, a Db's
+  // state engine) has column families but not tidal's: a writable open
+  // would add tidal's to it. (Only "default" may be a tidal Db whose
+  // creation was cut short; a read-only open refuses any database without
+  // tidal's column families.)
+  if (!config.read_only && listed && existing.size() > 1 && !contains(existing, "users")) {
     std::string names;
     for (const std::string& n : existing) names += (names.empty() ? "" : ", ") + n;
     return Status::InvalidArgument("cannot open tidal Db at '" + path +
                                    "': it holds another RocksDB database, not a tidal Db (its column families: " +
                                    names + "); nothing changed");
   }
-  if (has_feed) descriptors.emplace_back(kFeedColumnFamily, rocksdb::ColumnFamilyOptions(options));
-  apply_state_store_options(config, &descriptors);
+  std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
+  for (const char* name : kUsersFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+  // Format 2's state store, still in the users engine: opened to be moved.
+  for (const char* name : kLegacyFamilies) {
+    if (listed && contains(existing, name)) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+  }
+  for (auto& d : descriptors) {
+    set_table_options(storage->block_cache_, &d.options);
+    if (d.name != "users" && d.name != "by_tag" && d.name != "default") set_state_cf_options(d.name, &d.options);
+  }
 
-  auto storage = std::unique_ptr<Storage>(new Storage());
-  storage->path_ = path;
-  storage->read_only_ = config.read_only;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s;
   if (config.read_only) {
-    // A Db written by an older layout may lack a column family: open those that exist.
     if (!listed) {
       return from_rocksdb(rocksdb::DB::ListColumnFamilies(options, path, &existing),
                           "cannot open tidal Db at '" + path + "' read-only");
     }
-    std::vector<rocksdb::ColumnFamilyDescriptor> present;
-    for (auto& d : descriptors) {
-      for (auto& e : existing) {
-        if (e == d.name) present.push_back(d);
+    for (const char* name : kUsersFamilies) {
+      if (!contains(existing, name)) {
+        return Status::InvalidArgument("cannot open tidal Db at '" + path +
+                                       "' read-only: it lacks tidal's column families (not a tidal Db, or never "
+                                       "opened for writing)");
       }
     }
-    if (present.size() != descriptors.size()) {
-      return Status::InvalidArgument("cannot open tidal Db at '" + path +
-                                     "' read-only: it lacks tidal's column families (not a tidal Db, or never opened "
-                                     "for writing)");
-    }
-    s = rocksdb::DB::OpenForReadOnly(options, path, present, &storage->handles_, &raw);
+    s = rocksdb::DB::OpenForReadOnly(options, path, descriptors, &storage->users_.handles, &raw);
   } else {
-    s = rocksdb::DB::Open(options, path, descriptors, &storage->handles_, &raw);
+    s = rocksdb::DB::Open(options, path, descriptors, &storage->users_.handles, &raw);
   }
   if (!s.ok()) {
     if (is_lock_error(s)) {
@@ -361,54 +381,133 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     }
     return from_rocksdb(s, "cannot open tidal Db at '" + path + "'");
   }
-  storage->db_.reset(raw);
-  if (!config.read_only) {
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) {
-      const int err = errno;
-      (void)storage->close();
-      return Status::IOError("cannot open tidal Db at '" + path + "': stat of the directory failed (" +
-                             std::strerror(err) + ")");
+  storage->users_.db.reset(raw);
+  // Destroyed (not dropped) when open returns, whatever it returns.
+  struct LegacyHandles {
+    rocksdb::DB* db;
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    ~LegacyHandles() {
+      for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
     }
-    // Files a crash left half-built for the state store's next ingestion.
-    rocksdb::Env* env = storage->db_->GetEnv();
-    std::vector<std::string> leftovers;
-    if (env->GetChildren(storage->ingest_dir(), &leftovers).ok()) {
-      for (const std::string& f : leftovers) storage->delete_file(storage->ingest_dir() + "/" + f);
-    }
-    if (rocksdb::Status cs = env->CreateDirIfMissing(storage->ingest_dir()); !cs.ok()) {
-      (void)storage->close();
-      return from_rocksdb(cs, "cannot open tidal Db at '" + path + "': creating " + storage->ingest_dir() + " failed");
-    }
-    storage->registry_id_ = {st.st_dev, st.st_ino};
-    g_open_dirs.emplace(*storage->registry_id_, canonical(path));
+  } legacy{raw, {storage->users_.handles.begin() + std::size(kUsersFamilies), storage->users_.handles.end()}};
+  storage->users_.handles.resize(std::size(kUsersFamilies));
+
+  std::string format;
+  Status f = storage->get(storage->meta(), kDbFormatKey, &format);
+  if (!f.ok() && f.code() != StatusCode::NotFound) return f;
+  if (f.ok() && format != kDbFormat) {
+    return Status::InvalidArgument("cannot open tidal Db at '" + path + "': it is in format " + format +
+                                   "; this version reads format " + kDbFormat + " (and upgrades format 2)");
   }
+  if (config.read_only) {
+    if (!f.ok()) {
+      return Status::InvalidArgument("cannot open tidal Db at '" + path +
+                                     "' read-only: it is in format 2 (one RocksDB database); a writable open "
+                                     "upgrades it to format 3, or run `tidalctl migrate " + path + "`");
+    }
+    if (Status o = storage->open_state(options, /*create=*/false); !o.ok()) return o;
+    return storage;
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    return Status::IOError("cannot open tidal Db at '" + path + "': stat of the directory failed (" +
+                           std::strerror(err) + ")");
+  }
+  // Files a crash left half-built for the state store's next ingestion.
+  rocksdb::Env* env = storage->users_.db->GetEnv();
+  std::vector<std::string> leftovers;
+  if (env->GetChildren(storage->ingest_dir(), &leftovers).ok()) {
+    for (const std::string& name : leftovers) storage->delete_file(storage->ingest_dir() + "/" + name);
+  }
+  if (rocksdb::Status cs = env->CreateDirIfMissing(storage->ingest_dir()); !cs.ok()) {
+    return from_rocksdb(cs, "cannot open tidal Db at '" + path + "': creating " + storage->ingest_dir() + " failed");
+  }
+  if (!f.ok()) {
+    // Format 2, a new Db, or either of them cut short by a crash.
+    if (Status m = storage->migrate_to_format3(options, legacy.handles); !m.ok()) return m;
+  } else {
+    // A migration that a crash cut short after its commit point.
+    if (Status d = storage->drop_legacy(legacy.handles); !d.ok()) return d;
+    if (Status o = storage->open_state(options, /*create=*/false); !o.ok()) return o;
+  }
+
+  storage->registry_id_ = {st.st_dev, st.st_ino};
+  g_open_dirs.emplace(*storage->registry_id_, canonical(path));
   return storage;
+}
+
+Status Storage::open_state(const rocksdb::Options& base, bool create) {
+  const std::string dir = state_path();
+  rocksdb::Options options(base);
+  options.create_if_missing = create;
+  if (!read_only_) set_hostile_fs_options(dir, &options);
+  // The compaction statistics of each column family (write amplification
+  // per level) in state/LOG once a minute, where bench/README.md read them.
+  options.stats_dump_period_sec = 60;
+  std::vector<std::string> existing;
+  const bool listed = rocksdb::DB::ListColumnFamilies(options, dir, &existing).ok();
+  if (!create && !listed) {
+    return Status::Corruption("cannot open tidal Db at '" + path_ + "': its state engine (" + dir +
+                              ") is missing or unreadable, though the Db is in format 3");
+  }
+  std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
+  for (const char* name : kStateFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+  if (listed && contains(existing, kFeedColumnFamily)) {
+    descriptors.emplace_back(kFeedColumnFamily, rocksdb::ColumnFamilyOptions(options));
+  }
+  for (auto& d : descriptors) {
+    set_table_options(block_cache_, &d.options);
+    set_state_cf_options(d.name, &d.options);
+  }
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = read_only_ ? rocksdb::DB::OpenForReadOnly(options, dir, descriptors, &state_.handles, &raw)
+                                 : rocksdb::DB::Open(options, dir, descriptors, &state_.handles, &raw);
+  if (!s.ok()) return from_rocksdb(s, "cannot open the state engine of tidal Db '" + path_ + "' (" + dir + ")");
+  state_.db.reset(raw);
+  return Status::OK();
+}
+
+Status Storage::drop_legacy(const std::vector<rocksdb::ColumnFamilyHandle*>& legacy) {
+  for (auto* h : legacy) {
+    // Durable in the MANIFEST when it returns.
+    if (Status s = from_rocksdb(users_.db->DropColumnFamily(h),
+                                "dropping the format-2 column family " + h->GetName() + " of '" + path_ + "'");
+        !s.ok()) {
+      return s;
+    }
+  }
+  return Status::OK();
 }
 
 Status Storage::create_feed() {
   if (feed() != nullptr) return Status::OK();
-  rocksdb::ColumnFamilyOptions options(db_->GetOptions(handles_[0]));
+  rocksdb::ColumnFamilyOptions options(state_.db->GetOptions(state_meta()));
   rocksdb::ColumnFamilyHandle* handle = nullptr;
-  if (Status s = from_rocksdb(db_->CreateColumnFamily(options, kFeedColumnFamily, &handle),
+  if (Status s = from_rocksdb(state_.db->CreateColumnFamily(options, kFeedColumnFamily, &handle),
                               "creating the change feed of '" + path_ + "'");
       !s.ok()) {
     return s;
   }
-  handles_.push_back(handle);
+  state_.handles.push_back(handle);
   return Status::OK();
 }
 
-Storage::~Storage() {
-  if (db_ != nullptr) (void)close();
+Storage::~Storage() { (void)close(); }
+
+rocksdb::DB* Storage::db_of(rocksdb::ColumnFamilyHandle* cf) const {
+  for (auto* h : state_.handles) {
+    if (h == cf) return state_.db.get();
+  }
+  return users_.db.get();
 }
 
-Status Storage::write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what) {
+Status Storage::write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
   rocksdb::WriteOptions wo;
   wo.sync = mode == WriteMode::Sync;
   wo.disableWAL = mode == WriteMode::NoWal;
-  return from_rocksdb(db_->Write(wo, batch), what);
+  return from_rocksdb(db(engine)->Write(wo, batch), what);
 }
 
 void Storage::put_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix,
@@ -427,7 +526,7 @@ Status Storage::get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::
                     const rocksdb::Snapshot* snapshot) const {
   rocksdb::ReadOptions ro;
   ro.snapshot = snapshot;
-  rocksdb::Status s = db_->Get(ro, cf, rocksdb::Slice(key.data(), key.size()), value);
+  rocksdb::Status s = db_of(cf)->Get(ro, cf, rocksdb::Slice(key.data(), key.size()), value);
   if (s.IsNotFound()) return Status::NotFound("no record");
   return from_rocksdb(s, "read from '" + path_ + "'");
 }
@@ -440,16 +539,16 @@ std::unique_ptr<rocksdb::Iterator> Storage::iterator(rocksdb::ColumnFamilyHandle
     ro.readahead_size = 4 << 20;
     ro.fill_cache = false;
   }
-  return std::unique_ptr<rocksdb::Iterator>(db_->NewIterator(ro, cf));
+  return std::unique_ptr<rocksdb::Iterator>(db_of(cf)->NewIterator(ro, cf));
 }
 
 std::uint64_t Storage::estimate_keys(rocksdb::ColumnFamilyHandle* cf) const {
   std::uint64_t n = 0;
-  return db_->GetIntProperty(cf, rocksdb::DB::Properties::kEstimateNumKeys, &n) ? n : 0;
+  return db_of(cf)->GetIntProperty(cf, rocksdb::DB::Properties::kEstimateNumKeys, &n) ? n : 0;
 }
 
 std::unique_ptr<rocksdb::SstFileWriter> Storage::sst_writer(rocksdb::ColumnFamilyHandle* cf) const {
-  const rocksdb::Options options = db_->GetOptions(cf);
+  const rocksdb::Options options = db_of(cf)->GetOptions(cf);
   // Keep the file's pages cached: ingest() copies it right away.
   return std::make_unique<rocksdb::SstFileWriter>(rocksdb::EnvOptions(options), options, cf,
                                                   /*invalidate_page_cache=*/false);
@@ -470,57 +569,83 @@ Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*,
     // the file after it is copied.
     arg.options.write_global_seqno = false;
   }
-  return from_rocksdb(db_->IngestExternalFiles(args), what);
+  return from_rocksdb(state_.db->IngestExternalFiles(args), what);
 }
 
-void Storage::delete_file(const std::string& file) const { (void)db_->GetEnv()->DeleteFile(file); }
+void Storage::delete_file(const std::string& file) const { (void)users_.db->GetEnv()->DeleteFile(file); }
 
 Status Storage::flush() {
+  Status s = flush(Engine::Users);
+  Status t = flush(Engine::State);
+  return s.ok() ? t : s;
+}
+
+Status Storage::flush(Engine engine) {
   if (read_only_) return Status::OK();
+  const Instance& instance = engine == Engine::Users ? users_ : state_;
+  if (instance.db == nullptr) return Status::OK();
   rocksdb::FlushOptions fo;
   fo.wait = true;
   // RocksDB's default first waits until the flush would not stall writes,
   // i.e. for compactions of L0, which at 1M users ran for 34 s: close()
   // waited 35.8 s, and a purge as long.
   fo.allow_write_stall = true;
-  return from_rocksdb(db_->Flush(fo, handles_), "flush of '" + path_ + "'");
+  return from_rocksdb(instance.db->Flush(fo, instance.handles),
+                      "flush of '" + (engine == Engine::Users ? path_ : state_path()) + "'");
 }
 
-bool Storage::compaction_behind() const {
-  if (read_only_) return false;
-  std::uint64_t v = 0;
-  if (db_->GetIntProperty(rocksdb::DB::Properties::kIsWriteStopped, &v) && v != 0) return true;
-  if (db_->GetIntProperty(rocksdb::DB::Properties::kActualDelayedWriteRate, &v) && v != 0) return true;
+Storage::CompactionDebt Storage::compaction_debt() const {
+  CompactionDebt debt;
+  if (read_only_ || state_.db == nullptr) return debt;
   for (rocksdb::ColumnFamilyHandle* cf : {aggregates(), ledger()}) {
     std::string files;
-    if (db_->GetProperty(cf, rocksdb::DB::Properties::kNumFilesAtLevelPrefix + "0", &files) &&
-        std::strtoull(files.c_str(), nullptr, 10) >= kPaceL0Files) {
-      return true;
+    if (state_.db->GetProperty(cf, rocksdb::DB::Properties::kNumFilesAtLevelPrefix + "0", &files)) {
+      debt.l0_files = std::max<std::uint64_t>(debt.l0_files, std::strtoull(files.c_str(), nullptr, 10));
+    }
+    std::uint64_t bytes = 0;
+    if (state_.db->GetIntProperty(cf, rocksdb::DB::Properties::kEstimatePendingCompactionBytes, &bytes)) {
+      debt.pending_bytes += bytes;
     }
   }
-  return false;
+  return debt;
 }
 
-Status Storage::close() {
-  if (db_ == nullptr) return Status::OK();
-  if (!read_only_) {
-    // RocksDB deletes a WAL only once a flush has moved every column family
-    // past it; with empty memtables Flush does nothing, and each open/close
-    // would leave one more WAL to replay. A memtable-only record makes the
-    // flush happen.
-    rocksdb::WriteBatch marker;
-    marker.Put(meta(), kCleanCloseKey, "");
-    (void)write(&marker, WriteMode::NoWal, "close marker");
-  }
-  Status result = flush();
-  for (auto* h : handles_) {
-    if (Status s = from_rocksdb(db_->DestroyColumnFamilyHandle(h), "close of '" + path_ + "'"); !s.ok() && result.ok()) {
+Status Storage::close_instance(Instance* instance, const std::string& path) {
+  Status result;
+  for (auto* h : instance->handles) {
+    if (Status s = from_rocksdb(instance->db->DestroyColumnFamilyHandle(h), "close of '" + path + "'");
+        !s.ok() && result.ok()) {
       result = s;
     }
   }
-  handles_.clear();
-  if (Status s = from_rocksdb(db_->Close(), "close of '" + path_ + "'"); !s.ok() && result.ok()) result = s;
-  db_.reset();
+  instance->handles.clear();
+  if (Status s = from_rocksdb(instance->db->Close(), "close of '" + path + "'"); !s.ok() && result.ok()) result = s;
+  instance->db.reset();
+  return result;
+}
+
+Status Storage::close() {
+  if (users_.db == nullptr && state_.db == nullptr) return Status::OK();
+  if (!read_only_) {
+    // RocksDB deletes a WAL only once a flush has moved every column family
+    // past it; with empty memtables Flush does nothing, and each open/close
+    // would leave one more WAL to replay. A memtable-only record in each
+    // engine makes the flush happen.
+    for (Engine e : {Engine::Users, Engine::State}) {
+      if (db(e) == nullptr) continue;
+      rocksdb::WriteBatch marker;
+      marker.Put(e == Engine::Users ? meta() : state_meta(), kCleanCloseKey, "");
+      (void)write(e, &marker, WriteMode::NoWal, "close marker");
+    }
+  }
+  Status result = flush();
+  // The state engine first: the users engine holds the directory's LOCK.
+  if (state_.db != nullptr) {
+    if (Status s = close_instance(&state_, state_path()); !s.ok() && result.ok()) result = s;
+  }
+  if (users_.db != nullptr) {
+    if (Status s = close_instance(&users_, path_); !s.ok() && result.ok()) result = s;
+  }
   if (registry_id_) {
     std::lock_guard<std::mutex> registry(g_open_mu);
     g_open_dirs.erase(*registry_id_);
@@ -529,19 +654,45 @@ Status Storage::close() {
   return result;
 }
 
+Status Storage::check_state_format() {
+  std::string format;
+  Status s = get(state_meta(), kStateFormatKey, &format);
+  if (s.ok()) {
+    if (format == kStateFormat) return Status::OK();
+    return Status::InvalidArgument("cannot open tidal Db at '" + path_ + "': its aggregates are in format " + format +
+                                   "; this version reads format " + kStateFormat);
+  }
+  if (s.code() != StatusCode::NotFound) return s;
+  auto it = iterator(aggregates());
+  it->SeekToFirst();
+  if (it->Valid()) {
+    return Status::InvalidArgument(
+        "cannot open tidal Db at '" + path_ +
+        "': its aggregates were written by tidal 0.1 (double scores, no contribution ledger), which this version "
+        "cannot read exactly; open it with tidal 0.1 to export them");
+  }
+  if (s = from_rocksdb(it->status(), "format check of '" + path_ + "'"); !s.ok()) return s;
+  if (read_only_) return Status::OK();
+  rocksdb::WriteBatch batch;
+  batch.Put(state_meta(), kStateFormatKey, kStateFormat);
+  return write(Engine::State, &batch, WriteMode::Sync, "format mark of '" + path_ + "'");
+}
+
 Result<std::uint64_t> read_clock_floor(const Storage& storage) {
   std::uint64_t floor = 0;
   const rocksdb::Slice prefix(kClockFloorPrefix);
-  auto it = storage.iterator(storage.meta());
-  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-    const std::optional<std::uint64_t> ts = deserialize_clock_floor({it->value().data(), it->value().size()});
-    if (!ts) {
-      return Status::Corruption("clock floor record " + hex({it->key().data(), it->key().size()}) + " of '" +
-                                storage.path() + "' is not 8 bytes");
+  for (rocksdb::ColumnFamilyHandle* meta : {storage.meta(), storage.state_meta()}) {
+    auto it = storage.iterator(meta);
+    for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+      const std::optional<std::uint64_t> ts = deserialize_clock_floor({it->value().data(), it->value().size()});
+      if (!ts) {
+        return Status::Corruption("clock floor record " + hex({it->key().data(), it->key().size()}) + " of '" +
+                                  storage.path() + "' is not 8 bytes");
+      }
+      floor = std::max(floor, *ts);
     }
-    floor = std::max(floor, *ts);
+    if (Status s = from_rocksdb(it->status(), "clock floor read of '" + storage.path() + "'"); !s.ok()) return s;
   }
-  if (Status s = from_rocksdb(it->status(), "clock floor read of '" + storage.path() + "'"); !s.ok()) return s;
   return floor;
 }
 

@@ -1,16 +1,28 @@
-// The RocksDB database behind one Db and its column families:
-//   default     meta records (index state, clock floor)
+// The two RocksDB databases behind one Db (format 3, docs/FORMAT.md), each
+// with its own WAL, write queue and write controller, so that a stall of
+// one is never a stall of the other; they share a block cache and RocksDB's
+// background threads.
+//
+// The users engine, in the Db directory itself:
+//   default     meta records (index state, clock floor and lease, format)
 //   users       the users partition (docs/FORMAT.md)
 //   by_tag      the index: a copy of the users records of the indexed tags,
 //               keyed tag-first, written in the same WriteBatch
+// The state engine, in <path>/state:
+//   default     meta records of the state store (format, epoch, clock floor
+//               of purges, erasure marks, the change feed's shard and trim)
 //   aggregates  personal/cohort/community sums (merge operands of an integer add)
 //   ledger      the contribution ledger: what each user gave to which aggregate
+//   receipts    purge receipts, keyed as users records (tag 0x10)
 //   feed        the change feed (only in a Db opened with Options::change_feed)
+// Everything a purge or a batch of the writer writes is in the state engine,
+// so each stays one atomic step; a leave touches only the users engine.
 #ifndef TIDAL_STORAGE_STORAGE_H_
 #define TIDAL_STORAGE_STORAGE_H_
 
 #include <sys/types.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -40,25 +52,36 @@ class Storage {
     bool create_if_missing = true;
     bool read_only = false;
     rocksdb::Env* env = nullptr;  // for fault injection in tests; null = default
-    std::size_t block_cache_bytes = 64 << 20;  // shared by every column family
+    std::size_t block_cache_bytes = 64 << 20;  // shared by every column family of both engines
   };
+  enum class Engine { Users, State };
 
+  // Opens both engines. A writable open of a Db in the one-engine layout of
+  // format 2 (or one whose creation or upgrade a crash cut short) first
+  // moves its state store into <path>/state (storage/migrate.cc); a
+  // read-only open of one is InvalidArgument naming `tidalctl migrate`.
   static Result<std::unique_ptr<Storage>> open(const std::string& path, const Config& config);
   ~Storage();
 
-  rocksdb::DB* db() const { return db_.get(); }
-  rocksdb::ColumnFamilyHandle* meta() const { return handles_[0]; }
-  rocksdb::ColumnFamilyHandle* users() const { return handles_[1]; }
-  rocksdb::ColumnFamilyHandle* by_tag() const { return handles_[2]; }
-  rocksdb::ColumnFamilyHandle* aggregates() const { return handles_[3]; }
-  rocksdb::ColumnFamilyHandle* ledger() const { return handles_[4]; }
+  rocksdb::DB* db(Engine engine) const { return engine == Engine::Users ? users_.db.get() : state_.db.get(); }
+  // The users engine's column families.
+  rocksdb::ColumnFamilyHandle* meta() const { return users_.handles[0]; }
+  rocksdb::ColumnFamilyHandle* users() const { return users_.handles[1]; }
+  rocksdb::ColumnFamilyHandle* by_tag() const { return users_.handles[2]; }
+  // The state engine's.
+  rocksdb::ColumnFamilyHandle* state_meta() const { return state_.handles[0]; }
+  rocksdb::ColumnFamilyHandle* aggregates() const { return state_.handles[1]; }
+  rocksdb::ColumnFamilyHandle* ledger() const { return state_.handles[2]; }
+  rocksdb::ColumnFamilyHandle* receipts() const { return state_.handles[3]; }
   // The change feed (docs/FORMAT.md); null until create_feed().
-  rocksdb::ColumnFamilyHandle* feed() const { return handles_.size() > 5 ? handles_[5] : nullptr; }
+  rocksdb::ColumnFamilyHandle* feed() const { return state_.handles.size() > 4 ? state_.handles[4] : nullptr; }
   // Creates the feed's column family (durable: RocksDB's MANIFEST). No-op
   // when it exists.
   Status create_feed();
   bool read_only() const { return read_only_; }
   const std::string& path() const { return path_; }
+  // The state engine's directory.
+  std::string state_path() const { return path_ + "/state"; }
 
   enum class WriteMode {
     Sync,   // WAL fsynced before returning
@@ -66,13 +89,15 @@ class Storage {
     NoWal,  // memtable only: durable after the next flush()
   };
   static WriteMode durable_if(bool sync) { return sync ? WriteMode::Sync : WriteMode::Async; }
-  Status write(rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what);
+  // Every column family of `batch` must be of `engine`.
+  Status write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what);
   // Adds a users record to `batch` and, for an indexed tag, its by_tag copy:
   // the one place that keeps the index in step with the users partition.
   void put_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix,
                   std::string_view value) const;
   void delete_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix) const;
-  // NotFound when absent. Reads as of `snapshot` when given.
+  // NotFound when absent. Reads as of `snapshot` (of the column family's
+  // engine) when given.
   Status get(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string* value,
              const rocksdb::Snapshot* snapshot = nullptr) const;
   // `bulk` for long scans: reads ahead and keeps the block cache for point reads.
@@ -87,45 +112,80 @@ class Storage {
   // `<path>/ingest`: created by a writable open, which also deletes what a
   // crash left there.
   std::string ingest_dir() const { return path_ + "/ingest"; }
-  // Adds finished SST files, at most one per column family, to the database
-  // in one atomic step: after a crash or power loss either all of them are
-  // there or none. Durable (fsynced, MANIFEST included) when it returns. The
-  // files are copied, so the caller deletes them.
+  // Adds finished SST files, at most one per column family of the state
+  // engine, to it in one atomic step: after a crash or power loss either all
+  // of them are there or none. Durable (fsynced, MANIFEST included) when it
+  // returns. The files are copied, so the caller deletes them.
   Status ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>>& files, std::string_view what);
   // Deletes a file (quietly; for files of ingest_dir()).
   void delete_file(const std::string& file) const;
-  // Flushes every memtable to SST files and waits, so the next open does not
-  // replay the WAL. It does not wait for compactions first, even if the new
-  // L0 files make RocksDB slow or stop writes until they catch up.
+  // Flushes every memtable of both engines (or of one) to SST files and
+  // waits, so the next open does not replay the WAL. It does not wait for
+  // compactions first.
   Status flush();
-  // True while the state store's column families are behind on compaction:
-  // RocksDB is delaying or stopping writes, or the aggregates or the ledger
-  // hold kPaceL0Files level-0 files or more. The state store's writer waits
-  // while it is so (StateStore). Each of its batches adds one L0 file to
-  // each; an L0->L1 compaction takes every L0 file there is, so the more
-  // there are, the fewer times L1 is rewritten for the same data. Below the
-  // kL0SlowdownFiles at which RocksDB starts delaying every write, leaves
-  // included (bench/README.md, "Ingesting the writer's batches").
-  static constexpr std::uint64_t kPaceL0Files = 48;
-  static constexpr int kL0SlowdownFiles = 56;
-  static constexpr int kL0StopFiles = 72;
-  bool compaction_behind() const;
-  // Flushes (unless read-only) and closes the database.
+  Status flush(Engine engine);
+
+  // How far the state engine's compactions are behind: what admission
+  // control reads (StateStore). RocksDB's own write stalls are off in the
+  // state engine (its writer must never meet a stop condition), so this is
+  // the only brake: signals are slowed as the debt grows past the start of
+  // its range (StateStore::admit), fully at its end.
+  struct CompactionDebt {
+    std::uint64_t l0_files = 0;        // the most level-0 files of the aggregates or the ledger
+    std::uint64_t pending_bytes = 0;   // rocksdb.estimate-pending-compaction-bytes, summed
+  };
+  CompactionDebt compaction_debt() const;
+  // Each batch of the writer adds one L0 file to the aggregates and one to
+  // the ledger, however small; an L0->L1 compaction takes every L0 file
+  // there is. So the files count only far out (each one costs a point
+  // read a bloom filter probe); the bytes to rewrite are the debt.
+  static constexpr std::uint64_t kDebtStartBytes = std::uint64_t{512} << 20;
+  static constexpr std::uint64_t kDebtFullBytes = std::uint64_t{4} << 30;
+  static constexpr std::uint64_t kDebtStartL0Files = 100;
+  static constexpr std::uint64_t kDebtFullL0Files = 400;
+  // Flushes (unless read-only) and closes both databases.
   Status close();
 
+  // Checks that the state store's records are in this version's format
+  // (16-byte integer sums, state meta "state_format" = "2") and marks a
+  // state engine that has none yet. Aggregates written by tidal 0.1 (8-byte
+  // double scores, no ledger) are InvalidArgument, nothing changed.
+  Status check_state_format();
+
+  // Tests only: called at each step of a migration to format 3 (1, 2, ...,
+  // storage/migrate.cc), to kill the process there. Set it before the open.
+  static inline std::function<void(int step)> migration_step_for_testing;
+
  private:
+  struct Instance {
+    std::unique_ptr<rocksdb::DB> db;
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  };
   Storage() = default;
+  rocksdb::DB* db_of(rocksdb::ColumnFamilyHandle* cf) const;
+  // Opens the state engine (creating it when `create`), with the feed's
+  // column family when it exists.
+  Status open_state(const rocksdb::Options& base, bool create);
+  // storage/migrate.cc: makes a users engine opened with the format-2
+  // column families `legacy` (aggregates, ledger, feed; some may be absent)
+  // a format-3 Db, with its state engine open.
+  Status migrate_to_format3(const rocksdb::Options& base, const std::vector<rocksdb::ColumnFamilyHandle*>& legacy);
+  // Drops the format-2 column families from the users engine.
+  Status drop_legacy(const std::vector<rocksdb::ColumnFamilyHandle*>& legacy);
+  static Status close_instance(Instance* instance, const std::string& path);
+
   std::string path_;
   // The directory's (st_dev, st_ino) in the registry of Dbs open for
   // writing, while this handle holds it.
   std::optional<std::pair<dev_t, ino_t>> registry_id_;
   bool read_only_ = false;
-  std::unique_ptr<rocksdb::DB> db_;
-  std::vector<rocksdb::ColumnFamilyHandle*> handles_;
+  std::shared_ptr<rocksdb::Cache> block_cache_;
+  Instance users_;
+  Instance state_;
 };
 
-// The largest timestamp recorded in the meta clock-floor records (0 when
-// there are none); Corruption for a record that does not decode.
+// The largest timestamp recorded in the clock-floor records of both engines'
+// meta (0 when there are none); Corruption for a record that does not decode.
 Result<std::uint64_t> read_clock_floor(const Storage& storage);
 
 }  // namespace tidal

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CLI tests of tidalctl, run by ctest (tidalctl_cli):
-#   cli_test.sh TIDALCTL DB_HOLDER CORRUPT_RECORDS WORKDIR VIEW_MAKER
+#   cli_test.sh TIDALCTL DB_HOLDER CORRUPT_RECORDS WORKDIR VIEW_MAKER FORMAT2_TARBALL
 # Each check prints FAIL with the command, what was expected and what came
 # out; the script exits 1 if any check failed.
 set -u
@@ -10,6 +10,7 @@ HOLDER=$2
 CORRUPT=$3
 WORK=$4
 VIEW_MAKER=$5
+FORMAT2=$6
 
 rm -rf "$WORK"
 mkdir -p "$WORK"
@@ -246,6 +247,17 @@ checks=$((checks + 1)); [ -z "$(ls -A "$WORK/empty-view")" ] || fail "tidalctl v
 t view "$WORK/afile" cohort 1 1; rc_is 2; err_has 'regular file'
 t view "$DB" applied; rc_is 2; err_has 'holds a tidal Db'
 t --db "$VIEW" status 1; rc_is 2; err_has "lacks tidal's column families"   # a read-only Db open refuses a view
+
+# migrate: a format-2 Db written by tidal 0.2 (tests/data/README.md)
+mkdir -p "$WORK/f2" && tar -xzf "$FORMAT2" -C "$WORK/f2" || { echo "FAIL: cannot extract $FORMAT2"; exit 1; }
+t --db "$WORK/f2/db" status 1003; rc_is 2; err_has 'format 2'; err_fixed "tidalctl migrate $WORK/f2/db"
+checks=$((checks + 1)); [ ! -e "$WORK/f2/db/state" ] || fail "a read-only command upgraded the Db"
+t --db "$WORK/f2/db" migrate; rc_is 0; out_has '^migrate: upgraded from format 2 to format 3$'
+t --db "$WORK/f2/db" status 1003; rc_is 0; out_has 'Left'
+t --db "$WORK/f2/db" --json receipts 1003; rc_is 0; out_has '"entries_removed": ?12'
+t --db "$WORK/f2/db" --json migrate; rc_is 0; json 'd == {"format": 3, "upgraded": False}'
+t --db "$WORK/f2/db" changes; rc_is 0; out_has '^last_seq +9$'
+t --db "$WORK/f2/db" verify; rc_is 0
 
 echo "$checks checks, $failures failed"
 [ "$failures" -eq 0 ]
