@@ -42,6 +42,7 @@ class Follower::Impl {
   internal::FirstAttempt& first_attempt() { return first_; }
 
   Status stop() {
+    std::lock_guard<std::mutex> once(stop_mu_);
     stop_.request_stop();
     if (thread_.joinable()) thread_.join();
     return Status::OK();
@@ -223,6 +224,7 @@ class Follower::Impl {
   internal::StopFlag stop_;
   internal::FirstAttempt first_;
   std::thread thread_;
+  std::mutex stop_mu_;  // one stop() joins at a time
   mutable std::mutex stats_mu_;
   FollowerStats stats_;
 };

@@ -28,6 +28,7 @@ class Publisher::Impl {
   internal::FirstAttempt& first_attempt() { return first_; }
 
   Status stop() {
+    std::lock_guard<std::mutex> once(stop_mu_);
     stop_.request_stop();
     {
       std::lock_guard<std::mutex> lock(conn_mu_);
@@ -102,6 +103,13 @@ class Publisher::Impl {
 
     while (!stop_.stopping()) {
       if (!conn.connected()) return Status::IOError(where(conn) + ": connection lost");
+      Result<std::uint64_t> last = db_->last_change_seq();
+      if (!last.ok()) return Status(last.status().code(), where(conn) + ": last_change_seq: " + last.status().message());
+      if (*last <= published) {
+        update_lag(published);
+        if (!stop_.wait_for(config_.poll_interval)) break;
+        continue;
+      }
       Result<std::vector<ChangeBatch>> batches = db_->read_changes(published, config_.read_max_bytes);
       if (!batches.ok()) return Status(batches.status().code(), where(conn) + ": read_changes: " + batches.status().message());
       if (batches->empty()) {
@@ -292,6 +300,7 @@ class Publisher::Impl {
   internal::StopFlag stop_;
   internal::FirstAttempt first_;
   std::thread thread_;
+  std::mutex stop_mu_;          // one stop() joins at a time
   std::mutex conn_mu_;          // guards live_
   Connection* live_ = nullptr;  // the session's connection, for stop() to interrupt
   mutable std::mutex stats_mu_;
