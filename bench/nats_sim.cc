@@ -8,7 +8,7 @@
 // it, bit for bit.
 //
 //   nats_sim [--shards=4] [--views=1] [--replicas=3] [--seconds=30]
-//            [--write-period-ms=1000] [--users=100000] [--items=1000]
+//            [--write-period-ms=1000] [--users=8000 (each joins 2 communities, a synced write each)] [--items=1000]
 //            [--cohorts=16] [--communities=16] [--cohorts-per-signal=2]
 //            [--rate=0 (signals/s per shard, 0 = full rate)] [--probe-ms=100]
 //            [--publisher=on|off|compare] [--compare-rounds=2] [--window-s=30]
@@ -30,7 +30,8 @@
 #include <thread>
 #include <vector>
 
-#include "bench_util.h"
+#include <sys/resource.h>
+
 #include "nats_cluster.h"
 #include "tidal/db.h"
 #include "tidal/global_view.h"
@@ -40,6 +41,12 @@ using namespace tidal;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+double peak_rss_mib() {
+  rusage u{};
+  ::getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;
+}
 
 std::map<std::string, std::string> g_args;
 long long arg(const std::string& k, long long d) {
@@ -103,6 +110,7 @@ double pct(std::vector<double> v, double q) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--", 0) != 0 || a.find('=') == std::string::npos) {
@@ -111,7 +119,7 @@ int main(int argc, char** argv) {
     }
     g_args[a.substr(2, a.find('=') - 2)] = a.substr(a.find('=') + 1);
   }
-  Params p{static_cast<std::uint64_t>(arg("shards", 4)), static_cast<std::uint64_t>(arg("users", 100000)),
+  Params p{static_cast<std::uint64_t>(arg("shards", 4)), static_cast<std::uint64_t>(arg("users", 8000)),
            static_cast<std::uint64_t>(arg("items", 1000)), static_cast<std::uint64_t>(arg("cohorts", 16)),
            static_cast<std::uint64_t>(arg("communities", 16)), static_cast<std::uint64_t>(arg("cohorts-per-signal", 2))};
   const int views_n = static_cast<int>(arg("views", 1));
@@ -284,7 +292,7 @@ int main(int argc, char** argv) {
     if (mode == "on") start_pubs();
     double r = run_phase(seconds);
     std::printf("throughput: %.0f signals/s all shards (%.0f a shard), peak RSS %.0f MiB\n", r,
-                r / static_cast<double>(p.shards), tidal::bench::peak_rss_mib());
+                r / static_cast<double>(p.shards), peak_rss_mib());
     if (mode == "off") start_pubs();
   }
   const double run_secs = std::chrono::duration<double>(Clock::now() - run_start).count();
@@ -366,7 +374,7 @@ int main(int argc, char** argv) {
                 (unsigned long long)st.applied_batches, (unsigned long long)st.redeliveries_skipped,
                 (unsigned long long)st.gaps, (unsigned long long)st.errors);
   }
-  std::printf("peak RSS (shards, views, publishers, followers in one process): %.0f MiB\n", tidal::bench::peak_rss_mib());
+  std::printf("peak RSS (shards, views, publishers, followers in one process): %.0f MiB\n", peak_rss_mib());
 
   if (arg("check", 1)) {
     // Replay every shard's signals into one reference Db and compare every cell.

@@ -42,7 +42,7 @@ int fail(const std::string& what, const Status& s) {
 int main(int argc, char** argv) {
   if (argc >= 7 && std::string(argv[1]) == "shard") {
     Options o = testing::shard_options(std::strtoull(argv[3], nullptr, 10));
-    o.aggregate_write_period = std::chrono::milliseconds(5);
+    o.aggregate_write_period = std::chrono::milliseconds(1);
     auto db = Db::open(argv[2], o);
     if (!db.ok()) return fail("open", db.status());
     auto pub = Publisher::start(db->get(), config_of(argv[4], argv[5]));
