@@ -11,6 +11,14 @@ install(TARGETS tidal EXPORT tidalTargets
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/tidal DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT tidalTargets NAMESPACE tidal:: DESTINATION ${TIDAL_CMAKE_DIR})
+# tidal::nats (src/nats) in an export set of its own, loaded by tidalConfig.cmake
+# when the NATS C client (cnats) is found, so the core package never needs it.
+if(TARGET tidal_nats)
+  install(TARGETS tidal_nats EXPORT tidalNatsTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  install(EXPORT tidalNatsTargets NAMESPACE tidal:: DESTINATION ${TIDAL_CMAKE_DIR})
+endif()
 
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/tidalConfig.cmake.in
   ${PROJECT_BINARY_DIR}/tidalConfig.cmake INSTALL_DESTINATION ${TIDAL_CMAKE_DIR})

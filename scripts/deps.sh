@@ -11,6 +11,7 @@ packages=(
   # apt-get source, patch, and the compression libraries it links
   dpkg-dev patch libsnappy-dev liblz4-dev libzstd-dev zlib1g-dev libbz2-dev
   libgtest-dev libbenchmark-dev
+  nats-server libnats-dev    # tidal::nats (the NATS C client) and the 3-node cluster its tests start
   clang libclang-rt-14-dev   # libFuzzer and the sanitizer runtimes for clang
 )
 

@@ -13,6 +13,7 @@ if [ "$mode" = package ]; then
   cmake -S "$consumer" -B "$work/build" -DTIDAL_CONSUME=package -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
   cmake --build "$work/build" -j 2 >/dev/null
   "$work/build/consumer" "$work/db"
+  "$work/build/nats_consumer" "$work/db-nats"
 
   # The same program through pkg-config.
   export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
@@ -26,4 +27,5 @@ else
   cmake -S "$consumer" -B "$work/build" -DTIDAL_CONSUME=subdirectory -DTIDAL_SOURCE_DIR="$source" >/dev/null
   cmake --build "$work/build" -j 2 >/dev/null
   "$work/build/consumer" "$work/db"
+  "$work/build/nats_consumer" "$work/db-nats"
 fi

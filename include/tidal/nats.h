@@ -1,0 +1,182 @@
+// tidal::nats: a Db's change feed carried over NATS JetStream to every
+// GlobalView (library target tidal::nats; links Debian's libnats, the NATS C
+// client; the core tidal::tidal has no NATS dependency).
+//
+//   shard Db --read_changes--> Publisher --JetStream stream--> Follower --apply--> GlobalView
+//            <--trim_changes--  (after the stream's ack)        (ack after apply returned)
+//
+// One stream (Config::stream) holds every shard's batches, one message per
+// ChangeBatch on subject "<subject_prefix>.<shard_id>". The message's data is
+// the batch's payload, unchanged (docs/FORMAT.md, "The change feed"); its
+// headers carry the shard and the seq, and its JetStream message id is
+// "<shard>-<seq>" (docs/SCALE.md, "Messages"). Publishing is at least once
+// (JetStream de-duplicates within the stream's duplicate window), applying is
+// exactly once (the view skips a seq it has applied), a gap is reported and
+// never skipped. The guarantees and their tests: docs/CONTRACT.md
+// ("NATS JetStream").
+//
+// Thread safety: start, stop and stats may be called from any thread; each
+// Publisher and Follower runs one background thread of its own.
+#ifndef TIDAL_NATS_H_
+#define TIDAL_NATS_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tidal/db.h"
+#include "tidal/global_view.h"
+#include "tidal/status.h"
+
+namespace tidal::nats {
+
+struct Config {
+  // Comma-separated URLs of the cluster's servers (any one is enough to
+  // connect; the client learns the others). Default: nats://127.0.0.1:4222.
+  std::string servers = "nats://127.0.0.1:4222";
+  // The JetStream stream holding every shard's batches. Default: TIDAL_CHANGES.
+  std::string stream = "TIDAL_CHANGES";
+  // Shard s publishes on <subject_prefix>.<s>; the stream's subjects must
+  // include <subject_prefix>.* . Default: tidal.changes.
+  std::string subject_prefix = "tidal.changes";
+  // Replicas of the stream when the Publisher creates it (1 to 5; 3 for a
+  // stream that survives the loss of a server). Default: 1.
+  int replicas = 1;
+
+  // -- Beyond the pinned fields --
+  // Longest wait for one request to the cluster (a publish's ack, a stream
+  // lookup, a connect); also the bound of stop(). Default: 5 s.
+  std::chrono::milliseconds request_timeout{5000};
+  // Retry delays after a failure: doubling from min_backoff up to
+  // max_backoff. Default: 50 ms to 2 s.
+  std::chrono::milliseconds min_backoff{50};
+  std::chrono::milliseconds max_backoff{2000};
+  // Publisher: how often it looks for new batches when the feed is drained.
+  // Default: 5 ms.
+  std::chrono::milliseconds poll_interval{5};
+  // Publisher: bound on the payload bytes read from the feed at once (at
+  // least one batch is read). Default: 4 MiB.
+  std::size_t read_max_bytes = 4 << 20;
+  // Follower: messages (and bytes) asked for in one fetch: the bound on
+  // what a Follower holds in memory. Default: 64 messages, 8 MiB.
+  int fetch_batch = 64;
+  std::int64_t fetch_max_bytes = 8 << 20;
+  // Follower: how long the cluster waits for an ack before it delivers a
+  // message again (after a Follower died holding it). Set on the durable
+  // consumer when the Follower creates it. Default: 30 s.
+  std::chrono::milliseconds ack_wait{30000};
+};
+
+// A publisher's progress, for a host to export.
+struct PublisherStats {
+  std::uint64_t shard_id = 0;
+  std::uint64_t published_seq = 0;      // the last seq the stream acknowledged (the feed is trimmed through it)
+  std::uint64_t last_change_seq = 0;    // the Db's last seq, when last read
+  std::uint64_t lag_batches = 0;        // last_change_seq - published_seq
+  std::uint64_t lag_bytes = 0;          // payload bytes not yet trimmed (Stats::change_feed_pending_bytes)
+  std::uint64_t published_batches = 0;  // acknowledged publishes since start, duplicates included
+  std::uint64_t duplicates = 0;         // acks that JetStream flagged as duplicates (a batch sent again)
+  std::uint64_t errors = 0;             // failed attempts (connect, stream check, publish, trim), each retried
+  std::uint64_t connects = 0;           // connections made
+  bool connected = false;               // connected now, with the stream checked
+  std::string last_error;               // the most recent failure, naming the server and the stream; empty if none
+};
+
+// A follower's progress, for a host to export.
+struct FollowerStats {
+  std::vector<ShardProgress> applied;    // the view's applied seq of every shard it has seen
+  std::uint64_t applied_batches = 0;     // messages applied since start
+  std::uint64_t redeliveries_skipped = 0;  // messages the view had applied already (acked, nothing changed)
+  std::uint64_t gaps = 0;                // messages refused as a gap (not acked, delivered again later)
+  std::uint64_t errors = 0;              // failed attempts (connect, consumer, fetch, apply), each retried
+  std::uint64_t lag_messages = 0;        // stream messages not yet delivered to this consumer
+  std::uint64_t connects = 0;            // connections made
+  bool connected = false;                // connected now, with the consumer bound
+  bool stalled_on_gap = false;           // the last message seen was a gap: the view waits for the missing batch
+  std::string last_error;                // the most recent failure (a gap names the shard and both seqs); empty if none
+};
+
+// Background thread: Db change feed -> JetStream, then trim_changes after the
+// stream's ack. Batches are published one at a time in seq order; a batch is
+// trimmed only once the stream acknowledged it. After any failure (no
+// server, lost connection, leader change, timeout) it waits (bounded
+// backoff) and resumes from the first batch not acknowledged; the Db keeps
+// every batch meanwhile (up to Options::change_feed_max_bytes).
+class Publisher {
+ public:
+  // Checks the config and the Db, then starts the thread. InvalidArgument
+  // for a null Db, a Db without a change feed, empty servers/stream/prefix,
+  // replicas outside 1..5, a non-positive timeout or bound. It makes one
+  // first attempt before returning (at most request_timeout): when the
+  // cluster answers and the stream exists with subjects that do not include
+  // <subject_prefix>.*, another storage than file, or work-queue retention,
+  // or holds more of this shard than the Db ever wrote, it returns
+  // InvalidArgument naming the server and the stream. An unreachable
+  // cluster is not an error: the thread keeps trying (stats().last_error).
+  // `db` must outlive the Publisher.
+  static Result<std::unique_ptr<Publisher>> start(Db* db, const Config& config);
+
+  // Stops the thread: returns within about request_timeout (at once when
+  // idle; a publish in flight is abandoned by closing the connection, and
+  // is sent again by the next Publisher, which JetStream de-duplicates).
+  // Idempotent. Returns the last error when the publisher stopped while
+  // failing, OK otherwise; the Db is left open.
+  Status stop();
+
+  PublisherStats stats() const;
+
+  ~Publisher();  // stop()
+  Publisher(const Publisher&) = delete;
+  Publisher& operator=(const Publisher&) = delete;
+
+  class Impl;
+
+ private:
+  explicit Publisher(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Background thread: a durable JetStream pull consumer named consumer_name
+// (one per view) -> GlobalView::apply -> ack, only after apply returned. A
+// message the view applied already is acked (exactly once); a gap is not
+// acked, is reported (stats) and is delivered again later: never skipped.
+// The consumer, created when missing, delivers the whole stream from its
+// start with explicit acks, so a new view (empty, or opened from another
+// view's checkpoint) catches up from whatever the stream retains.
+class Follower {
+ public:
+  // InvalidArgument for a null or read-only view, an empty consumer name or
+  // one with '.', '*', '>' or whitespace, a bad config (as for Publisher).
+  // Makes one first attempt before returning (at most request_timeout):
+  // when the cluster answers and the stream is missing, it is NOT an error
+  // (the publishers create it); a consumer of that name bound to other
+  // subjects is InvalidArgument naming the server, the stream and the
+  // consumer. `view` must outlive the Follower.
+  static Result<std::unique_ptr<Follower>> start(GlobalView* view, const Config& config,
+                                                 const std::string& consumer_name);
+
+  // Stops the thread: returns within about request_timeout (a fetch waits
+  // at most 500 ms; an apply in flight finishes, durable, and the messages
+  // fetched but not applied are handed back to the stream at once).
+  // Idempotent. Returns the last error when it stopped while failing.
+  Status stop();
+
+  FollowerStats stats() const;
+
+  ~Follower();  // stop()
+  Follower(const Follower&) = delete;
+  Follower& operator=(const Follower&) = delete;
+
+  class Impl;
+
+ private:
+  explicit Follower(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tidal::nats
+
+#endif  // TIDAL_NATS_H_

@@ -1,0 +1,205 @@
+#include "nats/client.h"
+
+#include <cctype>
+#include <charconv>
+#include <cstring>
+#include <vector>
+
+namespace tidal::nats::internal {
+
+namespace {
+
+std::vector<std::string> split_servers(const std::string& servers) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (start <= servers.size()) {
+    std::size_t comma = servers.find(',', start);
+    if (comma == std::string::npos) comma = servers.size();
+    std::string url = servers.substr(start, comma - start);
+    while (!url.empty() && std::isspace(static_cast<unsigned char>(url.front()))) url.erase(url.begin());
+    while (!url.empty() && std::isspace(static_cast<unsigned char>(url.back()))) url.pop_back();
+    if (!url.empty()) out.push_back(std::move(url));
+    start = comma + 1;
+  }
+  return out;
+}
+
+bool valid_token(const std::string& s) {
+  if (s.empty()) return false;
+  for (char c : s) {
+    if (c == '*' || c == '>' || std::isspace(static_cast<unsigned char>(c)) || c == '\0') return false;
+  }
+  return true;
+}
+
+bool parse_u64(const char* s, std::uint64_t* out) {
+  if (s == nullptr || *s == '\0') return false;
+  const char* end = s + std::strlen(s);
+  auto [p, ec] = std::from_chars(s, end, *out);
+  return ec == std::errc() && p == end;
+}
+
+}  // namespace
+
+Status check_config(const Config& config) {
+  if (split_servers(config.servers).empty()) {
+    return Status::InvalidArgument("tidal::nats::Config::servers is empty: give the cluster's URLs, comma-separated");
+  }
+  if (!valid_token(config.stream) || config.stream.find('.') != std::string::npos) {
+    return Status::InvalidArgument("tidal::nats::Config::stream '" + config.stream +
+                                   "' is not a JetStream stream name (non-empty, no '.', '*', '>' or whitespace)");
+  }
+  if (!valid_token(config.subject_prefix) || config.subject_prefix.front() == '.' ||
+      config.subject_prefix.back() == '.' || config.subject_prefix.find("..") != std::string::npos) {
+    return Status::InvalidArgument("tidal::nats::Config::subject_prefix '" + config.subject_prefix +
+                                   "' is not a subject prefix (non-empty tokens separated by '.', no '*', '>' or "
+                                   "whitespace)");
+  }
+  if (config.replicas < 1 || config.replicas > 5) {
+    return Status::InvalidArgument("tidal::nats::Config::replicas is " + std::to_string(config.replicas) +
+                                   ": JetStream keeps 1 to 5 replicas of a stream");
+  }
+  if (config.request_timeout.count() <= 0 || config.min_backoff.count() <= 0 ||
+      config.max_backoff < config.min_backoff || config.poll_interval.count() <= 0 || config.ack_wait.count() <= 0) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: request_timeout, min_backoff, poll_interval and ack_wait must be positive and "
+        "max_backoff >= min_backoff");
+  }
+  if (config.read_max_bytes == 0 || config.fetch_batch < 1 ||
+      config.fetch_max_bytes < static_cast<std::int64_t>(kMaxChangePayloadBytes) + (64 << 10)) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: read_max_bytes and fetch_batch must be positive and fetch_max_bytes at least "
+        "576 KiB (one batch of 512 KiB and its headers)");
+  }
+  return Status::OK();
+}
+
+std::string subject_of(const Config& config, std::uint64_t shard) {
+  return config.subject_prefix + "." + std::to_string(shard);
+}
+
+std::string msg_id_of(std::uint64_t shard, std::uint64_t seq) {
+  return std::to_string(shard) + "-" + std::to_string(seq);
+}
+
+Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config) {
+  const char* subject = natsMsg_GetSubject(msg);
+  const char* shard_text = nullptr;
+  const char* seq_text = nullptr;
+  ChangeBatch batch;
+  if (natsMsgHeader_Get(msg, kShardHeader, &shard_text) != NATS_OK || !parse_u64(shard_text, &batch.shard_id) ||
+      natsMsgHeader_Get(msg, kSeqHeader, &seq_text) != NATS_OK || !parse_u64(seq_text, &batch.seq) ||
+      batch.seq == 0) {
+    return Status::Corruption(std::string("message on ") + (subject ? subject : "?") + " in stream " +
+                              config.stream + " is not a tidal batch: no valid " + kShardHeader + " and " +
+                              kSeqHeader + " headers");
+  }
+  if (subject == nullptr || subject_of(config, batch.shard_id) != subject) {
+    return Status::Corruption(std::string("message on ") + (subject ? subject : "?") + " in stream " +
+                              config.stream + " says shard " + std::to_string(batch.shard_id) +
+                              ", which publishes on " + subject_of(config, batch.shard_id));
+  }
+  const int len = natsMsg_GetDataLength(msg);
+  if (len > 0) batch.payload.assign(natsMsg_GetData(msg), static_cast<std::size_t>(len));
+  return batch;
+}
+
+std::string nats_error(natsStatus s) {
+  natsStatus last = NATS_OK;
+  const char* text = nats_GetLastError(&last);
+  std::string out = natsStatus_GetText(s);
+  if (text != nullptr && *text != '\0' && std::strstr(out.c_str(), text) == nullptr) out += std::string(" (") + text + ")";
+  return out;
+}
+
+Connection::~Connection() {
+  if (js_ != nullptr) jsCtx_Destroy(js_);
+  if (nc_ != nullptr) {
+    natsConnection_Close(nc_);
+    natsConnection_Destroy(nc_);
+  }
+}
+
+Status Connection::connect(const Config& config, const std::string& client_name) {
+  server_ = config.servers;
+  std::vector<std::string> urls = split_servers(config.servers);
+  std::vector<const char*> url_ptrs;
+  for (const std::string& u : urls) url_ptrs.push_back(u.c_str());
+  natsOptions* opts = nullptr;
+  natsStatus s = natsOptions_Create(&opts);
+  if (s == NATS_OK) s = natsOptions_SetServers(opts, url_ptrs.data(), static_cast<int>(url_ptrs.size()));
+  if (s == NATS_OK) s = natsOptions_SetTimeout(opts, config.request_timeout.count());
+  if (s == NATS_OK) s = natsOptions_SetName(opts, client_name.c_str());
+  if (s == NATS_OK) s = natsOptions_SetAllowReconnect(opts, false);
+  if (s == NATS_OK) s = natsOptions_SetNoRandomize(opts, false);
+  if (s == NATS_OK) s = natsOptions_SetPingInterval(opts, 2000);
+  if (s == NATS_OK) s = natsOptions_SetMaxPingsOut(opts, 3);
+  if (s == NATS_OK) s = natsConnection_Connect(&nc_, opts);
+  std::string error = s == NATS_OK ? std::string() : nats_error(s);
+  natsOptions_Destroy(opts);
+  if (s != NATS_OK) {
+    nc_ = nullptr;
+    return Status::IOError("cannot connect to NATS at " + config.servers + ": " + error);
+  }
+  char url[256] = {0};
+  if (natsConnection_GetConnectedUrl(nc_, url, sizeof(url)) == NATS_OK && url[0] != '\0') server_ = url;
+  jsOptions jo;
+  jsOptions_Init(&jo);
+  jo.Wait = config.request_timeout.count();
+  s = natsConnection_JetStream(&js_, nc_, &jo);
+  if (s != NATS_OK) {
+    js_ = nullptr;
+    return Status::IOError("NATS server " + server_ + ": no JetStream context: " + nats_error(s));
+  }
+  return Status::OK();
+}
+
+void Connection::interrupt() {
+  if (nc_ != nullptr) natsConnection_Close(nc_);
+}
+
+bool Connection::connected() const {
+  return nc_ != nullptr && natsConnection_Status(nc_) == NATS_CONN_STATUS_CONNECTED;
+}
+
+void StopFlag::request_stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool StopFlag::stopping() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stopping_;
+}
+
+bool StopFlag::wait_for(std::chrono::milliseconds d) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, d, [&] { return stopping_; });
+  return !stopping_;
+}
+
+std::chrono::milliseconds Backoff::next() {
+  std::chrono::milliseconds d = next_;
+  next_ = std::min(max_, next_ * 2);
+  return d;
+}
+
+void FirstAttempt::set(Status s) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (outcome_) return;
+    outcome_ = std::move(s);
+  }
+  cv_.notify_all();
+}
+
+std::optional<Status> FirstAttempt::wait_for(std::chrono::milliseconds d) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, d, [&] { return outcome_.has_value(); });
+  return outcome_;
+}
+
+}  // namespace tidal::nats::internal

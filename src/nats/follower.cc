@@ -1,0 +1,261 @@
+// Follower: durable JetStream pull consumer -> GlobalView::apply -> ack
+// (include/tidal/nats.h).
+#include <algorithm>
+#include <cctype>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "nats/client.h"
+#include "tidal/nats.h"
+
+namespace tidal::nats {
+
+using internal::Connection;
+
+namespace {
+
+// How long a refused message (a gap, an undecodable message) waits before
+// the stream delivers it again.
+constexpr std::chrono::milliseconds kRefusedRedeliveryDelay{500};
+// A fetch waits at most this long for messages.
+constexpr std::chrono::milliseconds kFetchWait{500};
+
+struct MsgList {
+  natsMsgList list{nullptr, 0};
+  ~MsgList() {
+    if (list.Msgs != nullptr) natsMsgList_Destroy(&list);
+  }
+};
+
+}  // namespace
+
+class Follower::Impl {
+ public:
+  Impl(GlobalView* view, Config config, std::string consumer)
+      : view_(view), config_(std::move(config)), consumer_(std::move(consumer)),
+        filter_(config_.subject_prefix + ".*") {}
+
+  void launch() { thread_ = std::thread([this] { run(); }); }
+  internal::FirstAttempt& first_attempt() { return first_; }
+
+  Status stop() {
+    std::lock_guard<std::mutex> once(stop_mu_);
+    stop_.request_stop();
+    if (thread_.joinable()) thread_.join();
+    return Status::OK();
+  }
+
+  FollowerStats stats() const {
+    FollowerStats out;
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      out = stats_;
+    }
+    Result<std::vector<ShardProgress>> shards = view_->applied_shards();
+    if (shards.ok()) out.applied = std::move(*shards);
+    return out;
+  }
+
+ private:
+  std::string where(const Connection& c) const {
+    return "NATS server " + c.server() + ", stream " + config_.stream + ", consumer " + consumer_;
+  }
+
+  void note_error(const Status& s) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.errors;
+    stats_.last_error = s.to_string();
+  }
+
+  void run() {
+    internal::Backoff backoff(config_.min_backoff, config_.max_backoff);
+    while (!stop_.stopping()) {
+      Status s = session(backoff);
+      first_.set(s);
+      if (stop_.stopping()) break;
+      note_error(s);
+      {
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        stats_.connected = false;
+      }
+      if (!stop_.wait_for(backoff.next())) break;
+    }
+    first_.set(Status::Closed("tidal::nats::Follower stopped before its first attempt finished"));
+  }
+
+  Status subscribe(Connection& conn, natsSubscription** sub) {
+    jsSubOptions so;
+    jsSubOptions_Init(&so);
+    so.Stream = config_.stream.c_str();
+    so.Config.Durable = consumer_.c_str();
+    so.Config.DeliverPolicy = js_DeliverAll;
+    so.Config.AckPolicy = js_AckExplicit;
+    so.Config.AckWait = static_cast<std::int64_t>(config_.ack_wait.count()) * 1'000'000;
+    so.Config.MaxDeliver = -1;
+    so.Config.FilterSubject = filter_.c_str();
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    natsStatus ns = js_PullSubscribe(sub, conn.js(), filter_.c_str(), consumer_.c_str(), nullptr, &so, &jerr);
+    if (ns == NATS_OK) return Status::OK();
+    *sub = nullptr;
+    std::string why = internal::nats_error(ns);
+    if (jerr == JSStreamNotFoundErr || ns == NATS_NOT_FOUND) {
+      return Status::NotFound(where(conn) + ": the stream does not exist yet (a Publisher creates it): " + why);
+    }
+    if (why.find("filter") != std::string::npos || why.find("subject") != std::string::npos ||
+        why.find("configuration") != std::string::npos || why.find("config") != std::string::npos) {
+      return Status::InvalidArgument(where(conn) + ": the durable consumer exists with another configuration (not "
+                                     "a pull consumer of " + filter_ + " with explicit acks): " + why);
+    }
+    return Status::IOError(where(conn) + ": cannot bind the durable pull consumer: " + why);
+  }
+
+  Status session(internal::Backoff& backoff) {
+    Connection conn;
+    Status s = conn.connect(config_, "tidal-follower-" + consumer_);
+    if (!s.ok()) return s;
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.connects;
+    }
+    natsSubscription* sub = nullptr;
+    s = subscribe(conn, &sub);
+    if (!s.ok()) return s;
+    struct SubGuard {
+      natsSubscription* sub;
+      ~SubGuard() { natsSubscription_Destroy(sub); }  // leaves the durable consumer on the server
+    } guard{sub};
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      stats_.connected = true;
+    }
+    first_.set(Status::OK());
+    backoff.reset();
+
+    while (!stop_.stopping()) {
+      jsFetchRequest req;
+      jsFetchRequest_Init(&req);
+      req.Batch = config_.fetch_batch;
+      req.MaxBytes = config_.fetch_max_bytes;
+      req.Expires = static_cast<std::int64_t>(kFetchWait.count()) * 1'000'000;
+      MsgList fetched;
+      natsStatus ns = natsSubscription_FetchRequest(&fetched.list, sub, &req);
+      if (ns == NATS_TIMEOUT) {
+        if (!conn.connected()) return Status::IOError(where(conn) + ": connection lost");
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        stats_.lag_messages = 0;
+        continue;
+      }
+      if (ns != NATS_OK && fetched.list.Count == 0) {
+        return Status::IOError(where(conn) + ": fetch failed: " + internal::nats_error(ns));
+      }
+      for (int i = 0; i < fetched.list.Count; ++i) {
+        natsMsg* msg = fetched.list.Msgs[i];
+        if (stop_.stopping()) {
+          (void)natsMsg_Nak(msg, nullptr);  // hand it back at once for the next Follower
+          continue;
+        }
+        s = handle(conn, msg);
+        if (!s.ok()) {
+          // Hand back this and the rest; they come again after the backoff.
+          for (int j = i; j < fetched.list.Count; ++j) (void)natsMsg_Nak(fetched.list.Msgs[j], nullptr);
+          return s;
+        }
+      }
+    }
+    return Status::OK();
+  }
+
+  // Applies one message and acks it, or refuses it (not acked: a gap, a
+  // message that is not a batch) and asks for it again later. A non-OK
+  // return is a failure of the view or the connection.
+  Status handle(Connection& conn, natsMsg* msg) {
+    jsMsgMetaData* meta = nullptr;
+    if (natsMsg_GetMetaData(&meta, msg) == NATS_OK) {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      stats_.lag_messages = meta->NumPending;
+      jsMsgMetaData_Destroy(meta);
+    }
+    Result<ChangeBatch> batch = internal::batch_of(msg, config_);
+    if (!batch.ok()) return refuse(conn, msg, batch.status());
+    Result<bool> applied = view_->apply(*batch);
+    if (!applied.ok()) {
+      if (applied.status().code() == StatusCode::Corruption) return refuse(conn, msg, applied.status());
+      return Status(applied.status().code(), where(conn) + ": GlobalView::apply of shard " +
+                                                 std::to_string(batch->shard_id) + " seq " +
+                                                 std::to_string(batch->seq) + ": " + applied.status().message());
+    }
+    // Applied (durable) or already applied: either way the stream may forget
+    // it for this consumer. A lost ack only means a redelivery, which the
+    // view skips.
+    natsStatus ns = natsMsg_Ack(msg, nullptr);
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      if (*applied) {
+        ++stats_.applied_batches;
+      } else {
+        ++stats_.redeliveries_skipped;
+      }
+      stats_.stalled_on_gap = false;
+    }
+    if (ns != NATS_OK) return Status::IOError(where(conn) + ": ack failed: " + internal::nats_error(ns));
+    return Status::OK();
+  }
+
+  Status refuse(Connection& conn, natsMsg* msg, const Status& why) {
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.gaps;
+      stats_.stalled_on_gap = true;
+      stats_.last_error = Status(why.code(), where(conn) + ": not applied, delivered again later: " + why.message())
+                              .to_string();
+    }
+    natsStatus ns = natsMsg_NakWithDelay(msg, kRefusedRedeliveryDelay.count(), nullptr);
+    if (ns != NATS_OK) return Status::IOError(where(conn) + ": nak failed: " + internal::nats_error(ns));
+    return Status::OK();
+  }
+
+  GlobalView* const view_;
+  const Config config_;
+  const std::string consumer_;
+  const std::string filter_;
+  internal::StopFlag stop_;
+  internal::FirstAttempt first_;
+  std::thread thread_;
+  std::mutex stop_mu_;  // one stop() joins at a time
+  mutable std::mutex stats_mu_;
+  FollowerStats stats_;
+};
+
+Result<std::unique_ptr<Follower>> Follower::start(GlobalView* view, const Config& config,
+                                                  const std::string& consumer_name) {
+  if (view == nullptr) return Status::InvalidArgument("tidal::nats::Follower::start: view is null");
+  if (Status s = internal::check_config(config); !s.ok()) return s;
+  bool bad_name = consumer_name.empty();
+  for (char c : consumer_name) {
+    if (c == '.' || c == '*' || c == '>' || std::isspace(static_cast<unsigned char>(c)) || c == '\0') bad_name = true;
+  }
+  if (bad_name) {
+    return Status::InvalidArgument("tidal::nats::Follower::start: consumer name '" + consumer_name +
+                                   "' is not a durable consumer name (non-empty, no '.', '*', '>' or whitespace)");
+  }
+  auto impl = std::make_unique<Impl>(view, config, consumer_name);
+  impl->launch();
+  std::optional<Status> first = impl->first_attempt().wait_for(config.request_timeout + std::chrono::seconds(1));
+  if (first && first->code() == StatusCode::InvalidArgument) {
+    (void)impl->stop();
+    return *first;
+  }
+  return std::unique_ptr<Follower>(new Follower(std::move(impl)));
+}
+
+Follower::Follower(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Follower::~Follower() {
+  if (impl_) (void)impl_->stop();
+}
+Status Follower::stop() { return impl_->stop(); }
+FollowerStats Follower::stats() const { return impl_->stats(); }
+
+}  // namespace tidal::nats

@@ -1,0 +1,335 @@
+// Publisher: Db change feed -> JetStream -> trim_changes (include/tidal/nats.h).
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "nats/client.h"
+#include "tidal/nats.h"
+
+namespace tidal::nats {
+
+using internal::Connection;
+
+class Publisher::Impl {
+ public:
+  Impl(Db* db, Config config, std::uint64_t shard)
+      : db_(db), config_(std::move(config)), shard_(shard), subject_(internal::subject_of(config_, shard)) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.shard_id = shard;
+  }
+
+  void launch() { thread_ = std::thread([this] { run(); }); }
+  internal::FirstAttempt& first_attempt() { return first_; }
+
+  Status stop() {
+    std::lock_guard<std::mutex> once(stop_mu_);
+    stop_.request_stop();
+    {
+      std::lock_guard<std::mutex> lock(conn_mu_);
+      if (live_ != nullptr) live_->interrupt();
+    }
+    if (thread_.joinable()) thread_.join();
+    return Status::OK();
+  }
+
+  PublisherStats stats() const {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return stats_;
+  }
+
+ private:
+  // Where the stream and the Db stand: what names them in every error.
+  std::string where(const Connection& c) const {
+    return "NATS server " + c.server() + ", stream " + config_.stream + ", shard " + std::to_string(shard_);
+  }
+
+  void run() {
+    internal::Backoff backoff(config_.min_backoff, config_.max_backoff);
+    while (!stop_.stopping()) {
+      Status s = session(backoff);
+      first_.set(s);
+      if (stop_.stopping()) break;
+      {
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        ++stats_.errors;
+        stats_.connected = false;
+        stats_.last_error = s.to_string();
+      }
+      if (!stop_.wait_for(backoff.next())) break;
+    }
+    first_.set(Status::Closed("tidal::nats::Publisher stopped before its first attempt finished"));
+  }
+
+  // One connection's life: connect, check the stream, find where to resume,
+  // then publish until an error (returned) or stop (OK).
+  Status session(internal::Backoff& backoff) {
+    Connection conn;
+    Status s = conn.connect(config_, "tidal-publisher-" + std::to_string(shard_));
+    if (!s.ok()) return s;
+    {
+      std::lock_guard<std::mutex> lock(conn_mu_);
+      if (stop_.stopping()) return Status::OK();
+      live_ = &conn;
+    }
+    struct Unpublish {
+      Impl* self;
+      ~Unpublish() {
+        std::lock_guard<std::mutex> lock(self->conn_mu_);
+        self->live_ = nullptr;
+      }
+    } unpublish{this};
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.connects;
+    }
+    s = ensure_stream(conn);
+    if (!s.ok()) return s;
+    Result<std::uint64_t> resume = resume_point(conn);
+    if (!resume.ok()) return resume.status();
+    std::uint64_t published = *resume;
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      stats_.connected = true;
+      stats_.published_seq = published;
+    }
+    first_.set(Status::OK());
+    backoff.reset();
+
+    while (!stop_.stopping()) {
+      if (!conn.connected()) return Status::IOError(where(conn) + ": connection lost");
+      Result<std::uint64_t> last = db_->last_change_seq();
+      if (!last.ok()) return Status(last.status().code(), where(conn) + ": last_change_seq: " + last.status().message());
+      if (*last <= published) {
+        update_lag(published);
+        if (!stop_.wait_for(config_.poll_interval)) break;
+        continue;
+      }
+      Result<std::vector<ChangeBatch>> batches = db_->read_changes(published, config_.read_max_bytes);
+      if (!batches.ok()) return Status(batches.status().code(), where(conn) + ": read_changes: " + batches.status().message());
+      if (batches->empty()) {
+        update_lag(published);
+        if (!stop_.wait_for(config_.poll_interval)) break;
+        continue;
+      }
+      for (const ChangeBatch& b : *batches) {
+        if (stop_.stopping()) break;
+        if (b.seq != published + 1) {
+          return Status::Corruption(where(conn) + ": the Db's feed skips from seq " + std::to_string(published) +
+                                    " to " + std::to_string(b.seq));
+        }
+        s = publish(conn, b);
+        if (!s.ok()) {
+          (void)trim(published);  // what was acknowledged; a failure is retried next session
+          return s;
+        }
+        published = b.seq;
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        stats_.published_seq = published;
+        ++stats_.published_batches;
+      }
+      s = trim(published);
+      if (!s.ok()) return Status(s.code(), where(conn) + ": trim_changes: " + s.message());
+      update_lag(published);
+    }
+    return Status::OK();
+  }
+
+  Status trim(std::uint64_t through) {
+    if (through == 0) return Status::OK();
+    return db_->trim_changes(through);
+  }
+
+  void update_lag(std::uint64_t published) {
+    Stats st = db_->stats();
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.last_change_seq = st.change_feed_last_seq;
+    stats_.lag_batches = st.change_feed_last_seq > published ? st.change_feed_last_seq - published : 0;
+    stats_.lag_bytes = st.change_feed_pending_bytes;
+  }
+
+  // Creates the stream when missing; checks it when present.
+  Status ensure_stream(Connection& conn) {
+    jsStreamInfo* si = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    natsStatus ns = js_GetStreamInfo(&si, conn.js(), config_.stream.c_str(), nullptr, &jerr);
+    if (ns == NATS_NOT_FOUND || jerr == JSStreamNotFoundErr) {
+      const std::string wildcard = config_.subject_prefix + ".*";
+      const char* subjects[] = {wildcard.c_str()};
+      jsStreamConfig sc;
+      jsStreamConfig_Init(&sc);
+      sc.Name = config_.stream.c_str();
+      sc.Subjects = subjects;
+      sc.SubjectsLen = 1;
+      sc.Storage = js_FileStorage;
+      sc.Retention = js_LimitsPolicy;
+      sc.Replicas = config_.replicas;
+      jerr = static_cast<jsErrCode>(0);
+      ns = js_AddStream(&si, conn.js(), &sc, nullptr, &jerr);
+      if (si != nullptr) jsStreamInfo_Destroy(si);
+      if (ns == NATS_OK) return Status::OK();
+      std::string why = internal::nats_error(ns);
+      if (jerr == 10065 /* subjects overlap */) {
+        return Status::InvalidArgument(where(conn) + ": cannot create the stream: its subjects " + wildcard +
+                                       " overlap another stream's: " + why);
+      }
+      return Status::IOError(where(conn) + ": cannot create the stream (" + std::to_string(config_.replicas) +
+                             " replicas, file storage, subjects " + wildcard + "): " + why);
+    }
+    if (ns != NATS_OK) {
+      if (si != nullptr) jsStreamInfo_Destroy(si);
+      return Status::IOError(where(conn) + ": stream lookup failed: " + internal::nats_error(ns));
+    }
+    Status s = check_stream(conn, *si->Config);
+    jsStreamInfo_Destroy(si);
+    return s;
+  }
+
+  Status check_stream(const Connection& conn, const jsStreamConfig& sc) const {
+    const std::string star = config_.subject_prefix + ".*";
+    const std::string gt = config_.subject_prefix + ".>";
+    bool covered = false;
+    std::string listed;
+    for (int i = 0; i < sc.SubjectsLen; ++i) {
+      const std::string sub = sc.Subjects[i] ? sc.Subjects[i] : "";
+      listed += (i ? ", " : "") + sub;
+      if (sub == star || sub == gt || sub == ">" || sub == subject_) covered = true;
+    }
+    if (!covered) {
+      return Status::InvalidArgument(where(conn) + ": the existing stream's subjects [" + listed +
+                                     "] do not include " + star + " (Config::subject_prefix '" +
+                                     config_.subject_prefix + "'): use another stream name or prefix");
+    }
+    if (sc.Storage != js_FileStorage) {
+      return Status::InvalidArgument(where(conn) +
+                                     ": the existing stream keeps messages in memory, not in files: a server "
+                                     "restart would lose batches already trimmed from the Db");
+    }
+    if (sc.Retention == js_WorkQueuePolicy) {
+      return Status::InvalidArgument(where(conn) +
+                                     ": the existing stream has work-queue retention: one view's ack would remove "
+                                     "a batch every other view still needs");
+    }
+    if (sc.MaxMsgSize > 0 && sc.MaxMsgSize < static_cast<std::int32_t>(kMaxChangePayloadBytes + 4096)) {
+      return Status::InvalidArgument(where(conn) + ": the existing stream's max_msg_size " +
+                                     std::to_string(sc.MaxMsgSize) + " is below one batch (512 KiB)");
+    }
+    return Status::OK();
+  }
+
+  // The last seq of this shard the stream holds (0 if none), never below
+  // what the Db trimmed; the Db is trimmed through it.
+  Result<std::uint64_t> resume_point(Connection& conn) {
+    Stats st = db_->stats();
+    std::uint64_t in_stream = 0;
+    natsMsg* last = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    natsStatus ns = js_GetLastMsg(&last, conn.js(), config_.stream.c_str(), subject_.c_str(), nullptr, &jerr);
+    if (ns == NATS_OK) {
+      Result<ChangeBatch> b = internal::batch_of(last, config_);
+      natsMsg_Destroy(last);
+      if (!b.ok()) return Status::Corruption(where(conn) + ": the last message on " + subject_ + ": " + b.status().message());
+      in_stream = b->seq;
+    } else if (ns != NATS_NOT_FOUND && jerr != JSNoMessageFoundErr) {
+      return Status::IOError(where(conn) + ": cannot read the last message on " + subject_ + ": " +
+                             internal::nats_error(ns));
+    }
+    if (in_stream > st.change_feed_last_seq) {
+      return Status::InvalidArgument(where(conn) + ": the stream holds this shard up to seq " +
+                                     std::to_string(in_stream) + " but the Db's feed ends at seq " +
+                                     std::to_string(st.change_feed_last_seq) +
+                                     " (another Db with the same shard_id, or a Db restored from an older copy): "
+                                     "views would skip its new batches as already applied");
+    }
+    std::uint64_t resume = std::max(in_stream, st.change_feed_trimmed_seq);
+    if (in_stream > st.change_feed_trimmed_seq) {
+      Status s = db_->trim_changes(in_stream);
+      if (!s.ok()) return Status(s.code(), where(conn) + ": trim_changes: " + s.message());
+    } else if (in_stream < st.change_feed_trimmed_seq && st.change_feed_trimmed_seq > 0) {
+      // Not fatal: the batches after in_stream were acknowledged once; a view
+      // that did not apply them will report the gap.
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      stats_.last_error = where(conn) + ": the stream holds this shard only up to seq " + std::to_string(in_stream) +
+                          " but the Db trimmed through " + std::to_string(st.change_feed_trimmed_seq) +
+                          " (the stream was purged, recreated or aged them out)";
+    }
+    return resume;
+  }
+
+  Status publish(Connection& conn, const ChangeBatch& b) {
+    natsMsg* msg = nullptr;
+    natsStatus ns = natsMsg_Create(&msg, subject_.c_str(), nullptr, b.payload.data(), static_cast<int>(b.payload.size()));
+    const std::string shard = std::to_string(b.shard_id);
+    const std::string seq = std::to_string(b.seq);
+    const std::string id = internal::msg_id_of(b.shard_id, b.seq);
+    if (ns == NATS_OK) ns = natsMsgHeader_Set(msg, internal::kShardHeader, shard.c_str());
+    if (ns == NATS_OK) ns = natsMsgHeader_Set(msg, internal::kSeqHeader, seq.c_str());
+    jsPubOptions po;
+    jsPubOptions_Init(&po);
+    po.MsgId = id.c_str();
+    po.ExpectStream = config_.stream.c_str();
+    po.MaxWait = config_.request_timeout.count();
+    jsPubAck* ack = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    if (ns == NATS_OK) ns = js_PublishMsg(&ack, conn.js(), msg, &po, &jerr);
+    std::string why = ns == NATS_OK ? std::string() : internal::nats_error(ns);
+    if (msg != nullptr) natsMsg_Destroy(msg);
+    if (ns != NATS_OK) {
+      if (ack != nullptr) jsPubAck_Destroy(ack);
+      return Status::IOError(where(conn) + ": publish of seq " + seq + " (" + std::to_string(b.payload.size()) +
+                             " bytes) not acknowledged: " + why);
+    }
+    const bool dup = ack->Duplicate;
+    jsPubAck_Destroy(ack);
+    if (dup) {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.duplicates;
+    }
+    return Status::OK();
+  }
+
+  Db* const db_;
+  const Config config_;
+  const std::uint64_t shard_;
+  const std::string subject_;
+  internal::StopFlag stop_;
+  internal::FirstAttempt first_;
+  std::thread thread_;
+  std::mutex stop_mu_;          // one stop() joins at a time
+  std::mutex conn_mu_;          // guards live_
+  Connection* live_ = nullptr;  // the session's connection, for stop() to interrupt
+  mutable std::mutex stats_mu_;
+  PublisherStats stats_;
+};
+
+Result<std::unique_ptr<Publisher>> Publisher::start(Db* db, const Config& config) {
+  if (db == nullptr) return Status::InvalidArgument("tidal::nats::Publisher::start: db is null");
+  if (Status s = internal::check_config(config); !s.ok()) return s;
+  Stats st = db->stats();
+  if (!st.change_feed) {
+    return Status::InvalidArgument("tidal::nats::Publisher::start: the Db keeps no change feed (open it with "
+                                   "Options::change_feed = true)");
+  }
+  auto impl = std::make_unique<Impl>(db, config, st.change_feed_shard_id);
+  impl->launch();
+  std::optional<Status> first = impl->first_attempt().wait_for(config.request_timeout + std::chrono::seconds(1));
+  if (first && first->code() == StatusCode::InvalidArgument) {
+    (void)impl->stop();
+    return *first;
+  }
+  return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
+}
+
+Publisher::Publisher(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Publisher::~Publisher() {
+  if (impl_) (void)impl_->stop();
+}
+Status Publisher::stop() { return impl_->stop(); }
+PublisherStats Publisher::stats() const { return impl_->stats(); }
+
+}  // namespace tidal::nats

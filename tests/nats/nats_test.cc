@@ -1,0 +1,544 @@
+// tidal::nats against a real 3-node NATS JetStream cluster on loopback
+// (Debian's nats-server, started and killed by the tests): convergence of
+// views through faults, SIGKILLed shard and follower processes, an
+// unavailable cluster, a view joining from a checkpoint, gaps reported and
+// never skipped, and clear errors for bad configs and mismatched streams.
+// docs/CONTRACT.md ("NATS JetStream") lists each guarantee with its test.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nats/nats.h>
+
+#include "../test_util.h"
+#include "nats_cluster.h"
+#include "nats_test_util.h"
+#include "tidal/nats.h"
+
+namespace tidal::nats {
+namespace {
+
+using namespace std::chrono_literals;
+using tidal::testing::TempDir;
+using testing::NatsCluster;
+using testing::caught_up;
+using testing::compare;
+using testing::eventually;
+using testing::shard_options;
+using testing::test_config;
+using testing::Workload;
+
+std::unique_ptr<Db> open_shard(const std::string& path, std::uint64_t shard) {
+  auto db = Db::open(path, shard_options(shard));
+  EXPECT_TRUE(db.ok()) << db.status().to_string();
+  return db.ok() ? std::move(*db) : nullptr;
+}
+
+std::unique_ptr<GlobalView> open_view(const std::string& path) {
+  auto v = GlobalView::open(path);
+  EXPECT_TRUE(v.ok()) << v.status().to_string();
+  return v.ok() ? std::move(*v) : nullptr;
+}
+
+std::unique_ptr<Publisher> start_publisher(Db* db, const Config& c) {
+  auto p = Publisher::start(db, c);
+  EXPECT_TRUE(p.ok()) << p.status().to_string();
+  return p.ok() ? std::move(*p) : nullptr;
+}
+
+std::unique_ptr<Follower> start_follower(GlobalView* v, const Config& c, const std::string& name) {
+  auto f = Follower::start(v, c, name);
+  EXPECT_TRUE(f.ok()) << f.status().to_string();
+  return f.ok() ? std::move(*f) : nullptr;
+}
+
+std::vector<Db*> raw(const std::vector<std::unique_ptr<Db>>& dbs) {
+  std::vector<Db*> out;
+  for (const auto& d : dbs) out.push_back(d.get());
+  return out;
+}
+
+// Flushes every shard, then waits until `view` applied all of it.
+::testing::AssertionResult converge(const std::vector<Db*>& shards, const GlobalView& view, const Follower& f,
+                                    std::chrono::milliseconds timeout = 60s) {
+  for (Db* db : shards) {
+    Status s = db->flush();
+    if (!s.ok()) return ::testing::AssertionFailure() << "flush: " << s.to_string();
+  }
+  if (eventually([&] { return caught_up(shards, view); }, timeout)) return ::testing::AssertionSuccess();
+  FollowerStats st = f.stats();
+  auto out = ::testing::AssertionFailure() << "the view did not catch up; follower: last_error '" << st.last_error
+                                           << "', gaps " << st.gaps << ", applied";
+  for (const ShardProgress& p : st.applied) out << " " << p.shard_id << ":" << p.applied_seq;
+  out << "; shards";
+  for (Db* db : shards) out << " " << db->stats().change_feed_shard_id << ":" << db->stats().change_feed_last_seq;
+  return out;
+}
+
+// The name of the server leading `stream` ("n0", ...), or "" if unknown.
+std::string stream_leader(const NatsCluster& cluster, const std::string& stream) {
+  std::string leader;
+  natsConnection* nc = nullptr;
+  jsCtx* js = nullptr;
+  if (natsConnection_ConnectTo(&nc, cluster.servers().c_str()) != NATS_OK) return leader;
+  jsStreamInfo* si = nullptr;
+  if (natsConnection_JetStream(&js, nc, nullptr) == NATS_OK &&
+      js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK && si->Cluster != nullptr &&
+      si->Cluster->Leader != nullptr) {
+    leader = si->Cluster->Leader;
+  }
+  if (si != nullptr) jsStreamInfo_Destroy(si);
+  if (js != nullptr) jsCtx_Destroy(js);
+  natsConnection_Destroy(nc);
+  return leader;
+}
+
+// Messages the stream holds.
+std::uint64_t stream_messages(const NatsCluster& cluster, const std::string& stream) {
+  std::uint64_t n = 0;
+  natsConnection* nc = nullptr;
+  jsCtx* js = nullptr;
+  if (natsConnection_ConnectTo(&nc, cluster.servers().c_str()) != NATS_OK) return 0;
+  jsStreamInfo* si = nullptr;
+  if (natsConnection_JetStream(&js, nc, nullptr) == NATS_OK &&
+      js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK) {
+    n = si->State.Msgs;
+  }
+  if (si != nullptr) jsStreamInfo_Destroy(si);
+  if (js != nullptr) jsCtx_Destroy(js);
+  natsConnection_Destroy(nc);
+  return n;
+}
+
+// A child process (tests/nats/nats_child.cc), SIGKILLed by the destructor.
+class Child {
+ public:
+  explicit Child(const std::vector<std::string>& args) {
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(TIDAL_NATS_CHILD));
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);
+      int devnull = ::open("/dev/null", O_WRONLY);
+      if (devnull >= 0) ::dup2(devnull, 1);
+      ::execv(TIDAL_NATS_CHILD, argv.data());
+      ::_exit(127);
+    }
+  }
+  ~Child() { kill(); }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+  // SIGKILL; false when the child had exited by itself before (it failed).
+  bool kill() {
+    if (pid_ <= 0) return true;
+    int status = 0;
+    bool alive = ::waitpid(pid_, &status, WNOHANG) == 0;
+    if (alive) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, &status, 0);
+    }
+    pid_ = 0;
+    return alive;
+  }
+
+ private:
+  pid_t pid_ = 0;
+};
+
+// ---- Bad input: clear errors, no cluster needed ----
+
+TEST(NatsConfig, BadConfigsAreInvalidArgumentNamingTheField) {
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 1);
+  ASSERT_NE(db, nullptr);
+  auto expect_invalid = [&](const Config& c, const std::string& word) {
+    auto p = Publisher::start(db.get(), c);
+    ASSERT_FALSE(p.ok());
+    EXPECT_EQ(p.status().code(), StatusCode::InvalidArgument);
+    EXPECT_NE(p.status().message().find(word), std::string::npos) << p.status().to_string();
+  };
+  Config c;
+  c.servers = " , ";
+  expect_invalid(c, "servers");
+  c = Config{};
+  c.replicas = 0;
+  expect_invalid(c, "replicas");
+  c.replicas = 6;
+  expect_invalid(c, "replicas");
+  c = Config{};
+  c.stream = "a.b";
+  expect_invalid(c, "stream");
+  c = Config{};
+  c.subject_prefix = "x.*";
+  expect_invalid(c, "subject_prefix");
+
+  auto null_db = Publisher::start(nullptr, Config{});
+  EXPECT_EQ(null_db.status().code(), StatusCode::InvalidArgument);
+
+  TempDir plain;
+  auto no_feed = tidal::testing::open_db(plain.sub("db"));
+  ASSERT_NE(no_feed, nullptr);
+  auto p = Publisher::start(no_feed.get(), Config{});
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("change feed"), std::string::npos) << p.status().to_string();
+
+  auto view = open_view(dir.sub("view"));
+  ASSERT_NE(view, nullptr);
+  for (std::string name : {"", "a.b", "a b", "x>"}) {
+    auto f = Follower::start(view.get(), Config{}, name);
+    EXPECT_EQ(f.status().code(), StatusCode::InvalidArgument) << "'" << name << "'";
+  }
+}
+
+TEST(NatsStream, AStreamWhoseSubjectsDoNotMatchIsInvalidArgumentNamingServerAndStream) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  // Someone else's stream under the name tidal would use.
+  natsConnection* nc = nullptr;
+  jsCtx* js = nullptr;
+  ASSERT_EQ(natsConnection_ConnectTo(&nc, cluster.servers().c_str()), NATS_OK);
+  ASSERT_EQ(natsConnection_JetStream(&js, nc, nullptr), NATS_OK);
+  jsStreamConfig sc;
+  jsStreamConfig_Init(&sc);
+  const char* subjects[] = {"orders.*"};
+  sc.Name = "MISMATCH";
+  sc.Subjects = subjects;
+  sc.SubjectsLen = 1;
+  ASSERT_EQ(js_AddStream(nullptr, js, &sc, nullptr, nullptr), NATS_OK);
+  jsCtx_Destroy(js);
+  natsConnection_Destroy(nc);
+
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 1);
+  Config c = test_config(cluster, "MISMATCH", 1);
+  auto p = Publisher::start(db.get(), c);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(p.status().message().find("stream MISMATCH"), std::string::npos) << p.status().to_string();
+  EXPECT_NE(p.status().message().find(cluster.url(0)), std::string::npos) << p.status().to_string();
+  EXPECT_NE(p.status().message().find("orders.*"), std::string::npos) << p.status().to_string();
+
+  // A matching stream name is created, with its subjects, and works.
+  Config ok = test_config(cluster, "FRESH", 1);
+  auto good = Publisher::start(db.get(), ok);
+  ASSERT_TRUE(good.ok()) << good.status().to_string();
+  EXPECT_TRUE(eventually([&] { return (*good)->stats().connected; }, 10s)) << (*good)->stats().last_error;
+  EXPECT_OK((*good)->stop());
+}
+
+// ---- Convergence through the cluster, with a server SIGKILLed and a publisher stopped abruptly ----
+
+TEST(NatsCluster, ViewsConvergeBitForBitThroughServerKillAndPublisherRestart) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "CONVERGE", 3);
+  constexpr int kShards = 3;
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (int s = 0; s < kShards; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), static_cast<std::uint64_t>(s)));
+    ASSERT_NE(shards.back(), nullptr);
+    pubs.push_back(start_publisher(shards.back().get(), config));
+    ASSERT_NE(pubs.back(), nullptr);
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view_a = open_view(dir.sub("view_a"));
+  auto view_b = open_view(dir.sub("view_b"));
+  auto fa = start_follower(view_a.get(), config, "view-a");
+  auto fb = start_follower(view_b.get(), config, "view-b");
+  ASSERT_TRUE(reference && view_a && view_b && fa && fb);
+
+  Workload w(19, 120);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  std::string killed;
+  for (int i = 0; i < 6000; ++i) {
+    ASSERT_EQ(w.step(raw(shards), reference.get()), "") << "op " << i;
+    if (i % 50 == 0) std::this_thread::sleep_for(2ms);
+    if (i == 1500) {  // the stream's leader dies mid-stream: a leader change
+      killed = stream_leader(cluster, config.stream);
+      ASSERT_FALSE(killed.empty());
+      cluster.kill(killed[1] - '0');
+    }
+    if (i == 3000) {  // a publisher stopped abruptly (its publish in flight abandoned) and restarted
+      pubs[0].reset();
+      pubs[0] = start_publisher(shards[0].get(), config);
+      ASSERT_NE(pubs[0], nullptr);
+    }
+    if (i == 4000) cluster.start(killed[1] - '0');
+  }
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa, 90s));
+  ASSERT_TRUE(converge(raw(shards), *view_b, *fb, 30s));
+  EXPECT_EQ(compare(*view_a, *reference), "");
+  EXPECT_EQ(compare(*view_b, *reference), "");
+  for (int s = 0; s < kShards; ++s) {
+    PublisherStats ps = pubs[static_cast<std::size_t>(s)]->stats();
+    EXPECT_EQ(ps.published_seq, *shards[static_cast<std::size_t>(s)]->last_change_seq());
+    EXPECT_TRUE(eventually([&] { return pubs[static_cast<std::size_t>(s)]->stats().lag_batches == 0; }, 5s));
+  }
+  EXPECT_EQ(fa->stats().stalled_on_gap, false);
+  EXPECT_OK(fa->stop());
+  EXPECT_OK(fb->stop());
+}
+
+// ---- A shard process SIGKILLed mid-stream, many times ----
+
+TEST(NatsCrash, AShardKilledMidPublishLosesNoBatchAndPublishesNoneTwice) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "SHARDKILL", 3);
+  const int rounds = std::getenv("TIDAL_NATS_KILL_ROUNDS") ? std::atoi(std::getenv("TIDAL_NATS_KILL_ROUNDS")) : 12;
+  std::mt19937_64 rng(7);
+  for (int r = 0; r < rounds; ++r) {
+    Child child({"shard", dir.sub("db"), "5", config.servers, config.stream, std::to_string(100 + r)});
+    std::this_thread::sleep_for(std::chrono::milliseconds(300 + rng() % 500));
+    ASSERT_TRUE(child.kill()) << "the shard process failed on its own in round " << r;
+  }
+  auto db = open_shard(dir.sub("db"), 5);
+  ASSERT_NE(db, nullptr);
+  const std::uint64_t trimmed_before = db->stats().change_feed_trimmed_seq;
+  EXPECT_GT(trimmed_before, 0u) << "no round published anything";
+  auto pub = start_publisher(db.get(), config);
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(pub && view && f);
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+  // The view is the Db's own aggregates, bit for bit: no batch lost, none applied twice.
+  EXPECT_EQ(compare(*view, *db), "");
+  EXPECT_EQ(f->stats().gaps, 0u) << f->stats().last_error;
+  // The stream holds each seq once: the restarted publishers resumed after what it held.
+  EXPECT_EQ(stream_messages(cluster, config.stream), *db->last_change_seq());
+}
+
+// ---- A follower process SIGKILLed mid-apply ----
+
+TEST(NatsCrash, AFollowerKilledMidApplyLeavesTheViewExactAfterRestart) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "FOLLOWKILL", 3);
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (std::uint64_t s = 0; s < 2; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+    ASSERT_NE(shards.back(), nullptr);
+    pubs.push_back(start_publisher(shards.back().get(), config));
+    ASSERT_NE(pubs.back(), nullptr);
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  Workload w(23, 80);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  std::atomic<bool> done{false};
+  std::string error;
+  std::thread load([&] {
+    for (int i = 0; !done.load(); ++i) {
+      error = w.step(raw(shards), reference.get());
+      if (!error.empty()) return;
+      if (i % 20 == 0) std::this_thread::sleep_for(1ms);
+    }
+  });
+  const int rounds = std::getenv("TIDAL_NATS_KILL_ROUNDS") ? std::atoi(std::getenv("TIDAL_NATS_KILL_ROUNDS")) : 10;
+  std::mt19937_64 rng(11);
+  for (int r = 0; r < rounds; ++r) {
+    Child child({"follower", dir.sub("view"), config.servers, config.stream, "view"});
+    std::this_thread::sleep_for(std::chrono::milliseconds(400 + rng() % 600));
+    EXPECT_TRUE(child.kill()) << "the follower process failed on its own in round " << r;
+  }
+  done = true;
+  load.join();
+  ASSERT_EQ(error, "");
+  auto view = open_view(dir.sub("view"));
+  ASSERT_NE(view, nullptr);
+  EXPECT_GT(view->applied_shards()->size(), 0u) << "the killed followers applied nothing";
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_NE(f, nullptr);
+  ASSERT_TRUE(converge(raw(shards), *view, *f));
+  EXPECT_EQ(compare(*view, *reference), "");
+}
+
+// ---- The cluster unavailable at start and for a while mid-run ----
+
+TEST(NatsOutage, PublisherAndFollowerRetryWithBoundedBackoffAndCatchUp) {
+  NatsCluster cluster(3);  // not started yet
+  TempDir dir;
+  const Config config = test_config(cluster, "OUTAGE", 3);
+  std::vector<std::unique_ptr<Db>> shards;
+  for (std::uint64_t s = 0; s < 2; ++s) shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view = open_view(dir.sub("view"));
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (auto& db : shards) pubs.push_back(start_publisher(db.get(), config));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(pubs[0] && pubs[1] && f && reference && view);
+
+  Workload w(31, 60);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  auto run_for = [&](std::chrono::milliseconds d) {
+    const auto until = std::chrono::steady_clock::now() + d;
+    while (std::chrono::steady_clock::now() < until) {
+      for (int i = 0; i < 20; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+      std::this_thread::sleep_for(2ms);
+    }
+  };
+  run_for(1000ms);  // the Db keeps accepting signals while no server runs; the backoff reaches 500 ms
+  const std::uint64_t pub_errors = pubs[0]->stats().errors, follower_errors = f->stats().errors;
+  EXPECT_GE(pub_errors, 4u);  // 50 + 100 + 200 + 400 ms
+  run_for(2000ms);
+  for (auto& db : shards) ASSERT_OK(db->flush());
+  PublisherStats ps = pubs[0]->stats();
+  EXPECT_FALSE(ps.connected);
+  EXPECT_EQ(ps.published_seq, 0u);
+  EXPECT_GT(shards[0]->stats().change_feed_last_seq, 0u);
+  EXPECT_NE(ps.last_error.find(config.servers), std::string::npos) << ps.last_error;
+  // Still retrying, at most every max_backoff (500 ms): 3 to 5 tries in 2 s.
+  EXPECT_GE(ps.errors - pub_errors, 3u);
+  EXPECT_LE(ps.errors - pub_errors, 5u);
+  EXPECT_GE(f->stats().errors - follower_errors, 3u);
+  EXPECT_LE(f->stats().errors - follower_errors, 5u);
+  EXPECT_FALSE(f->stats().connected);
+
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  ASSERT_TRUE(converge(raw(shards), *view, *f, 60s));
+  EXPECT_EQ(compare(*view, *reference), "");
+
+  // Every server down for a while mid-run.
+  cluster.kill_all();
+  run_for(3000ms);
+  for (auto& db : shards) ASSERT_OK(db->flush());
+  EXPECT_TRUE(eventually([&] { return !pubs[0]->stats().connected; }, 5s));
+  std::uint64_t last = *shards[0]->last_change_seq();
+  EXPECT_LT(pubs[0]->stats().published_seq, last);  // waiting, nothing lost: the Db keeps the batches
+  EXPECT_EQ(shards[0]->stats().change_feed_trimmed_seq, pubs[0]->stats().published_seq);
+  ASSERT_TRUE(cluster.start_all(60s)) << cluster.log_tail(0);
+  ASSERT_TRUE(converge(raw(shards), *view, *f, 90s));
+  EXPECT_EQ(compare(*view, *reference), "");
+
+  // stop() is prompt while the cluster is down.
+  cluster.kill_all();
+  EXPECT_TRUE(eventually([&] { return !pubs[1]->stats().connected; }, 5s));
+  auto t0 = std::chrono::steady_clock::now();
+  EXPECT_OK(pubs[1]->stop());
+  EXPECT_OK(f->stop());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, config.request_timeout + 1s);
+}
+
+// ---- A new view joins from another view's checkpoint ----
+
+TEST(NatsCheckpoint, ANewViewJoinsFromACheckpointAndConvergesWithoutAGap) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "JOIN", 3);
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (std::uint64_t s = 0; s < 2; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+    pubs.push_back(start_publisher(shards.back().get(), config));
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view_a = open_view(dir.sub("view_a"));
+  auto fa = start_follower(view_a.get(), config, "view-a");
+  ASSERT_TRUE(pubs[0] && pubs[1] && reference && view_a && fa);
+  Workload w(41, 60);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  for (int i = 0; i < 1500; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+  ASSERT_OK(view_a->checkpoint(dir.sub("view_b")));
+  // Batches published after the checkpoint, before the new view's consumer exists.
+  for (int i = 0; i < 1500; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+
+  auto view_b = open_view(dir.sub("view_b"));
+  auto fb = start_follower(view_b.get(), config, "view-b");
+  ASSERT_TRUE(view_b && fb);
+  for (int i = 0; i < 1500; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+  ASSERT_TRUE(converge(raw(shards), *view_b, *fb));
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+  EXPECT_EQ(compare(*view_a, *reference), "");
+  EXPECT_EQ(compare(*view_b, *reference), "");
+  FollowerStats sb = fb->stats();
+  EXPECT_EQ(sb.gaps, 0u) << sb.last_error;
+  EXPECT_GT(sb.redeliveries_skipped, 0u);  // what the checkpoint held, skipped
+}
+
+// ---- A gap is reported and never skipped ----
+
+TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "GAP", 1);
+  // Batches 1..5 of shard 9, from a real Db.
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t k = 1; k <= 5; ++k) {
+    ASSERT_OK(db->join_community(k, 1));
+    ASSERT_TRUE(db->signal_with_context({k, k, 1.5}, {{2}}).ok());
+    ASSERT_OK(db->flush());
+  }
+  auto batches = db->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok());
+  ASSERT_GE(batches->size(), 5u);
+  // Publish the last batch first, by hand: the stream now has a gap at its start.
+  natsConnection* nc = nullptr;
+  jsCtx* js = nullptr;
+  ASSERT_EQ(natsConnection_ConnectTo(&nc, cluster.servers().c_str()), NATS_OK);
+  ASSERT_EQ(natsConnection_JetStream(&js, nc, nullptr), NATS_OK);
+  jsStreamConfig sc;
+  jsStreamConfig_Init(&sc);
+  const std::string wildcard = config.subject_prefix + ".*";
+  const char* subjects[] = {wildcard.c_str()};
+  sc.Name = config.stream.c_str();
+  sc.Subjects = subjects;
+  sc.SubjectsLen = 1;
+  ASSERT_EQ(js_AddStream(nullptr, js, &sc, nullptr, nullptr), NATS_OK);
+  auto publish = [&](const ChangeBatch& b) {
+    natsMsg* m = nullptr;
+    const std::string subject = config.subject_prefix + ".9";
+    ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, b.payload.data(), static_cast<int>(b.payload.size())), NATS_OK);
+    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
+    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(b.seq).c_str()), NATS_OK);
+    ASSERT_EQ(js_PublishMsg(nullptr, js, m, nullptr, nullptr), NATS_OK);
+    natsMsg_Destroy(m);
+  };
+  const ChangeBatch& last = batches->back();
+  publish(last);
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  ASSERT_TRUE(eventually([&] { return f->stats().gaps >= 2; }, 10s)) << f->stats().last_error;  // refused, and again
+  FollowerStats st = f->stats();
+  EXPECT_TRUE(st.stalled_on_gap);
+  EXPECT_NE(st.last_error.find("shard 9"), std::string::npos) << st.last_error;
+  EXPECT_NE(st.last_error.find(std::to_string(last.seq)), std::string::npos) << st.last_error;
+  EXPECT_NE(st.last_error.find("stream GAP"), std::string::npos) << st.last_error;
+  EXPECT_EQ(*view->applied_seq(9), 0u);
+  // The missing batches arrive: all are applied, the refused one too.
+  for (std::size_t i = 0; i + 1 < batches->size(); ++i) publish((*batches)[i]);
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == last.seq; }, 10s)) << f->stats().last_error;
+  EXPECT_EQ(compare(*view, *db), "");
+  EXPECT_FALSE(f->stats().stalled_on_gap);
+  jsCtx_Destroy(js);
+  natsConnection_Destroy(nc);
+}
+
+}  // namespace
+}  // namespace tidal::nats
