@@ -14,6 +14,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cctype>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -353,6 +354,116 @@ void BM_ChangeFeedThroughputRatio(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_ChangeFeedThroughputRatio)->Iterations(1)->Repetitions(3)->UseManualTime()->Unit(benchmark::kSecond);
+
+// ---- 1b. the cost as the state grows ----
+
+// The Sum row of the last "** Compaction Stats [<cf>] **" table in `log`
+// (RocksDB writes one per column family at every stats dump, and tidal at
+// close): bytes written by flushes and compactions (GB column "Write") and
+// the compaction seconds.
+struct CompactionSum {
+  double write_gb = 0, comp_s = 0;
+  bool found = false;
+};
+CompactionSum last_compaction_sum(const std::string& log, const std::string& cf) {
+  CompactionSum out;
+  FILE* f = std::fopen(log.c_str(), "r");
+  if (f == nullptr) return out;
+  const std::string header = "** Compaction Stats [" + cf + "] **";
+  bool in_table = false;
+  int write_col = -1, comp_col = -1;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, f) != nullptr) {
+    const std::string line(buf);
+    if (line.find("** Compaction Stats [") != std::string::npos) {
+      in_table = line.find(header) != std::string::npos;
+      write_col = comp_col = -1;
+      continue;
+    }
+    if (!in_table) continue;
+    std::vector<std::string> tokens;
+    for (std::size_t i = 0; i < line.size();) {
+      while (i < line.size() && std::isspace(static_cast<unsigned char>(line[i]))) ++i;
+      std::size_t j = i;
+      while (j < line.size() && !std::isspace(static_cast<unsigned char>(line[j]))) ++j;
+      if (j > i) tokens.push_back(line.substr(i, j - i));
+      i = j;
+    }
+    if (!tokens.empty() && tokens[0] == "Level") {
+      // The Size column is two tokens in the rows ("1.23 MB"): +1.
+      for (std::size_t c = 0; c < tokens.size(); ++c) {
+        if (tokens[c] == "Write(GB)") write_col = static_cast<int>(c) + 1;
+        if (tokens[c] == "Comp(sec)") comp_col = static_cast<int>(c) + 1;
+      }
+    } else if (!tokens.empty() && tokens[0] == "Sum" && write_col >= 0 &&
+               static_cast<int>(tokens.size()) > std::max(write_col, comp_col)) {
+      out.write_gb = std::strtod(tokens[static_cast<std::size_t>(write_col)].c_str(), nullptr);
+      out.comp_s = std::strtod(tokens[static_cast<std::size_t>(comp_col)].c_str(), nullptr);
+      out.found = true;
+      in_table = false;
+    }
+  }
+  std::fclose(f);
+  return out;
+}
+
+// Signals/s flat out (2 threads) into a new Db of range(0) users, each
+// getting TIDAL_GROWTH_SIGNALS_PER_USER signals (default 5) on one of 1,000
+// items with one of 500 cohorts (no communities: no setup), then flush().
+// After close, what RocksDB's compactions of each column family wrote
+// (state/LOG's compaction statistics), per signal.
+void BM_ThroughputAsStateGrows(benchmark::State& state) {
+  g_state_dbs.clear();
+  g_hand_written.reset();
+  const auto users = static_cast<std::uint64_t>(state.range(0));
+  const std::uint64_t per_user = env_or("TIDAL_GROWTH_SIGNALS_PER_USER", 5);
+  const std::uint64_t per_thread = users * per_user / kSignalThreads;
+  const double total = static_cast<double>(per_thread * kSignalThreads);
+  for (auto _ : state) {
+    const std::string path = scratch_dir("growth-" + std::to_string(users));
+    auto db = must_open(path);
+    const auto start = Clock::now();
+    std::atomic<std::uint64_t> longest_ns{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kSignalThreads; ++t) {
+      threads.emplace_back([&, t] {
+        Rng rng{77 + static_cast<std::uint64_t>(t)};
+        std::uint64_t longest = 0;
+        for (std::uint64_t n = 0; n < per_thread; ++n) {
+          const std::uint64_t r = rng.next();
+          const auto t0 = Clock::now();
+          const Result<SignalOutcome> out = db->signal_with_context(
+              {1 + r % users, 1 + (r >> 32) % kItems, 1.0}, SignalContext{{1 + (r >> 48) % kCohorts}});
+          longest = std::max<std::uint64_t>(
+              longest, static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()));
+          check(out.status(), "signal");
+        }
+        for (std::uint64_t seen = longest_ns.load(); seen < longest && !longest_ns.compare_exchange_weak(seen, longest);) {
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    check(db->flush(), "flush");
+    const double secs = seconds(Clock::now() - start);
+    const Stats st = db->stats();
+    check(db->close(), "close");
+    state.SetIterationTime(secs);
+    state.counters["signals_per_s"] = total / secs;
+    state.counters["longest_signal_ms"] = static_cast<double>(longest_ns.load()) / 1e6;
+    state.counters["paused_signals"] = static_cast<double>(st.admission_delayed_signals);
+    state.counters["pause_s"] = static_cast<double>(st.admission_delay_ns) / 1e9;
+    for (const char* cf : {"aggregates", "ledger"}) {
+      const CompactionSum sum = last_compaction_sum(path + "/state/LOG", cf);
+      if (!sum.found) continue;
+      state.counters[std::string(cf) + "_written_B_per_signal"] = sum.write_gb * 1e9 / total;
+      state.counters[std::string(cf) + "_comp_s"] = sum.comp_s;
+    }
+  }
+}
+BENCHMARK(BM_ThroughputAsStateGrows)
+    ->ArgName("users")
+    ->Arg(100'000)->Arg(1'000'000)->Arg(4'000'000)
+    ->Iterations(1)->UseManualTime()->Unit(benchmark::kSecond);
 
 // ---- 2. signal latency while flush() runs ----
 

@@ -639,6 +639,16 @@ Status Storage::close() {
     }
   }
   Status result = flush();
+  if (!read_only_ && state_.db != nullptr) {
+    // The state engine's compaction statistics (per column family and
+    // level: bytes written, write amplification, time) into state/LOG, as
+    // RocksDB's periodic dump writes them, so that a run's totals are there.
+    std::string stats;
+    if (state_.db->GetProperty(rocksdb::DB::Properties::kStats, &stats)) {
+      rocksdb::Log(rocksdb::InfoLogLevel::INFO_LEVEL, state_.db->GetDBOptions().info_log,
+                   "tidal: statistics at close\n%s", stats.c_str());
+    }
+  }
   // The state engine first: the users engine holds the directory's LOCK.
   if (state_.db != nullptr) {
     if (Status s = close_instance(&state_, state_path()); !s.ok() && result.ok()) result = s;
