@@ -99,6 +99,12 @@ struct Probes {
   std::mutex mu;
   std::vector<Clock::time_point> sent;           // accept time of probe k (k = index + 1)
   std::vector<std::vector<Clock::time_point>> seen;  // per view: when probe k became visible
+  // Where the time goes, per probe: the shard's last_change_seq right after
+  // the probe was accepted (seq0), and when seq0 + 1 (the first batch the
+  // writer wrote after it) was in the feed, acknowledged by the stream
+  // (PublisherStats::published_seq) and applied by every view.
+  std::vector<std::uint64_t> seq0;
+  std::vector<Clock::time_point> in_feed, published, applied;
 };
 
 double pct(std::vector<double> v, double q) {
@@ -175,17 +181,21 @@ int main(int argc, char** argv) {
     views.push_back(std::move(*view));
     followers.push_back(std::move(*f));
   }
+
   std::vector<std::unique_ptr<nats::Publisher>> pubs(p.shards);
+  std::mutex pubs_mu;  // pubs[] is replaced by start_pubs/stop_pubs while the watcher reads it
   auto start_pubs = [&] {
     for (std::uint64_t s = 0; s < p.shards; ++s) {
       auto pub = nats::Publisher::start(shards[s].get(), config);
       if (!pub.ok()) die("publisher", pub.status());
+      std::lock_guard<std::mutex> lock(pubs_mu);
       pubs[s] = std::move(*pub);
     }
   };
   auto stop_pubs = [&] {
     for (auto& pub : pubs) {
       if (pub) (void)pub->stop();
+      std::lock_guard<std::mutex> lock(pubs_mu);
       pub.reset();
     }
   };
@@ -195,9 +205,33 @@ int main(int argc, char** argv) {
   std::vector<std::atomic<std::uint64_t>> signals(p.shards);  // counted per shard, probes included
   std::atomic<bool> running{true};
 
-  // Lag watcher: the probe community's score in each view counts the visible probes.
+  // Lag watcher: the probe community's score in each view counts the visible
+  // probes; the shard's feed, its publisher and the views' applied seqs time
+  // each probe's stages.
   std::thread watcher([&] {
     while (running.load()) {
+      for (std::uint64_t s = 0; s < p.shards; ++s) {
+        const auto now = Clock::now();
+        const std::uint64_t feed = shards[s]->last_change_seq().ok() ? *shards[s]->last_change_seq() : 0;
+        std::uint64_t published = 0;
+        {
+          std::lock_guard<std::mutex> lock(pubs_mu);
+          if (pubs[s]) published = pubs[s]->stats().published_seq;
+        }
+        std::uint64_t applied = ~std::uint64_t{0};
+        for (auto& v : views) {
+          Result<std::uint64_t> a = v->applied_seq(s);
+          applied = std::min(applied, a.ok() ? *a : 0);
+        }
+        std::lock_guard<std::mutex> lock(probes[s].mu);
+        Probes& pr = probes[s];
+        auto advance = [&](std::vector<Clock::time_point>& stage, std::uint64_t reached) {
+          while (stage.size() < pr.seq0.size() && pr.seq0[stage.size()] + 1 <= reached) stage.push_back(now);
+        };
+        advance(pr.in_feed, feed);
+        advance(pr.published, std::min(published, feed));
+        advance(pr.applied, std::min(applied, std::min(published, feed)));
+      }
       for (std::uint64_t s = 0; s < p.shards; ++s) {
         for (int v = 0; v < views_n; ++v) {
           Result<double> seen = views[static_cast<std::size_t>(v)]->community_score(kProbeCommunity + s, kProbeItem);
@@ -209,7 +243,7 @@ int main(int argc, char** argv) {
           while (vs.size() < n && vs.size() < probes[s].sent.size()) vs.push_back(now);
         }
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
   });
 
@@ -234,8 +268,12 @@ int main(int argc, char** argv) {
           next_probe += probe_every;
           auto r = shards[s]->signal_with_context({kProbeUserBase + s, kProbeItem, 1.0}, {{}});
           if (!r.ok()) die("probe", r.status());
+          const auto accepted = Clock::now();
+          Result<std::uint64_t> seq0 = shards[s]->last_change_seq();
+          if (!seq0.ok()) die("last_change_seq", seq0.status());
           std::lock_guard<std::mutex> lock(probes[s].mu);
-          probes[s].sent.push_back(Clock::now());
+          probes[s].sent.push_back(accepted);
+          probes[s].seq0.push_back(*seq0);
         }
         loads[s].next(&sig, &ctx);
         auto r = shards[s]->signal_with_context(sig, ctx);
@@ -352,6 +390,42 @@ int main(int argc, char** argv) {
               "p99 %.0f ms, max %.0f ms (%llu probes never seen)\n",
               views_n, lags.size(), pct(lags, 0.5), pct(lags, 0.9), pct(lags, 0.99), pct(lags, 1.0),
               (unsigned long long)unseen);
+  {
+    // Stages of each probe seen everywhere: writer (accepted -> its batch in
+    // the feed), publish (feed -> acknowledged by the stream), deliver+apply
+    // (acknowledged -> applied by every view), visible (applied -> the
+    // probe's score read; > 0 when the probe was in a later batch than
+    // seq0 + 1, i.e. the writer was mid-write when it was accepted).
+    std::vector<double> writer, publish, apply, visible;
+    for (std::uint64_t s = 0; s < p.shards; ++s) {
+      Probes& pr = probes[s];
+      for (std::size_t k = 0; k < pr.applied.size(); ++k) {
+        Clock::time_point all_seen{};
+        bool ok = views_n > 0;
+        for (int v = 0; v < views_n; ++v) {
+          auto& vs = pr.seen[static_cast<std::size_t>(v)];
+          if (k >= vs.size()) ok = false;
+          else all_seen = std::max(all_seen, vs[k]);
+        }
+        if (!ok) continue;
+        auto ms = [](Clock::time_point a, Clock::time_point b) {
+          return std::chrono::duration<double, std::milli>(b - a).count();
+        };
+        writer.push_back(ms(pr.sent[k], pr.in_feed[k]));
+        publish.push_back(ms(pr.in_feed[k], pr.published[k]));
+        apply.push_back(ms(pr.published[k], pr.applied[k]));
+        visible.push_back(ms(pr.applied[k], std::max(all_seen, pr.applied[k])));
+      }
+    }
+    auto line = [&](const char* name, const std::vector<double>& v) {
+      std::printf("  stage %-26s p50 %6.0f ms, p90 %6.0f ms, p99 %6.0f ms, max %6.0f ms\n", name, pct(v, 0.5),
+                  pct(v, 0.9), pct(v, 0.99), pct(v, 1.0));
+    };
+    line("writer (accepted->feed)", writer);
+    line("publish (feed->stream ack)", publish);
+    line("deliver+apply (->applied)", apply);
+    line("visible (applied->read)", visible);
+  }
   for (auto& [w, v] : windows) {
     std::printf("  lag in [%d s, %d s): p50 %.0f ms, p99 %.0f ms, max %.0f ms (%zu probes)\n", w * window_s,
                 (w + 1) * window_s, pct(v, 0.5), pct(v, 0.99), pct(v, 1.0), v.size());
@@ -370,9 +444,15 @@ int main(int argc, char** argv) {
               static_cast<double>(batches) / run_secs);
   for (int v = 0; v < views_n; ++v) {
     auto st = followers[static_cast<std::size_t>(v)]->stats();
-    std::printf("view %d: applied %llu batches, redeliveries skipped %llu, gaps %llu, errors %llu\n", v,
-                (unsigned long long)st.applied_batches, (unsigned long long)st.redeliveries_skipped,
-                (unsigned long long)st.gaps, (unsigned long long)st.errors);
+    std::printf("view %d: applied %llu batches in %llu writes (%.1f ms a write), stream->fetched %.0f ms a message, "
+                "redeliveries skipped %llu, gaps %llu, errors %llu, last error '%s'\n",
+                v, (unsigned long long)st.applied_batches, (unsigned long long)st.view_writes,
+                st.view_writes ? static_cast<double>(st.apply_micros) / 1000.0 / static_cast<double>(st.view_writes) : 0.0,
+                st.first_deliveries ? static_cast<double>(st.stored_to_fetched_micros) / 1000.0 /
+                                          static_cast<double>(st.first_deliveries)
+                                    : 0.0,
+                (unsigned long long)st.redeliveries_skipped, (unsigned long long)st.gaps, (unsigned long long)st.errors,
+                st.last_error.c_str());
   }
   std::printf("peak RSS (shards, views, publishers, followers in one process): %.0f MiB\n", peak_rss_mib());
 

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -269,6 +270,110 @@ TEST(GlobalView, AGapIsCorruptionNamingTheShardAndBothSeqsWithNothingChanged) {
   EXPECT_EQ(value_of(view->cohort_score(1, 1)), 107.0);
   EXPECT_EQ(value_of(view->cohort_score(1, 2)), 100.0);
   EXPECT_EQ(seq_of(*view, 5), 4u);
+}
+
+// A run of batches of several shards in one call: each judged as apply(batch)
+// would judge it after the ones before it, all in one write.
+TEST(GlobalView, ARunOfBatchesAppliesEachAsApplyWouldInOrder) {
+  TempDir dir;
+  auto view = open_view(dir.path());
+  ASSERT_NE(view, nullptr);
+  ASSERT_TRUE(applied(*view, batch(1, 1, {cohort(1, 1, weight(1.0))})));
+  const std::vector<ChangeBatch> run = {
+      batch(1, 2, {cohort(1, 1, weight(2.0))}),
+      batch(2, 1, {cohort(1, 1, weight(4.0)), community(3, 1, weight(-1.0))}),
+      batch(1, 1, {cohort(1, 1, weight(1000.0))}),  // applied before the call: skipped
+      batch(1, 3, {cohort(1, 1, weight(8.0))}),     // follows seq 2 of the same call
+      batch(1, 3, {cohort(1, 1, weight(1000.0))}),  // repeated in the call: skipped
+      batch(2, 2, {community(3, 1, weight(-2.0))}),
+  };
+  Result<ApplyOutcome> r = view->apply(std::span<const ChangeBatch>(run));
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->taken, 6u);
+  EXPECT_EQ(r->applied, 4u);
+  EXPECT_OK(r->refused);
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 15.0);
+  EXPECT_EQ(value_of(view->community_score(3, 1)), -3.0);
+  EXPECT_EQ(shards_of(*view), (std::vector<std::pair<std::uint64_t, std::uint64_t>>{{1, 3}, {2, 2}}));
+  // Delivered again whole: every batch skipped, nothing written.
+  r = view->apply(std::span<const ChangeBatch>(run));
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->taken, 6u);
+  EXPECT_EQ(r->applied, 0u);
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 15.0);
+  // An empty run takes nothing.
+  r = view->apply(std::span<const ChangeBatch>());
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->taken, 0u);
+  EXPECT_OK(r->refused);
+  // Durable: survives a close and a reopen.
+  ASSERT_OK(view->close());
+  view = open_view(dir.path());
+  ASSERT_NE(view, nullptr);
+  EXPECT_EQ(shards_of(*view), (std::vector<std::pair<std::uint64_t, std::uint64_t>>{{1, 3}, {2, 2}}));
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 15.0);
+  EXPECT_EQ(value_of(view->community_score(3, 1)), -3.0);
+}
+
+// A batch refused in the middle of a run (a gap, a payload that does not
+// decode, seq 0): the batches before it are applied, it and every later one
+// are not, and the refusal is the one apply(batch) gives.
+TEST(GlobalView, ARefusalInTheMiddleOfARunAppliesTheBatchesBeforeItAndNoneAfter) {
+  struct Case {
+    std::string name;
+    ChangeBatch refused;
+    StatusCode code;
+    std::string text;
+  };
+  const std::vector<Case> cases = {
+      {"a gap", batch(1, 4, {cohort(1, 1, weight(100.0))}), StatusCode::Corruption,
+       "gap: shard 1 has applied through 2; batch seq 4"},
+      {"an undecodable payload", {1, 3, "not a payload"}, StatusCode::Corruption, "does not decode"},
+      {"seq 0", batch(2, 0, {cohort(1, 1, weight(100.0))}), StatusCode::InvalidArgument, "seqs start at 1"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    TempDir dir;
+    auto view = open_view(dir.path());
+    ASSERT_NE(view, nullptr);
+    ASSERT_TRUE(applied(*view, batch(1, 1, {cohort(1, 1, weight(1.0))})));
+    const std::vector<ChangeBatch> run = {
+        batch(1, 2, {cohort(1, 1, weight(2.0))}),
+        batch(2, 1, {cohort(1, 2, weight(4.0))}),
+        c.refused,
+        batch(2, 2, {cohort(1, 2, weight(8.0))}),  // would apply: not applied, it follows the refusal
+        batch(1, 3, {cohort(1, 1, weight(16.0))}),
+    };
+    Result<ApplyOutcome> r = view->apply(std::span<const ChangeBatch>(run));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->taken, 2u);
+    EXPECT_EQ(r->applied, 2u);
+    EXPECT_EQ(r->refused.code(), c.code) << r->refused.to_string();
+    expect_has(r->refused, c.text);
+    expect_has(r->refused, "the 2 before it are");
+    EXPECT_EQ(shards_of(*view), (std::vector<std::pair<std::uint64_t, std::uint64_t>>{{1, 2}, {2, 1}}));
+    EXPECT_EQ(value_of(view->cohort_score(1, 1)), 3.0);
+    EXPECT_EQ(value_of(view->cohort_score(1, 2)), 4.0);
+    // The rest, delivered again after the refused batch, applies.
+    r = view->apply(std::span<const ChangeBatch>(run).subspan(3));
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->taken, 2u);
+    EXPECT_EQ(r->applied, 2u);
+    EXPECT_EQ(value_of(view->cohort_score(1, 1)), 19.0);
+    EXPECT_EQ(value_of(view->cohort_score(1, 2)), 12.0);
+  }
+  // A refusal first: nothing applied at all.
+  TempDir dir;
+  auto view = open_view(dir.path());
+  ASSERT_NE(view, nullptr);
+  const std::vector<ChangeBatch> run = {batch(1, 2, {cohort(1, 1, weight(1.0))}), batch(1, 1, {cohort(1, 1, weight(1.0))})};
+  Result<ApplyOutcome> r = view->apply(std::span<const ChangeBatch>(run));
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->taken, 0u);
+  EXPECT_EQ(r->applied, 0u);
+  expect_has(r->refused, "gap: shard 1 has applied through 0; batch seq 2");
+  EXPECT_TRUE(shards_of(*view).empty());
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 0.0);
 }
 
 TEST(GlobalView, AnUndecodablePayloadIsCorruptionWithNothingChanged) {

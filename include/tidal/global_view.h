@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,21 @@ struct GlobalViewOptions {
 struct ShardProgress {
   std::uint64_t shard_id = 0;
   std::uint64_t applied_seq = 0;  // the seq of the last batch applied
+};
+
+// What GlobalView::apply(std::span<const ChangeBatch>) did with a run of
+// batches.
+struct ApplyOutcome {
+  // The first `taken` batches of the span were each applied or skipped (a
+  // redelivery), durable on return; the batches from `taken` on were not
+  // applied.
+  std::size_t taken = 0;
+  // How many of the `taken` batches were applied (the others were skipped).
+  std::size_t applied = 0;
+  // OK when taken == the span's size. Otherwise why batches[taken] was
+  // refused, exactly as apply(batch) refuses it: Corruption for a gap or a
+  // payload that does not decode, InvalidArgument for seq 0.
+  Status refused;
 };
 
 class GlobalView {
@@ -98,6 +114,27 @@ class GlobalView {
   //     after a reopen, and delivering the batch again is safe either way.
   // Applies of any shards run one at a time.
   Result<bool> apply(const ChangeBatch& batch);
+
+  // Applies a run of batches, of any shards, in the span's order, in ONE
+  // atomic, fsynced write: one fsync for the run instead of one a batch.
+  // Each batch is judged exactly as apply(batch) would judge it right after
+  // the batches before it in the span (so a batch at seq n + 1 of a shard may
+  // follow that shard's seq n in the same span, and a batch repeated in the
+  // span is skipped the second time). The run stops at the first batch
+  // apply(batch) would refuse (a gap, a payload that does not decode, seq
+  // 0): the batches before it are written, it and every later batch of the
+  // span are not (deliver them again, after the missing batch for a gap).
+  //   - OK: ApplyOutcome says how many batches were taken (applied or
+  //     skipped, durable on return), how many of those applied, and, when
+  //     not all were taken, why the next one was refused;
+  //   - InvalidArgument, nothing changed: a read-only view;
+  //   - another error (a read of an applied seq, the write): none of the
+  //     span is applied, or (a failed fsync may still have reached the disk)
+  //     all of what would have been taken; applied_seq tells, after a
+  //     reopen, and delivering the span again is safe either way.
+  // An empty span is OK with nothing taken. Applies of any shards run one
+  // at a time.
+  Result<ApplyOutcome> apply(std::span<const ChangeBatch> batches);
 
   // The seq of the shard's last applied batch; 0 before its first.
   // Corruption naming the key when the stored record does not decode.

@@ -97,6 +97,11 @@ struct FollowerStats {
   bool connected = false;                // connected now, with the consumer bound
   bool stalled_on_gap = false;           // the last message seen was a gap: the view waits for the missing batch
   std::string last_error;                // the most recent failure (a gap names the shard and both seqs); empty if none
+  // Where a follower's time goes (cumulative since start):
+  std::uint64_t view_writes = 0;         // GlobalView::apply calls: one fsynced write each, for a run of messages
+  std::uint64_t apply_micros = 0;        // time spent in those calls
+  std::uint64_t first_deliveries = 0;    // messages delivered to this consumer for the first time
+  std::uint64_t stored_to_fetched_micros = 0;  // summed over those: from stored in the stream to fetched here
 };
 
 // Background thread: Db change feed -> JetStream, then trim_changes after the
@@ -140,7 +145,10 @@ class Publisher {
 };
 
 // Background thread: a durable JetStream pull consumer named consumer_name
-// (one per view) -> GlobalView::apply -> ack, only after apply returned. A
+// (one per view) -> GlobalView::apply -> ack, only after apply returned. It
+// waits for one message, then takes whatever else is ready (up to
+// fetch_batch) and applies the run in one GlobalView::apply of a span (one
+// fsynced write), acking each message once that write returned. A
 // message the view applied already is acked (exactly once); a gap is not
 // acked, is reported (stats) and is delivered again later: never skipped.
 // The consumer, created when missing, delivers the whole stream from its

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cctype>
 #include <memory>
+#include <span>
+#include <vector>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -135,73 +137,137 @@ class Follower::Impl {
     backoff.reset();
 
     while (!stop_.stopping()) {
-      jsFetchRequest req;
-      jsFetchRequest_Init(&req);
-      req.Batch = config_.fetch_batch;
-      req.MaxBytes = config_.fetch_max_bytes;
-      req.Expires = static_cast<std::int64_t>(kFetchWait.count()) * 1'000'000;
-      MsgList fetched;
-      natsStatus ns = natsSubscription_FetchRequest(&fetched.list, sub, &req);
-      if (ns == NATS_TIMEOUT) {
+      // Wait (at most kFetchWait) for one message, then take whatever else
+      // the stream has ready, up to fetch_batch, without waiting: a long
+      // poll for a whole batch would hold the first message until the batch
+      // filled or the wait ran out.
+      MsgList first, more;
+      natsStatus ns = fetch(sub, 1, /*no_wait=*/false, &first);
+      if (ns == NATS_TIMEOUT || (ns == NATS_NOT_FOUND && first.list.Count == 0)) {
         if (!conn.connected()) return Status::IOError(where(conn) + ": connection lost");
         std::lock_guard<std::mutex> lock(stats_mu_);
         stats_.lag_messages = 0;
         continue;
       }
-      if (ns != NATS_OK && fetched.list.Count == 0) {
+      if (ns != NATS_OK && first.list.Count == 0) {
         return Status::IOError(where(conn) + ": fetch failed: " + internal::nats_error(ns));
       }
-      for (int i = 0; i < fetched.list.Count; ++i) {
-        natsMsg* msg = fetched.list.Msgs[i];
-        if (stop_.stopping()) {
-          (void)natsMsg_Nak(msg, nullptr);  // hand it back at once for the next Follower
-          continue;
-        }
-        s = handle(conn, msg);
-        if (!s.ok()) {
-          // Hand back this and the rest; they come again after the backoff.
-          for (int j = i; j < fetched.list.Count; ++j) (void)natsMsg_Nak(fetched.list.Msgs[j], nullptr);
-          return s;
-        }
+      if (config_.fetch_batch > 1) (void)fetch(sub, config_.fetch_batch - 1, /*no_wait=*/true, &more);
+      std::vector<natsMsg*> msgs;
+      for (int i = 0; i < first.list.Count; ++i) msgs.push_back(first.list.Msgs[i]);
+      for (int i = 0; i < more.list.Count; ++i) msgs.push_back(more.list.Msgs[i]);
+      if (stop_.stopping()) {
+        for (natsMsg* m : msgs) (void)natsMsg_Nak(m, nullptr);  // hand them back at once for the next Follower
+        break;
       }
+      s = handle(conn, msgs);
+      if (!s.ok()) return s;
     }
     return Status::OK();
   }
 
-  // Applies one message and acks it, or refuses it (not acked: a gap, a
-  // message that is not a batch) and asks for it again later. A non-OK
-  // return is a failure of the view or the connection.
-  Status handle(Connection& conn, natsMsg* msg) {
-    jsMsgMetaData* meta = nullptr;
-    if (natsMsg_GetMetaData(&meta, msg) == NATS_OK) {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      stats_.lag_messages = meta->NumPending;
-      jsMsgMetaData_Destroy(meta);
-    }
-    Result<ChangeBatch> batch = internal::batch_of(msg, config_);
-    if (!batch.ok()) return refuse(conn, msg, batch.status());
-    Result<bool> applied = view_->apply(*batch);
-    if (!applied.ok()) {
-      if (applied.status().code() == StatusCode::Corruption) return refuse(conn, msg, applied.status());
-      return Status(applied.status().code(), where(conn) + ": GlobalView::apply of shard " +
-                                                 std::to_string(batch->shard_id) + " seq " +
-                                                 std::to_string(batch->seq) + ": " + applied.status().message());
-    }
-    // Applied (durable) or already applied: either way the stream may forget
-    // it for this consumer. A lost ack only means a redelivery, which the
-    // view skips.
-    natsStatus ns = natsMsg_Ack(msg, nullptr);
-    {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      if (*applied) {
-        ++stats_.applied_batches;
-      } else {
-        ++stats_.redeliveries_skipped;
+  natsStatus fetch(natsSubscription* sub, int batch, bool no_wait, MsgList* out) {
+    jsFetchRequest req;
+    jsFetchRequest_Init(&req);
+    req.Batch = batch;
+    req.MaxBytes = config_.fetch_max_bytes;
+    req.NoWait = no_wait;
+    req.Expires = static_cast<std::int64_t>(kFetchWait.count()) * 1'000'000;
+    return natsSubscription_FetchRequest(&out->list, sub, &req);
+  }
+
+  // Applies the fetched messages, in order, with as few view writes as the
+  // refusals allow: each run of batches up to the next refused message is
+  // one GlobalView::apply (one fsynced write), and its messages are acked
+  // after that write returned. A refused message (a gap, a message that is
+  // not a batch) is not acked and asked for again later; the messages after
+  // it are still applied. A non-OK return is a failure of the view or the
+  // connection; the messages not yet acked are then handed back.
+  Status handle(Connection& conn, const std::vector<natsMsg*>& msgs) {
+    const auto fetched_at = std::chrono::system_clock::now();
+    std::vector<ChangeBatch> batches;
+    std::vector<natsMsg*> run;  // the messages of `batches`
+    std::size_t next = 0;       // first message not yet applied, acked or refused
+    auto nak_rest = [&](std::size_t from) {
+      for (std::size_t j = from; j < msgs.size(); ++j) (void)natsMsg_Nak(msgs[j], nullptr);
+    };
+    while (next < msgs.size()) {
+      batches.clear();
+      run.clear();
+      Status not_a_batch;
+      for (std::size_t j = next; j < msgs.size(); ++j) {
+        note_delivery(msgs[j], fetched_at);
+        Result<ChangeBatch> b = internal::batch_of(msgs[j], config_);
+        if (!b.ok()) {
+          not_a_batch = b.status();
+          break;
+        }
+        batches.push_back(std::move(*b));
+        run.push_back(msgs[j]);
       }
-      stats_.stalled_on_gap = false;
+      std::size_t taken = 0;
+      Status refused = not_a_batch;
+      if (!batches.empty()) {
+        const auto t0 = std::chrono::steady_clock::now();
+        Result<ApplyOutcome> outcome = view_->apply(std::span<const ChangeBatch>(batches));
+        const auto micros =
+            std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
+        if (!outcome.ok()) {
+          nak_rest(next);
+          return Status(outcome.status().code(), where(conn) + ": GlobalView::apply of " +
+                                                     std::to_string(batches.size()) + " batches (shard " +
+                                                     std::to_string(batches[0].shard_id) + " seq " +
+                                                     std::to_string(batches[0].seq) + " first): " +
+                                                     outcome.status().message());
+        }
+        taken = outcome->taken;
+        if (!outcome->refused.ok()) refused = outcome->refused;
+        {
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          ++stats_.view_writes;
+          stats_.apply_micros += static_cast<std::uint64_t>(micros);
+          stats_.applied_batches += outcome->applied;
+          stats_.redeliveries_skipped += outcome->taken - outcome->applied;
+          if (taken > 0) stats_.stalled_on_gap = false;
+        }
+        // Applied (durable) or already applied: either way the stream may
+        // forget them for this consumer. A lost ack only means a
+        // redelivery, which the view skips.
+        for (std::size_t j = 0; j < taken; ++j) {
+          natsStatus ns = natsMsg_Ack(run[j], nullptr);
+          if (ns != NATS_OK) {
+            nak_rest(next + j + 1);
+            return Status::IOError(where(conn) + ": ack failed: " + internal::nats_error(ns));
+          }
+        }
+      }
+      next += taken;
+      if (next == msgs.size()) break;
+      // msgs[next] is refused: a gap or undecodable payload (the view said
+      // so), or not a batch at all.
+      if (Status s = refuse(conn, msgs[next], refused); !s.ok()) {
+        nak_rest(next + 1);
+        return s;
+      }
+      ++next;
     }
-    if (ns != NATS_OK) return Status::IOError(where(conn) + ": ack failed: " + internal::nats_error(ns));
     return Status::OK();
+  }
+
+  // Lag (messages still to come) and the time from the stream's store to
+  // this fetch, from the message's JetStream metadata.
+  void note_delivery(natsMsg* msg, std::chrono::system_clock::time_point fetched_at) {
+    jsMsgMetaData* meta = nullptr;
+    if (natsMsg_GetMetaData(&meta, msg) != NATS_OK) return;
+    const std::int64_t now_ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(fetched_at.time_since_epoch()).count();
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.lag_messages = meta->NumPending;
+    if (meta->NumDelivered == 1 && now_ns > meta->Timestamp) {
+      stats_.stored_to_fetched_micros += static_cast<std::uint64_t>((now_ns - meta->Timestamp) / 1000);
+      ++stats_.first_deliveries;
+    }
+    jsMsgMetaData_Destroy(meta);
   }
 
   Status refuse(Connection& conn, natsMsg* msg, const Status& why) {

@@ -17,6 +17,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <system_error>
 #include <utility>
 
@@ -397,59 +398,125 @@ Result<std::uint64_t> GlobalView::Impl::read_applied(std::uint64_t shard_id) con
 }
 
 Result<bool> GlobalView::Impl::apply(const ChangeBatch& batch) {
+  Result<ApplyOutcome> outcome = apply(std::span<const ChangeBatch>(&batch, 1));
+  if (!outcome.ok()) return outcome.status();
+  if (!outcome->refused.ok()) return outcome->refused;
+  return outcome->applied == 1;
+}
+
+Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batches) {
   Call call(this, "apply");
   if (!call.status().ok()) return call.status();
-  const std::string what = "apply of " + shard_seq(batch.shard_id, batch.seq) + " to the " + view_at(path_);
-  if (options_.read_only) return Status::InvalidArgument(what + ": the view is open read-only");
-  if (batch.seq == 0) return Status::InvalidArgument(what + ": seqs start at 1; nothing changed");
+  const std::size_t n = batches.size();
+  // The call as a whole: one batch is named by its shard and seq, as apply(batch) names it.
+  const std::string what_all =
+      (n == 1 ? "apply of " + shard_seq(batches[0].shard_id, batches[0].seq)
+              : "apply of " + std::to_string(n) + " batches" +
+                    (n == 0 ? std::string()
+                            : " (" + shard_seq(batches[0].shard_id, batches[0].seq) + " to " +
+                                  shard_seq(batches[n - 1].shard_id, batches[n - 1].seq) + ")")) +
+      " to the " + view_at(path_);
+  if (options_.read_only) return Status::InvalidArgument(what_all + ": the view is open read-only");
 
-  // The payload is decoded whole, into the batch's merge operands, before
-  // anything is read or written.
-  if (batch.payload.size() > kMaxChangePayloadBytes) {
-    return Status::Corruption(what + ": the payload does not decode: " + std::to_string(batch.payload.size()) +
-                              " bytes, above kMaxChangePayloadBytes (" + std::to_string(kMaxChangePayloadBytes) +
-                              "); nothing changed");
-  }
+  ApplyOutcome out;
+  // What a refusal leaves: for one batch, nothing; for a run, the batches before it.
+  auto untouched = [&](std::size_t i) {
+    if (n == 1) return std::string("nothing changed");
+    return "nothing of it or of the " + std::to_string(n - i - 1) + " later batches of the call applied (the " +
+           std::to_string(i) + " before it are)";
+  };
+  // Each shard's applied seq as the batches taken so far leave it, and
+  // whether one of them moved it.
+  std::map<std::uint64_t, std::pair<std::uint64_t, bool>> seqs;
   rocksdb::WriteBatch write;
   rocksdb::Status added;
   std::string key, units;
   std::string error;
-  const bool decoded = decode_feed_payload(
-      batch.payload,
-      [&](const FeedEntry& e) {
-        key.clear();
-        put_aggregate_key(&key, e.kind, e.owner, e.item);
-        units.clear();
-        put_units(&units, e.delta);
-        if (added.ok()) added = write.Merge(aggregates(), slice(key), slice(units));
-      },
-      &error);
-  if (!decoded) return Status::Corruption(what + ": the payload does not decode: " + error + "; nothing changed");
-  if (!added.ok()) return from_rocksdb(added, what + ": building its write failed; nothing changed");
 
   std::lock_guard<std::mutex> serial(apply_mu_);
-  Result<std::uint64_t> applied = read_applied(batch.shard_id);
-  if (!applied.ok()) return applied.status();
-  if (batch.seq <= *applied) return false;  // delivered again
-  if (batch.seq != *applied + 1) {
-    return Status::Corruption("gap: shard " + std::to_string(batch.shard_id) + " has applied through " +
-                              std::to_string(*applied) + "; batch seq " + std::to_string(batch.seq) + " (" +
-                              view_at(path_) + "); nothing changed: apply seq " + std::to_string(*applied + 1) +
-                              " first");
+  for (const ChangeBatch& batch : batches) {
+    const std::size_t i = out.taken;
+    const std::string what = "apply of " + shard_seq(batch.shard_id, batch.seq) + " to the " + view_at(path_);
+    if (batch.seq == 0) {
+      out.refused = Status::InvalidArgument(what + ": seqs start at 1; " + untouched(i));
+      break;
+    }
+    // The payload is decoded whole, into the batch's merge operands, before
+    // its seq is compared (so a payload that does not decode is refused at
+    // an applied seq too); a batch not applied is rolled back out of the write.
+    if (batch.payload.size() > kMaxChangePayloadBytes) {
+      out.refused = Status::Corruption(what + ": the payload does not decode: " +
+                                       std::to_string(batch.payload.size()) +
+                                       " bytes, above kMaxChangePayloadBytes (" +
+                                       std::to_string(kMaxChangePayloadBytes) + "); " + untouched(i));
+      break;
+    }
+    write.SetSavePoint();
+    error.clear();
+    const bool decoded = decode_feed_payload(
+        batch.payload,
+        [&](const FeedEntry& e) {
+          key.clear();
+          put_aggregate_key(&key, e.kind, e.owner, e.item);
+          units.clear();
+          put_units(&units, e.delta);
+          if (added.ok()) added = write.Merge(aggregates(), slice(key), slice(units));
+        },
+        &error);
+    if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
+    auto drop = [&]() { return from_rocksdb(write.RollbackToSavePoint(), what_all + ": building its write failed; nothing changed"); };
+    if (!decoded) {
+      if (Status s = drop(); !s.ok()) return s;
+      out.refused = Status::Corruption(what + ": the payload does not decode: " + error + "; " + untouched(i));
+      break;
+    }
+    auto it = seqs.find(batch.shard_id);
+    if (it == seqs.end()) {
+      Result<std::uint64_t> applied = read_applied(batch.shard_id);
+      if (!applied.ok()) return applied.status();
+      it = seqs.emplace(batch.shard_id, std::make_pair(*applied, false)).first;
+    }
+    std::uint64_t& applied = it->second.first;
+    if (batch.seq <= applied) {  // delivered again
+      if (Status s = drop(); !s.ok()) return s;
+      ++out.taken;
+      continue;
+    }
+    if (batch.seq != applied + 1) {
+      if (Status s = drop(); !s.ok()) return s;
+      out.refused = Status::Corruption("gap: shard " + std::to_string(batch.shard_id) + " has applied through " +
+                                       std::to_string(applied) + "; batch seq " + std::to_string(batch.seq) + " (" +
+                                       view_at(path_) + "); " + untouched(i) + ": apply seq " +
+                                       std::to_string(applied + 1) + " first");
+      break;
+    }
+    if (Status s = from_rocksdb(write.PopSavePoint(), what_all + ": building its write failed; nothing changed");
+        !s.ok()) {
+      return s;
+    }
+    applied = batch.seq;
+    it->second.second = true;
+    ++out.taken;
+    ++out.applied;
   }
-  // The deltas and the shard's new applied seq in one atomic, fsynced write:
-  // after a crash either both are there or neither.
-  added = write.Put(meta(), encode_applied_key(batch.shard_id), encode_applied_seq(batch.seq));
-  if (!added.ok()) return from_rocksdb(added, what + ": building its write failed; nothing changed");
+  if (out.applied == 0) return out;  // only redeliveries (or a refusal first): nothing to write
+  // The deltas and the shards' new applied seqs in one atomic, fsynced
+  // write: after a crash either all of them are there or none.
+  for (const auto& [shard, state] : seqs) {
+    if (!state.second) continue;
+    added = write.Put(meta(), encode_applied_key(shard), encode_applied_seq(state.first));
+    if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
+  }
   rocksdb::WriteOptions wo;
   wo.sync = true;
   if (Status s = from_rocksdb(db_->Write(wo, &write),
-                              what + " failed; the batch may or may not be stored (applied_seq tells after a "
-                                     "reopen; delivering it again is safe)");
+                              what_all + " failed; " + (n == 1 ? "the batch" : "the batches") +
+                                  " may or may not be stored (applied_seq tells after a reopen; delivering " +
+                                  (n == 1 ? "it" : "them") + " again is safe)");
       !s.ok()) {
     return s;
   }
-  return true;
+  return out;
 }
 
 Result<std::uint64_t> GlobalView::Impl::applied_seq(std::uint64_t shard_id) const {
@@ -538,6 +605,10 @@ Status GlobalView::close() {
 
 Result<bool> GlobalView::apply(const ChangeBatch& batch) {
   return guarded("global view apply", [&] { return impl_->apply(batch); });
+}
+
+Result<ApplyOutcome> GlobalView::apply(std::span<const ChangeBatch> batches) {
+  return guarded("global view apply", [&] { return impl_->apply(batches); });
 }
 
 Result<std::uint64_t> GlobalView::applied_seq(std::uint64_t shard_id) const {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +36,7 @@ class GlobalView::Impl {
 
   Status close();
   Result<bool> apply(const ChangeBatch& batch);
+  Result<ApplyOutcome> apply(std::span<const ChangeBatch> batches);
   Result<std::uint64_t> applied_seq(std::uint64_t shard_id) const;
   Result<std::vector<ShardProgress>> applied_shards() const;
   Result<double> score(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const;
