@@ -161,7 +161,7 @@ struct Options {
   // Bound on the aggregate updates held in memory (two write buffers of half
   // of it each, at ~128 bytes a cell). The writer starts early when the
   // active buffer holds 3/4 of its half; past that signals slow down (at
-  // most 1 ms each), and past the half they wait for the writer
+  // most 10 ms each, growing with the square of the fill), and past the half they wait for the writer
   // (backpressure). The fill is checked before each signal, which then adds
   // at most 4,097 cells (kMaxCohortsPerSignal): signals in flight at once
   // can pass the bound by at most that many cells each (~512 KiB a thread).

@@ -23,8 +23,13 @@ constexpr std::size_t kBytesPerCell = 128;
 // a second (bench/README.md, "The soft bound"); the longest signal call while
 // flush() runs stayed under 20 ms.
 constexpr std::uint64_t kSoftBoundNum = 3, kSoftBoundDen = 4;
-// The longest pause admit() adds to one signal below the hard bound.
-constexpr std::uint64_t kMaxPauseMicros = 1000;
+// The longest pause admit() adds to one signal below the hard bound, reached
+// by the square of the fill between the bounds. Short pauses instead of one
+// long wait: at 1 ms (linear) signals crossed from the soft to the hard
+// bound in ~2 s, and while a batch write took longer than that (fsyncs on a
+// disk busy with compactions) a signal waited at the hard bound for the
+// rest of it: 2.1 s at 1M users (bench/README.md, issue 21).
+constexpr std::uint64_t kMaxPauseMicros = 10'000;
 // How often the writer looks at the compaction debt (RocksDB properties,
 // each a lock of its mutex: too costly for every signal).
 constexpr auto kDebtLookPeriod = std::chrono::milliseconds(20);
@@ -156,8 +161,8 @@ Status StateStore::admit(bool nested) {
     // Between the soft and the hard bound, slow each signal a little, more
     // the fuller the buffer, so that the writer catches up before anyone
     // would have to wait for a whole write.
-    const std::uint64_t over = fill - soft_limit_;
-    const auto pause = std::chrono::microseconds(over * kMaxPauseMicros / (hard_limit_ - soft_limit_));
+    const double x = static_cast<double>(fill - soft_limit_) / static_cast<double>(hard_limit_ - soft_limit_);
+    const auto pause = std::chrono::microseconds(static_cast<std::uint64_t>(x * x * kMaxPauseMicros));
     if (pause.count() > 0) {
       backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
       std::this_thread::sleep_for(pause);
