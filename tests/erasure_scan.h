@@ -28,6 +28,19 @@ inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
+// True when `wal` holds the ledger prefix `prefix` ([user BE][0x13]) other
+// than as the user id of an erasure mark's key ("erasure_pending/" + user
+// BE, deleted through the WAL once the erasure is done), whose next byte is
+// whatever follows the key in the log: the next record's checksum is 0x13
+// one time in 256 (seen once in CI).
+inline bool wal_holds_prefix(const std::string& wal, const std::string& prefix) {
+  const std::string mark(kErasurePendingPrefix);
+  for (std::size_t at = wal.find(prefix); at != std::string::npos; at = wal.find(prefix, at + 1)) {
+    if (at < mark.size() || wal.compare(at - mark.size(), mark.size(), mark) != 0) return true;
+  }
+  return false;
+}
+
 inline std::string read_file(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -87,7 +100,7 @@ inline ErasureScan scan_files(const std::string& path, std::uint64_t user) {
       }
     } else if (name.ends_with(".log")) {
       ++out.wals;
-      if (contains(read_file(entry.path()), prefix)) out.found.push_back(name + ": WAL bytes hold the prefix");
+      if (wal_holds_prefix(read_file(entry.path()), prefix)) out.found.push_back(name + ": WAL bytes hold the prefix");
     }
   }
   return out;
