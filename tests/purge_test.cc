@@ -664,6 +664,15 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
 TEST(PurgeConcurrentTest, NoFileHoldsThePurgedLedgerOnReturnUnderConcurrentWritersAndReaders) {
   TempDir dir;
   const std::string path = dir.sub("db");
+  // The reader's verify() holds a snapshot for its whole scan, which the
+  // erasure waits out: under TSan one took longer than the default 10 s
+  // (the erasure then fails, by design, and this test saw its leftover).
+  const auto saved_wait = Db::Impl::erasure_wait;
+  Db::Impl::erasure_wait = std::chrono::milliseconds(120'000);
+  struct Restore {
+    std::chrono::milliseconds saved;
+    ~Restore() { Db::Impl::erasure_wait = saved; }
+  } restore{saved_wait};
   Options options;
   options.aggregate_write_period = std::chrono::milliseconds(5);
   auto db = open_db(path, options);
