@@ -23,11 +23,6 @@
 
 namespace tidal::testing {
 
-// True when `haystack` holds `needle` anywhere.
-inline bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
-
 // True when `wal` holds the ledger prefix `prefix` ([user BE][0x13]) other
 // than as the user id of an erasure mark's key ("erasure_pending/" + user
 // BE, deleted through the WAL once the erasure is done), whose next byte is
