@@ -44,10 +44,12 @@
 //   tidal_crash_child migrate <db-path> <step>
 //     Opens the Db (a format-2 one, with the change feed of shard 7), and
 //     SIGKILLs itself when the upgrade to format 3 reaches <step>
-//     (Storage::migration_step_for_testing); exits 0 if it never does.
-//   tidal_crash_child open <db-path>
+//     (Storage::step_for_testing); exits 0 if it never does.
+//   tidal_crash_child open <db-path> [<backfill-batch>]
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
+//     With <backfill-batch> n > 0 it SIGKILLs itself right after the n-th
+//     batch of an index backfill was written (Storage::step_for_testing).
 #include <signal.h>
 #include <unistd.h>
 
@@ -143,10 +145,16 @@ int run_overload(const std::string& path, std::uint64_t period_ms, std::uint64_t
   }
 }
 
-int run_migrate(const std::string& path, int step) {
-  tidal::Storage::migration_step_for_testing = [step](int at) {
-    if (at == step) ::raise(SIGKILL);
+// Kills this process when the start-up task `task` reaches `step` (see
+// Storage::step_for_testing).
+void kill_at_step(std::string task, int step) {
+  tidal::Storage::step_for_testing = [task = std::move(task), step](std::string_view at_task, int at) {
+    if (at_task == task && at == step) ::raise(SIGKILL);
   };
+}
+
+int run_migrate(const std::string& path, int step) {
+  kill_at_step("migrate", step);
   tidal::Options options;
   options.change_feed = true;
   options.shard_id = 7;
@@ -221,7 +229,8 @@ int run_stamps(const std::string& path, std::uint64_t speed) {
   return 0;  // not reached: the parent kills the child
 }
 
-int run_open(const std::string& path) {
+int run_open(const std::string& path, int backfill_batch) {
+  if (backfill_batch > 0) kill_at_step("index backfill", backfill_batch);
   auto db = tidal::Db::open(path);
   if (!db.ok()) fail("open", db.status());
   say("R");
@@ -258,7 +267,7 @@ int main(int argc, char** argv) {
     return run_ops(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
   if (mode == "stamps" && argc == 4) return run_stamps(argv[2], std::strtoull(argv[3], nullptr, 10));
-  if (mode == "open" && argc == 3) return run_open(argv[2]);
+  if (mode == "open" && (argc == 3 || argc == 4)) return run_open(argv[2], argc == 4 ? std::atoi(argv[3]) : 0);
   if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "signals" && argc == 4) return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "overload" && argc == 5) {
@@ -268,6 +277,6 @@ int main(int argc, char** argv) {
   if (mode == "feed" && argc == 5) {
     return run_feed(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> | purges <db> <first-user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step>");
   return 2;
 }

@@ -31,6 +31,7 @@ Status ensure_index(Storage& storage) {
   if (s.code() != StatusCode::NotFound) return s;
 
   rocksdb::WriteBatch batch;
+  int batches = 0;
   auto it = storage.iterator(storage.users(), /*bulk=*/true);
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     auto key = decode_key(view(it->key()));
@@ -40,6 +41,7 @@ Status ensure_index(Storage& storage) {
     if (static_cast<std::size_t>(batch.Count()) >= kBackfillBatch) {
       if (s = storage.write(Storage::Engine::Users, &batch, Storage::WriteMode::Async, "index backfill"); !s.ok()) return s;
       batch.Clear();
+      if (Storage::step_for_testing) Storage::step_for_testing("index backfill", ++batches);
     }
   }
   if (s = iterator_status(*it, storage, "index backfill scan"); !s.ok()) return s;

@@ -55,7 +55,7 @@ Status fsync_dir(const std::string& dir) {
 Status Storage::migrate_to_format3(const rocksdb::Options& base,
                                    const std::vector<rocksdb::ColumnFamilyHandle*>& legacy) {
   const auto step = [](int n) {
-    if (migration_step_for_testing) migration_step_for_testing(n);
+    if (step_for_testing) step_for_testing("migrate", n);
   };
   rocksdb::ColumnFamilyHandle* old_aggregates = nullptr;
   rocksdb::ColumnFamilyHandle* old_ledger = nullptr;

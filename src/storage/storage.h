@@ -156,9 +156,12 @@ class Storage {
   // double scores, no ledger) are InvalidArgument, nothing changed.
   Status check_state_format();
 
-  // Tests only: called at each step of a migration to format 3 (1, 2, ...,
-  // storage/migrate.cc), to kill the process there. Set it before the open.
-  static inline std::function<void(int step)> migration_step_for_testing;
+  // Tests only: called at each step of a long start-up task, to kill the
+  // process there. Set it before the open. The tasks and their steps:
+  //   "migrate"         the upgrade to format 3: 1, 2, ..., 5 (storage/migrate.cc)
+  //   "index backfill"  after the n-th batch of the by_tag backfill was
+  //                     written, before the index's marker (storage/index.cc)
+  static inline std::function<void(std::string_view task, int step)> step_for_testing;
 
  private:
   struct Instance {
