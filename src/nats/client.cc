@@ -162,44 +162,86 @@ bool Connection::connected() const {
   return nc_ != nullptr && natsConnection_Status(nc_) == NATS_CONN_STATUS_CONNECTED;
 }
 
-void StopFlag::request_stop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-}
-
-bool StopFlag::stopping() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return stopping_;
-}
-
-bool StopFlag::wait_for(std::chrono::milliseconds d) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, d, [&] { return stopping_; });
-  return !stopping_;
-}
-
 std::chrono::milliseconds Backoff::next() {
   std::chrono::milliseconds d = next_;
   next_ = std::min(max_, next_ * 2);
   return d;
 }
 
-void FirstAttempt::set(Status s) {
+Status Worker::start(const Config& config, std::function<Status(Backoff&)> session,
+                     std::function<void(const Status&)> failed) {
+  thread_ = std::thread([this, config, session = std::move(session), failed = std::move(failed)] {
+    run(config, session, failed);
+  });
+  std::optional<Status> first;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, config.request_timeout + std::chrono::seconds(1), [&] { return first_.has_value(); });
+    first = first_;
+  }
+  if (first && first->code() == StatusCode::InvalidArgument) {
+    stop();
+    return *first;
+  }
+  return Status::OK();
+}
+
+void Worker::run(const Config& config, const std::function<Status(Backoff&)>& session,
+                 const std::function<void(const Status&)>& failed) {
+  Backoff backoff(config.min_backoff, config.max_backoff);
+  while (!stopping()) {
+    Status s = session(backoff);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!first_) first_ = s;
+    }
+    cv_.notify_all();
+    if (stopping()) break;
+    failed(s);
+    if (!wait_for(backoff.next())) break;
+  }
+}
+
+void Worker::ready() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (outcome_) return;
-    outcome_ = std::move(s);
+    if (!first_) first_ = Status::OK();
   }
   cv_.notify_all();
 }
 
-std::optional<Status> FirstAttempt::wait_for(std::chrono::milliseconds d) {
+void Worker::stop() {
+  std::lock_guard<std::mutex> once(stop_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    if (live_ != nullptr) live_->interrupt();
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+bool Worker::stopping() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stopping_;
+}
+
+bool Worker::wait_for(std::chrono::milliseconds d) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, d, [&] { return outcome_.has_value(); });
-  return outcome_;
+  cv_.wait_for(lock, d, [&] { return stopping_; });
+  return !stopping_;
+}
+
+Worker::Attach::Attach(Worker& worker, Connection& conn) : worker_(worker) {
+  std::lock_guard<std::mutex> lock(worker_.mu_);
+  ok_ = !worker_.stopping_;
+  if (ok_) worker_.live_ = &conn;
+}
+
+Worker::Attach::~Attach() {
+  if (!ok_) return;
+  std::lock_guard<std::mutex> lock(worker_.mu_);
+  worker_.live_ = nullptr;
 }
 
 }  // namespace tidal::nats::internal

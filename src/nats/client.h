@@ -1,16 +1,18 @@
 // What the Publisher and the Follower share: the config check, a connection
 // to the cluster (RAII over the NATS C client), error text naming the server
-// and the stream, the message layout and a bounded backoff that stop() can
-// interrupt. Includes only <tidal/...> headers and the NATS C client.
+// and the stream, the message layout, and the thread that runs their
+// sessions with a bounded backoff that stop() can interrupt. Includes only <tidal/...> headers and the NATS C client.
 #ifndef TIDAL_SRC_NATS_CLIENT_H_
 #define TIDAL_SRC_NATS_CLIENT_H_
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include <nats/nats.h>
 
@@ -67,19 +69,6 @@ class Connection {
   std::string server_;
 };
 
-// Sleeps that stop() cuts short. wait_for returns false once stopping.
-class StopFlag {
- public:
-  void request_stop();
-  bool stopping() const;
-  bool wait_for(std::chrono::milliseconds d);
-
- private:
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool stopping_ = false;
-};
-
 // Doubling delays from min to max; reset after a success.
 class Backoff {
  public:
@@ -91,17 +80,61 @@ class Backoff {
   std::chrono::milliseconds min_, max_, next_;
 };
 
-// The outcome of a component's first attempt, which start() waits for.
-class FirstAttempt {
+// The thread a Publisher or a Follower runs: a session (connect, then work
+// until an error) again and again, with a bounded backoff between them,
+// until stop(). Thread-safe.
+class Worker {
  public:
-  void set(Status s);
-  // The first attempt's outcome, or nullopt when it took longer than `d`.
-  std::optional<Status> wait_for(std::chrono::milliseconds d);
+  Worker() = default;
+  ~Worker() { stop(); }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // Runs `session` on a new thread; after each session that returned
+  // without stop(), hands its status to `failed`, waits the backoff
+  // (config.min_backoff doubling to config.max_backoff, reset by the
+  // session) and runs it again. Waits up to config.request_timeout + 1 s
+  // for the first session to call ready() or return: an InvalidArgument
+  // from it (a config no cluster could serve) stops the thread and is
+  // returned. Anything else is OK, and the thread keeps retrying.
+  Status start(const Config& config, std::function<Status(Backoff&)> session,
+               std::function<void(const Status&)> failed);
+  // Called by a session that is connected and working: start() returns OK.
+  void ready();
+  // Interrupts the attached connection, wakes wait_for() and joins the
+  // thread. Bounded by how long a session takes to notice (at most one
+  // request_timeout). Idempotent.
+  void stop();
+  bool stopping() const;
+  // Sleeps for `d` unless stop() cuts it short; false once stopping.
+  bool wait_for(std::chrono::milliseconds d);
+
+  // While it lives, stop() interrupts `conn` (closes its socket, waking a
+  // request in flight). ok() is false when stop() came first.
+  class Attach {
+   public:
+    Attach(Worker& worker, Connection& conn);
+    ~Attach();
+    Attach(const Attach&) = delete;
+    Attach& operator=(const Attach&) = delete;
+    bool ok() const { return ok_; }
+
+   private:
+    Worker& worker_;
+    bool ok_;
+  };
 
  private:
-  std::mutex mu_;
+  void run(const Config& config, const std::function<Status(Backoff&)>& session,
+           const std::function<void(const Status&)>& failed);
+
+  mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::optional<Status> outcome_;
+  bool stopping_ = false;               // guarded by mu_
+  std::optional<Status> first_;         // the first session's outcome; guarded by mu_
+  Connection* live_ = nullptr;          // the connection stop() interrupts; guarded by mu_
+  std::mutex stop_mu_;                  // one stop() joins at a time
+  std::thread thread_;
 };
 
 }  // namespace tidal::nats::internal

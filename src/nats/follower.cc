@@ -7,7 +7,6 @@
 #include <vector>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "nats/client.h"
@@ -40,13 +39,18 @@ class Follower::Impl {
       : view_(view), config_(std::move(config)), consumer_(std::move(consumer)),
         filter_(config_.subject_prefix + ".*") {}
 
-  void launch() { thread_ = std::thread([this] { run(); }); }
-  internal::FirstAttempt& first_attempt() { return first_; }
+  // Starts the thread; InvalidArgument when the cluster refuses the config.
+  Status start() {
+    return worker_.start(config_, [this](internal::Backoff& backoff) { return session(backoff); },
+                         [this](const Status& s) {
+                           note_error(s);
+                           std::lock_guard<std::mutex> lock(stats_mu_);
+                           stats_.connected = false;
+                         });
+  }
 
   Status stop() {
-    std::lock_guard<std::mutex> once(stop_mu_);
-    stop_.request_stop();
-    if (thread_.joinable()) thread_.join();
+    worker_.stop();
     return Status::OK();
   }
 
@@ -70,22 +74,6 @@ class Follower::Impl {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.errors;
     stats_.last_error = s.to_string();
-  }
-
-  void run() {
-    internal::Backoff backoff(config_.min_backoff, config_.max_backoff);
-    while (!stop_.stopping()) {
-      Status s = session(backoff);
-      first_.set(s);
-      if (stop_.stopping()) break;
-      note_error(s);
-      {
-        std::lock_guard<std::mutex> lock(stats_mu_);
-        stats_.connected = false;
-      }
-      if (!stop_.wait_for(backoff.next())) break;
-    }
-    first_.set(Status::Closed("tidal::nats::Follower stopped before its first attempt finished"));
   }
 
   Status subscribe(Connection& conn, natsSubscription** sub) {
@@ -133,10 +121,10 @@ class Follower::Impl {
       std::lock_guard<std::mutex> lock(stats_mu_);
       stats_.connected = true;
     }
-    first_.set(Status::OK());
+    worker_.ready();
     backoff.reset();
 
-    while (!stop_.stopping()) {
+    while (!worker_.stopping()) {
       // Wait (at most kFetchWait) for one message, then take whatever else
       // the stream has ready, up to fetch_batch, without waiting: a long
       // poll for a whole batch would hold the first message until the batch
@@ -156,7 +144,7 @@ class Follower::Impl {
       std::vector<natsMsg*> msgs;
       for (int i = 0; i < first.list.Count; ++i) msgs.push_back(first.list.Msgs[i]);
       for (int i = 0; i < more.list.Count; ++i) msgs.push_back(more.list.Msgs[i]);
-      if (stop_.stopping()) {
+      if (worker_.stopping()) {
         for (natsMsg* m : msgs) (void)natsMsg_Nak(m, nullptr);  // hand them back at once for the next Follower
         break;
       }
@@ -287,12 +275,9 @@ class Follower::Impl {
   const Config config_;
   const std::string consumer_;
   const std::string filter_;
-  internal::StopFlag stop_;
-  internal::FirstAttempt first_;
-  std::thread thread_;
-  std::mutex stop_mu_;  // one stop() joins at a time
   mutable std::mutex stats_mu_;
   FollowerStats stats_;
+  internal::Worker worker_;  // last: destroyed (joined) first
 };
 
 Result<std::unique_ptr<Follower>> Follower::start(GlobalView* view, const Config& config,
@@ -308,12 +293,7 @@ Result<std::unique_ptr<Follower>> Follower::start(GlobalView* view, const Config
                                    "' is not a durable consumer name (non-empty, no '.', '*', '>' or whitespace)");
   }
   auto impl = std::make_unique<Impl>(view, config, consumer_name);
-  impl->launch();
-  std::optional<Status> first = impl->first_attempt().wait_for(config.request_timeout + std::chrono::seconds(1));
-  if (first && first->code() == StatusCode::InvalidArgument) {
-    (void)impl->stop();
-    return *first;
-  }
+  if (Status s = impl->start(); !s.ok()) return s;
   return std::unique_ptr<Follower>(new Follower(std::move(impl)));
 }
 

@@ -1,11 +1,9 @@
 // Publisher: Db change feed -> JetStream -> trim_changes (include/tidal/nats.h).
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -24,17 +22,19 @@ class Publisher::Impl {
     stats_.shard_id = shard;
   }
 
-  void launch() { thread_ = std::thread([this] { run(); }); }
-  internal::FirstAttempt& first_attempt() { return first_; }
+  // Starts the thread; InvalidArgument when the cluster refuses the config.
+  Status start() {
+    return worker_.start(config_, [this](internal::Backoff& backoff) { return session(backoff); },
+                         [this](const Status& s) {
+                           std::lock_guard<std::mutex> lock(stats_mu_);
+                           ++stats_.errors;
+                           stats_.connected = false;
+                           stats_.last_error = s.to_string();
+                         });
+  }
 
   Status stop() {
-    std::lock_guard<std::mutex> once(stop_mu_);
-    stop_.request_stop();
-    {
-      std::lock_guard<std::mutex> lock(conn_mu_);
-      if (live_ != nullptr) live_->interrupt();
-    }
-    if (thread_.joinable()) thread_.join();
+    worker_.stop();
     return Status::OK();
   }
 
@@ -49,41 +49,14 @@ class Publisher::Impl {
     return "NATS server " + c.server() + ", stream " + config_.stream + ", shard " + std::to_string(shard_);
   }
 
-  void run() {
-    internal::Backoff backoff(config_.min_backoff, config_.max_backoff);
-    while (!stop_.stopping()) {
-      Status s = session(backoff);
-      first_.set(s);
-      if (stop_.stopping()) break;
-      {
-        std::lock_guard<std::mutex> lock(stats_mu_);
-        ++stats_.errors;
-        stats_.connected = false;
-        stats_.last_error = s.to_string();
-      }
-      if (!stop_.wait_for(backoff.next())) break;
-    }
-    first_.set(Status::Closed("tidal::nats::Publisher stopped before its first attempt finished"));
-  }
-
   // One connection's life: connect, check the stream, find where to resume,
   // then publish until an error (returned) or stop (OK).
   Status session(internal::Backoff& backoff) {
     Connection conn;
     Status s = conn.connect(config_, "tidal-publisher-" + std::to_string(shard_));
     if (!s.ok()) return s;
-    {
-      std::lock_guard<std::mutex> lock(conn_mu_);
-      if (stop_.stopping()) return Status::OK();
-      live_ = &conn;
-    }
-    struct Unpublish {
-      Impl* self;
-      ~Unpublish() {
-        std::lock_guard<std::mutex> lock(self->conn_mu_);
-        self->live_ = nullptr;
-      }
-    } unpublish{this};
+    internal::Worker::Attach attach(worker_, conn);
+    if (!attach.ok()) return Status::OK();  // stopping
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.connects;
@@ -98,27 +71,27 @@ class Publisher::Impl {
       stats_.connected = true;
       stats_.published_seq = published;
     }
-    first_.set(Status::OK());
+    worker_.ready();
     backoff.reset();
 
-    while (!stop_.stopping()) {
+    while (!worker_.stopping()) {
       if (!conn.connected()) return Status::IOError(where(conn) + ": connection lost");
       Result<std::uint64_t> last = db_->last_change_seq();
       if (!last.ok()) return Status(last.status().code(), where(conn) + ": last_change_seq: " + last.status().message());
       if (*last <= published) {
         update_lag(published);
-        if (!stop_.wait_for(config_.poll_interval)) break;
+        if (!worker_.wait_for(config_.poll_interval)) break;
         continue;
       }
       Result<std::vector<ChangeBatch>> batches = db_->read_changes(published, config_.read_max_bytes);
       if (!batches.ok()) return Status(batches.status().code(), where(conn) + ": read_changes: " + batches.status().message());
       if (batches->empty()) {
         update_lag(published);
-        if (!stop_.wait_for(config_.poll_interval)) break;
+        if (!worker_.wait_for(config_.poll_interval)) break;
         continue;
       }
       for (const ChangeBatch& b : *batches) {
-        if (stop_.stopping()) break;
+        if (worker_.stopping()) break;
         if (b.seq != published + 1) {
           return Status::Corruption(where(conn) + ": the Db's feed skips from seq " + std::to_string(published) +
                                     " to " + std::to_string(b.seq));
@@ -297,14 +270,9 @@ class Publisher::Impl {
   const Config config_;
   const std::uint64_t shard_;
   const std::string subject_;
-  internal::StopFlag stop_;
-  internal::FirstAttempt first_;
-  std::thread thread_;
-  std::mutex stop_mu_;          // one stop() joins at a time
-  std::mutex conn_mu_;          // guards live_
-  Connection* live_ = nullptr;  // the session's connection, for stop() to interrupt
   mutable std::mutex stats_mu_;
   PublisherStats stats_;
+  internal::Worker worker_;  // last: destroyed (joined) first
 };
 
 Result<std::unique_ptr<Publisher>> Publisher::start(Db* db, const Config& config) {
@@ -316,12 +284,7 @@ Result<std::unique_ptr<Publisher>> Publisher::start(Db* db, const Config& config
                                    "Options::change_feed = true)");
   }
   auto impl = std::make_unique<Impl>(db, config, st.change_feed_shard_id);
-  impl->launch();
-  std::optional<Status> first = impl->first_attempt().wait_for(config.request_timeout + std::chrono::seconds(1));
-  if (first && first->code() == StatusCode::InvalidArgument) {
-    (void)impl->stop();
-    return *first;
-  }
+  if (Status s = impl->start(); !s.ok()) return s;
   return std::unique_ptr<Publisher>(new Publisher(std::move(impl)));
 }
 
