@@ -125,15 +125,16 @@ MembershipStatus target_of(const std::string& op) { return op == "L" ? Membershi
 
 // Reads `child`'s lines until it exits, SIGKILLing it `delay` after it
 // printed "R" (ready); every other line goes to `on_line`. Returns its
-// wait() status.
+// wait() status, and when the kill was sent in `*killed_at` (if given).
 int run_until_killed(Child& child, std::chrono::milliseconds delay,
-                     const std::function<void(const std::string&)>& on_line) {
+                     const std::function<void(const std::string&)>& on_line, Clock::time_point* killed_at = nullptr) {
   bool armed = false;
   Clock::time_point kill_at{};
   std::vector<std::string> lines;
   for (bool open = true; open;) {
     if (armed && Clock::now() >= kill_at) {
       child.kill();
+      if (killed_at != nullptr) *killed_at = Clock::now();
       armed = false;
     }
     lines.clear();
@@ -511,37 +512,22 @@ TEST(CrashTest, SignalsOutsideTheWritePeriodSurviveSigkill) {
     Clock::time_point killed_at;
     {
       Child child({"signals", path, std::to_string(kPeriodMs)});
-      std::optional<Clock::time_point> kill_at;
-      bool killed = false;
-      std::vector<std::string> lines;
-      for (bool open = true; open;) {
-        const auto now = Clock::now();
-        if (kill_at && !killed && now >= *kill_at) {
-          child.kill();
-          killed_at = Clock::now();
-          killed = true;
-        }
-        const auto wait = kill_at && !killed ? *kill_at - now : std::chrono::milliseconds(100);
-        lines.clear();
-        open = child.read_lines(wait, &lines);
-        for (const std::string& line : lines) {
-          std::istringstream in(line);
-          std::string kind;
-          std::uint64_t i = 0;
-          std::int64_t ns = 0;
-          in >> kind;
-          if (kind == "R") {
-            kill_at = Clock::now() + std::chrono::milliseconds(550 + rng() % 251);
-          } else if (kind == "A") {
-            in >> i >> ns;
-            ASSERT_EQ(i, ack_ns.size()) << line;
-            ack_ns.push_back(ns);
-          } else {
-            FAIL() << "round " << round << ": child said: " << line;
-          }
-        }
-      }
-      const int status = child.wait();
+      const int status = run_until_killed(
+          child, std::chrono::milliseconds(550 + rng() % 251),
+          [&](const std::string& line) {
+            std::istringstream in(line);
+            std::string kind;
+            std::uint64_t i = 0;
+            std::int64_t ns = 0;
+            in >> kind >> i >> ns;
+            if (kind != "A") {
+              ADD_FAILURE() << "round " << round << ": child said: " << line;
+            } else {
+              EXPECT_EQ(i, ack_ns.size()) << line;
+              ack_ns.push_back(ns);
+            }
+          },
+          &killed_at);
       ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "round " << round << ": status " << status;
     }
     const std::int64_t deadline_ns =
@@ -614,42 +600,28 @@ TEST(CrashTest, TheCrashWindowHoldsUnderSustainedOverload) {
     Clock::time_point killed_at;
     {
       Child child({"overload", path, std::to_string(kPeriodMs), std::to_string(first)});
-      std::optional<Clock::time_point> kill_at;
-      bool killed = false;
-      std::vector<std::string> lines;
-      for (bool open = true; open;) {
-        const auto now = Clock::now();
-        if (kill_at && !killed && now >= *kill_at) {
-          child.kill();
-          killed_at = Clock::now();
-          killed = true;
-        }
-        const auto wait = kill_at && !killed ? *kill_at - now : std::chrono::milliseconds(100);
-        lines.clear();
-        open = child.read_lines(wait, &lines);
-        for (const std::string& line : lines) {
-          std::istringstream in(line);
-          std::string kind;
-          in >> kind;
-          if (kind == "R") {
-            kill_at = Clock::now() + std::chrono::milliseconds(1500 + rng() % 1501);
-          } else if (kind == "A") {
-            std::uint64_t i = 0;
-            std::int64_t ns = 0;
-            in >> i >> ns;
-            acks.emplace_back(i, ns);
-          } else if (kind == "S") {
-            std::uint64_t l0 = 0, debt = 0, paused = 0;
-            in >> l0 >> debt >> paused;
-            max_l0 = std::max(max_l0, l0);
-            max_debt = std::max(max_debt, debt);
-            round_delayed = paused;
-          } else {
-            FAIL() << "round " << round << ": child said: " << line;
-          }
-        }
-      }
-      const int status = child.wait();
+      const int status = run_until_killed(
+          child, std::chrono::milliseconds(1500 + rng() % 1501),
+          [&](const std::string& line) {
+            std::istringstream in(line);
+            std::string kind;
+            in >> kind;
+            if (kind == "A") {
+              std::uint64_t i = 0;
+              std::int64_t ns = 0;
+              in >> i >> ns;
+              acks.emplace_back(i, ns);
+            } else if (kind == "S") {
+              std::uint64_t l0 = 0, debt = 0, paused = 0;
+              in >> l0 >> debt >> paused;
+              max_l0 = std::max(max_l0, l0);
+              max_debt = std::max(max_debt, debt);
+              round_delayed = paused;
+            } else {
+              ADD_FAILURE() << "round " << round << ": child said: " << line;
+            }
+          },
+          &killed_at);
       ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "round " << round << ": status " << status;
     }
     const std::int64_t deadline_ns =
