@@ -99,7 +99,7 @@ Fixture& fixture() {
     cfs[1].options.merge_operator = new_units_add_operator();
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;
-    check(rocksdb::DB::Open(options, out->path + "/state", cfs, &handles, &raw), "open");
+    check(rocksdb::DB::Open(options, state_engine_dir(out->path), cfs, &handles, &raw), "open");
     std::map<std::string, Units> totals;
     std::uint64_t entries = 0;
     {
@@ -246,7 +246,7 @@ void BM_PurgeOneUserOfAMillionCells(benchmark::State& state) {
     cfs[1].options.merge_operator = new_units_add_operator();
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;
-    check(rocksdb::DB::Open(options, path + "/state", cfs, &handles, &raw), "open");
+    check(rocksdb::DB::Open(options, state_engine_dir(path), cfs, &handles, &raw), "open");
     rocksdb::SstFileWriter ledger(rocksdb::EnvOptions(), options, handles[2]);
     rocksdb::SstFileWriter aggregates(rocksdb::EnvOptions(), options, handles[1]);
     check(ledger.Open(path + "/../ledger.sst"), "sst open");

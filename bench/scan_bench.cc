@@ -68,7 +68,7 @@ void build(const std::string& path, std::uint64_t total) {
   cfs[1].options.merge_operator = new_units_add_operator();
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* raw = nullptr;
-  check(rocksdb::DB::Open(options, path + "/state", cfs, &handles, &raw), "open");
+  check(rocksdb::DB::Open(options, state_engine_dir(path), cfs, &handles, &raw), "open");
   {
     rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[2]);
     const std::string file = path + "/../ledger.sst";

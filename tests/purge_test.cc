@@ -329,7 +329,7 @@ TEST(Rematerialize, FindsAndRepairsEveryAggregateThatDisagreesWithTheLedger) {
     cfs[1].options.merge_operator = new_units_add_operator();
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;
-    ASSERT_TRUE(rocksdb::DB::Open(options, path + "/state", cfs, &handles, &raw).ok());
+    ASSERT_TRUE(rocksdb::DB::Open(options, state_engine_dir(path), cfs, &handles, &raw).ok());
     std::string one, five;
     put_units(&one, 1);
     put_units(&five, 5'000'000'000);

@@ -38,7 +38,7 @@ struct RawDb {
     if (fresh) {
       EXPECT_TRUE(users_.db->Put(rocksdb::WriteOptions(), users_.handles[0], kDbFormatKey, kDbFormat).ok());
     }
-    open(path + "/state", {"default", "aggregates", "ledger", "receipts"}, &state_);
+    open(state_engine_dir(path), {"default", "aggregates", "ledger", "receipts"}, &state_);
   }
   ~RawDb() {
     close(&state_);

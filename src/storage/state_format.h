@@ -29,6 +29,9 @@
 
 namespace tidal {
 
+// The state engine's directory inside the Db directory at `db_path`.
+inline std::string state_engine_dir(const std::string& db_path) { return db_path + "/state"; }
+
 __extension__ typedef __int128 Units;  // 1e-9 weight units
 
 // The largest weight magnitude a signal may carry.

@@ -36,6 +36,7 @@
 #include <rocksdb/write_batch.h>
 
 #include "storage/format.h"
+#include "storage/state_format.h"
 #include "tidal/status.h"
 
 namespace tidal {
@@ -81,7 +82,7 @@ class Storage {
   bool read_only() const { return read_only_; }
   const std::string& path() const { return path_; }
   // The state engine's directory.
-  std::string state_path() const { return path_ + "/state"; }
+  std::string state_path() const { return state_engine_dir(path_); }
 
   enum class WriteMode {
     Sync,   // WAL fsynced before returning
