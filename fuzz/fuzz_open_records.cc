@@ -72,7 +72,8 @@ struct Record {
 void write_raw(const std::string& path, const std::vector<Record>& records, bool drop_marker) {
   rocksdb::Options o;
   std::vector<rocksdb::ColumnFamilyDescriptor> d;
-  for (const char* n : {"default", "users", "by_tag", "aggregates", "ledger"}) d.emplace_back(n, rocksdb::ColumnFamilyOptions());
+  // The users engine (the Db directory); the state engine is in state/.
+  for (const char* n : {"default", "users", "by_tag"}) d.emplace_back(n, rocksdb::ColumnFamilyOptions());
   std::vector<rocksdb::ColumnFamilyHandle*> cfs;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(o, path, d, &cfs, &raw);
