@@ -8,8 +8,6 @@
 namespace tidal {
 namespace {
 
-__extension__ typedef unsigned __int128 UUnits;
-
 constexpr std::uint64_t kUnitsPerWeight = 1'000'000'000;
 
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }

@@ -33,6 +33,7 @@ namespace tidal {
 inline std::string state_engine_dir(const std::string& db_path) { return db_path + "/state"; }
 
 __extension__ typedef __int128 Units;  // 1e-9 weight units
+__extension__ typedef unsigned __int128 UUnits;  // for sums modulo 2^128, as the merge operator adds
 
 // The largest weight magnitude a signal may carry.
 inline constexpr double kMaxWeight = 1e12;

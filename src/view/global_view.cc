@@ -19,6 +19,7 @@
 #include <optional>
 #include <span>
 #include <system_error>
+#include <unordered_map>
 #include <utility>
 
 #include <rocksdb/cache.h>
@@ -428,9 +429,13 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
   // Each shard's applied seq as the batches taken so far leave it, and
   // whether one of them moved it.
   std::map<std::uint64_t, std::pair<std::uint64_t, bool>> seqs;
-  rocksdb::WriteBatch write;
-  rocksdb::Status added;
-  std::string key, units;
+  // The applied batches' deltas summed per cell: one merge operand a cell
+  // for the whole call, not one a delta (a fetched run of 16 batches held
+  // ~240k deltas for at most 32k cells in bench/nats_sim). Integer sums, so
+  // exactly what the deltas one by one would give.
+  std::unordered_map<std::string, Units> sums;
+  std::vector<FeedEntry> entries;
+  std::string key;
   std::string error;
 
   std::lock_guard<std::mutex> serial(apply_mu_);
@@ -441,9 +446,9 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
       out.refused = Status::InvalidArgument(what + ": seqs start at 1; " + untouched(i));
       break;
     }
-    // The payload is decoded whole, into the batch's merge operands, before
-    // its seq is compared (so a payload that does not decode is refused at
-    // an applied seq too); a batch not applied is rolled back out of the write.
+    // The payload is decoded whole before its seq is compared (so a payload
+    // that does not decode is refused at an applied seq too); only an
+    // applied batch's deltas reach the sums.
     if (batch.payload.size() > kMaxChangePayloadBytes) {
       out.refused = Status::Corruption(what + ": the payload does not decode: " +
                                        std::to_string(batch.payload.size()) +
@@ -451,22 +456,9 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
                                        std::to_string(kMaxChangePayloadBytes) + "); " + untouched(i));
       break;
     }
-    write.SetSavePoint();
+    entries.clear();
     error.clear();
-    const bool decoded = decode_feed_payload(
-        batch.payload,
-        [&](const FeedEntry& e) {
-          key.clear();
-          put_aggregate_key(&key, e.kind, e.owner, e.item);
-          units.clear();
-          put_units(&units, e.delta);
-          if (added.ok()) added = write.Merge(aggregates(), slice(key), slice(units));
-        },
-        &error);
-    if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
-    auto drop = [&]() { return from_rocksdb(write.RollbackToSavePoint(), what_all + ": building its write failed; nothing changed"); };
-    if (!decoded) {
-      if (Status s = drop(); !s.ok()) return s;
+    if (!decode_feed_payload(batch.payload, [&](const FeedEntry& e) { entries.push_back(e); }, &error)) {
       out.refused = Status::Corruption(what + ": the payload does not decode: " + error + "; " + untouched(i));
       break;
     }
@@ -478,21 +470,21 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     }
     std::uint64_t& applied = it->second.first;
     if (batch.seq <= applied) {  // delivered again
-      if (Status s = drop(); !s.ok()) return s;
       ++out.taken;
       continue;
     }
     if (batch.seq != applied + 1) {
-      if (Status s = drop(); !s.ok()) return s;
       out.refused = Status::Corruption("gap: shard " + std::to_string(batch.shard_id) + " has applied through " +
                                        std::to_string(applied) + "; batch seq " + std::to_string(batch.seq) + " (" +
                                        view_at(path_) + "); " + untouched(i) + ": apply seq " +
                                        std::to_string(applied + 1) + " first");
       break;
     }
-    if (Status s = from_rocksdb(write.PopSavePoint(), what_all + ": building its write failed; nothing changed");
-        !s.ok()) {
-      return s;
+    for (const FeedEntry& e : entries) {
+      key.clear();
+      put_aggregate_key(&key, e.kind, e.owner, e.item);
+      Units& sum = sums[key];  // modulo 2^128, as the merge operator adds
+      sum = static_cast<Units>(static_cast<UUnits>(sum) + static_cast<UUnits>(e.delta));
     }
     applied = batch.seq;
     it->second.second = true;
@@ -502,6 +494,15 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
   if (out.applied == 0) return out;  // only redeliveries (or a refusal first): nothing to write
   // The deltas and the shards' new applied seqs in one atomic, fsynced
   // write: after a crash either all of them are there or none.
+  rocksdb::WriteBatch write;
+  rocksdb::Status added;
+  std::string units;
+  for (const auto& [cell, sum] : sums) {
+    units.clear();
+    put_units(&units, sum);
+    added = write.Merge(aggregates(), slice(cell), slice(units));
+    if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
+  }
   for (const auto& [shard, state] : seqs) {
     if (!state.second) continue;
     added = write.Put(meta(), encode_applied_key(shard), encode_applied_seq(state.first));
