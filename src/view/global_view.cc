@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
@@ -18,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <system_error>
 #include <unordered_map>
 #include <utility>
@@ -433,7 +435,14 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
   // for the whole call, not one a delta (a fetched run of 16 batches held
   // ~240k deltas for at most 32k cells in bench/nats_sim). Integer sums, so
   // exactly what the deltas one by one would give.
-  std::unordered_map<std::string, Units> sums;
+  // (Keys are fixed arrays: a 17-byte std::string is past the small-string
+  // buffer and would allocate for every cell.)
+  struct CellHash {
+    std::size_t operator()(const std::array<char, kAggregateKeySize>& k) const {
+      return std::hash<std::string_view>()(std::string_view(k.data(), k.size()));
+    }
+  };
+  std::unordered_map<std::array<char, kAggregateKeySize>, Units, CellHash> sums;
   std::vector<FeedEntry> entries;
   std::string key;
   std::string error;
@@ -483,7 +492,9 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     for (const FeedEntry& e : entries) {
       key.clear();
       put_aggregate_key(&key, e.kind, e.owner, e.item);
-      Units& sum = sums[key];  // modulo 2^128, as the merge operator adds
+      std::array<char, kAggregateKeySize> cell;
+      std::memcpy(cell.data(), key.data(), cell.size());
+      Units& sum = sums[cell];  // modulo 2^128, as the merge operator adds
       sum = static_cast<Units>(static_cast<UUnits>(sum) + static_cast<UUnits>(e.delta));
     }
     applied = batch.seq;
@@ -500,7 +511,7 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
   for (const auto& [cell, sum] : sums) {
     units.clear();
     put_units(&units, sum);
-    added = write.Merge(aggregates(), slice(cell), slice(units));
+    added = write.Merge(aggregates(), rocksdb::Slice(cell.data(), cell.size()), slice(units));
     if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
   }
   for (const auto& [shard, state] : seqs) {
