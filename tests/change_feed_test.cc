@@ -53,6 +53,48 @@ void expect_feed_equals_scores(Db& db, const std::map<std::string, Units>& sums)
   }
 }
 
+// merge_feed_payloads (the view's one merge operand a cell): random
+// payloads, overlapping and not, against sums per key in a std::map. Each
+// key comes once, ascending, with every delta summed modulo 2^128.
+TEST(ChangeFeed, MergingPayloadsSumsEachCellOnceInKeyOrder) {
+  std::mt19937_64 rng(7);
+  const Units big = static_cast<Units>(static_cast<UUnits>(1) << 126);  // sums wrap around 2^127
+  for (int round = 0; round < 50; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    std::vector<std::string> payloads;
+    std::map<std::string, UUnits> expected;
+    const int n = static_cast<int>(rng() % 8);  // 0 to 7 payloads
+    for (int p = 0; p < n; ++p) {
+      std::map<std::string, Units> entries;  // ascending keys, as a payload holds them
+      const int count = static_cast<int>(rng() % 40);
+      for (int e = 0; e < count; ++e) {
+        const AggregateKind kind = rng() % 2 == 0 ? AggregateKind::Cohort : AggregateKind::Community;
+        const Units delta = rng() % 5 == 0 ? big : static_cast<Units>(static_cast<std::int64_t>(rng() % 2001) - 1000);
+        entries[encode_aggregate_key(kind, rng() % 3, rng() % 10)] = delta;
+      }
+      FeedEncoder encoder(FeedOrigin::Writer);
+      for (const auto& [key, delta] : entries) {
+        encoder.add(key, delta);
+        expected[key] += static_cast<UUnits>(delta);
+      }
+      std::vector<std::string> sealed = encoder.finish();
+      ASSERT_LE(sealed.size(), 1u);
+      payloads.insert(payloads.end(), sealed.begin(), sealed.end());
+    }
+    std::vector<std::string_view> views(payloads.begin(), payloads.end());
+    for (std::string_view v : views) {
+      std::string error;
+      ASSERT_TRUE(check_feed_payload(v, &error)) << error;
+    }
+    std::vector<std::pair<std::string, UUnits>> got;
+    merge_feed_payloads(views, [&](std::string_view key, Units sum) {
+      got.emplace_back(std::string(key), static_cast<UUnits>(sum));
+    });
+    const std::vector<std::pair<std::string, UUnits>> want(expected.begin(), expected.end());
+    EXPECT_TRUE(got == want) << got.size() << " cells merged, " << expected.size() << " expected";
+  }
+}
+
 TEST(ChangeFeed, SharedChangesEnterTheFeedPersonalOnesNeverAndSeqsRunWithoutAGap) {
   TempDir dir;
   auto db = open_db(dir.path(), feed_options(3));

@@ -1,5 +1,6 @@
 #include "storage/feed_format.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace tidal {
@@ -39,8 +40,13 @@ std::vector<std::string> FeedEncoder::finish() {
   return std::move(payloads_);
 }
 
-bool decode_feed_payload(std::string_view payload, const std::function<void(const FeedEntry&)>& fn,
-                         std::string* error) {
+std::uint32_t feed_entry_count(std::string_view payload) {
+  std::uint32_t count = 0;
+  for (unsigned i = 0; i < 4; ++i) count |= static_cast<std::uint32_t>(static_cast<std::uint8_t>(payload[2 + i])) << (8 * i);
+  return count;
+}
+
+bool check_feed_payload(std::string_view payload, std::string* error) {
   if (payload.size() < kFeedHeaderSize) {
     *error = std::to_string(payload.size()) + "-byte payload, shorter than its 6-byte header";
     return false;
@@ -54,14 +60,12 @@ bool decode_feed_payload(std::string_view payload, const std::function<void(cons
     *error = "payload origin " + std::to_string(origin) + ", expected 1 to 4";
     return false;
   }
-  std::uint32_t count = 0;
-  for (unsigned i = 0; i < 4; ++i) count |= static_cast<std::uint32_t>(static_cast<std::uint8_t>(payload[2 + i])) << (8 * i);
+  const std::uint32_t count = feed_entry_count(payload);
   if (payload.size() != kFeedHeaderSize + std::size_t{count} * kFeedEntrySize) {
     *error = std::to_string(payload.size()) + "-byte payload for " + std::to_string(count) + " entries; expected " +
              std::to_string(kFeedHeaderSize + std::size_t{count} * kFeedEntrySize);
     return false;
   }
-  // Checked whole before any entry is handed out.
   std::string_view last;
   for (std::uint32_t i = 0; i < count; ++i) {
     const std::string_view key = payload.substr(kFeedHeaderSize + i * kFeedEntrySize, kAggregateKeySize);
@@ -76,6 +80,48 @@ bool decode_feed_payload(std::string_view payload, const std::function<void(cons
     }
     last = key;
   }
+  return true;
+}
+
+void merge_feed_payloads(std::span<const std::string_view> payloads,
+                         const std::function<void(std::string_view key, Units sum)>& fn) {
+  // A min-heap of cursors, one a payload with entries left, by current key.
+  struct Cursor {
+    const char* entry;
+    const char* end;
+  };
+  auto above = [](const Cursor& a, const Cursor& b) { return std::memcmp(a.entry, b.entry, kAggregateKeySize) > 0; };
+  std::vector<Cursor> heap;
+  heap.reserve(payloads.size());
+  for (std::string_view p : payloads) {
+    if (p.size() > kFeedHeaderSize) heap.push_back({p.data() + kFeedHeaderSize, p.data() + p.size()});
+  }
+  std::make_heap(heap.begin(), heap.end(), above);
+  const char* key = nullptr;  // the cell being summed, and its sum
+  UUnits sum = 0;
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), above);
+    Cursor& c = heap.back();
+    if (key != nullptr && std::memcmp(key, c.entry, kAggregateKeySize) != 0) {
+      fn(std::string_view(key, kAggregateKeySize), static_cast<Units>(sum));
+      sum = 0;
+    }
+    key = c.entry;
+    sum += static_cast<UUnits>(get_units(c.entry + kAggregateKeySize));
+    c.entry += kFeedEntrySize;
+    if (c.entry == c.end) {
+      heap.pop_back();
+    } else {
+      std::push_heap(heap.begin(), heap.end(), above);
+    }
+  }
+  if (key != nullptr) fn(std::string_view(key, kAggregateKeySize), static_cast<Units>(sum));
+}
+
+bool decode_feed_payload(std::string_view payload, const std::function<void(const FeedEntry&)>& fn,
+                         std::string* error) {
+  if (!check_feed_payload(payload, error)) return false;
+  const std::uint32_t count = feed_entry_count(payload);
   for (std::uint32_t i = 0; i < count; ++i) {
     const std::string_view entry = payload.substr(kFeedHeaderSize + i * kFeedEntrySize, kFeedEntrySize);
     const AggregateCell cell = *decode_aggregate_key(entry.substr(0, kAggregateKeySize));

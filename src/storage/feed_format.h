@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -71,6 +72,20 @@ class FeedEncoder {
   std::string current_;
   std::uint32_t count_ = 0;
 };
+
+// Checks a payload whole: true when it decodes (see decode_feed_payload);
+// otherwise false, and `error` says why. Its entries are then the
+// feed_entry_count(payload) runs of kFeedEntrySize bytes from
+// kFeedHeaderSize on, keys strictly ascending.
+bool check_feed_payload(std::string_view payload, std::string* error);
+// The entry count of a payload that check_feed_payload accepted.
+std::uint32_t feed_entry_count(std::string_view payload);
+
+// Merges payloads that check_feed_payload accepted: calls `fn` once per
+// distinct key, in ascending key order, with the key (17 bytes) and the sum,
+// modulo 2^128 as the merge operator adds, of its deltas in all of them.
+void merge_feed_payloads(std::span<const std::string_view> payloads,
+                         const std::function<void(std::string_view key, Units sum)>& fn);
 
 // Decodes a payload: calls `fn` per entry, in order. False (after calling
 // `fn` for none of them) when the payload does not decode: wrong version or
