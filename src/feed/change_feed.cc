@@ -223,9 +223,12 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
       !s.ok()) {
     return s;
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  trimmed_through_ = std::max(trimmed_through_, through_seq);
-  trimmed_offset_ = std::max(trimmed_offset_, offset);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    trimmed_through_ = std::max(trimmed_through_, through_seq);
+    trimmed_offset_ = std::max(trimmed_offset_, offset);
+  }
+  Storage::test_step("trim changes", static_cast<int>(through_seq));
   return Status::OK();
 }
 

@@ -80,6 +80,16 @@ class Backoff {
   std::chrono::milliseconds min_, max_, next_;
 };
 
+// A failed session, in a PublisherStats or FollowerStats guarded by `mu`:
+// counted, the last error, and not connected.
+template <class Stats>
+void note_failure(std::mutex& mu, Stats* stats, const Status& s) {
+  std::lock_guard<std::mutex> lock(mu);
+  ++stats->errors;
+  stats->connected = false;
+  stats->last_error = s.to_string();
+}
+
 // The thread a Publisher or a Follower runs: a session (connect, then work
 // until an error) again and again, with a bounded backoff between them,
 // until stop(). Thread-safe.

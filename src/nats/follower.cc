@@ -42,11 +42,7 @@ class Follower::Impl {
   // Starts the thread; InvalidArgument when the cluster refuses the config.
   Status start() {
     return worker_.start(config_, [this](internal::Backoff& backoff) { return session(backoff); },
-                         [this](const Status& s) {
-                           note_error(s);
-                           std::lock_guard<std::mutex> lock(stats_mu_);
-                           stats_.connected = false;
-                         });
+                         [this](const Status& s) { internal::note_failure(stats_mu_, &stats_, s); });
   }
 
   Status stop() {
@@ -68,12 +64,6 @@ class Follower::Impl {
  private:
   std::string where(const Connection& c) const {
     return "NATS server " + c.server() + ", stream " + config_.stream + ", consumer " + consumer_;
-  }
-
-  void note_error(const Status& s) {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    ++stats_.errors;
-    stats_.last_error = s.to_string();
   }
 
   Status subscribe(Connection& conn, natsSubscription** sub) {

@@ -25,12 +25,7 @@ class Publisher::Impl {
   // Starts the thread; InvalidArgument when the cluster refuses the config.
   Status start() {
     return worker_.start(config_, [this](internal::Backoff& backoff) { return session(backoff); },
-                         [this](const Status& s) {
-                           std::lock_guard<std::mutex> lock(stats_mu_);
-                           ++stats_.errors;
-                           stats_.connected = false;
-                           stats_.last_error = s.to_string();
-                         });
+                         [this](const Status& s) { internal::note_failure(stats_mu_, &stats_, s); });
   }
 
   Status stop() {

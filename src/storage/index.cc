@@ -41,7 +41,7 @@ Status ensure_index(Storage& storage) {
     if (static_cast<std::size_t>(batch.Count()) >= kBackfillBatch) {
       if (s = storage.write(Storage::Engine::Users, &batch, Storage::WriteMode::Async, "index backfill"); !s.ok()) return s;
       batch.Clear();
-      if (Storage::step_for_testing) Storage::step_for_testing("index backfill", ++batches);
+      Storage::test_step("index backfill", ++batches);
     }
   }
   if (s = iterator_status(*it, storage, "index backfill scan"); !s.ok()) return s;

@@ -54,9 +54,7 @@ Status fsync_dir(const std::string& dir) {
 
 Status Storage::migrate_to_format3(const rocksdb::Options& base,
                                    const std::vector<rocksdb::ColumnFamilyHandle*>& legacy) {
-  const auto step = [](int n) {
-    if (step_for_testing) step_for_testing("migrate", n);
-  };
+  const auto step = [](int n) { test_step("migrate", n); };
   rocksdb::ColumnFamilyHandle* old_aggregates = nullptr;
   rocksdb::ColumnFamilyHandle* old_ledger = nullptr;
   rocksdb::ColumnFamilyHandle* old_feed = nullptr;

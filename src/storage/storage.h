@@ -157,12 +157,18 @@ class Storage {
   // double scores, no ledger) are InvalidArgument, nothing changed.
   Status check_state_format();
 
-  // Tests only: called at each step of a long start-up task, to kill the
-  // process there. Set it before the open. The tasks and their steps:
+  // Tests only: called at each step of a task, to kill the process there.
+  // Set it before the open. The tasks and their steps:
   //   "migrate"         the upgrade to format 3: 1, 2, ..., 5 (storage/migrate.cc)
   //   "index backfill"  after the n-th batch of the by_tag backfill was
   //                     written, before the index's marker (storage/index.cc)
+  //   "trim changes"    after a trim_changes through seq n was written
+  //                     (feed/change_feed.cc)
   static inline std::function<void(std::string_view task, int step)> step_for_testing;
+  // Calls step_for_testing, if set.
+  static void test_step(std::string_view task, int step) {
+    if (step_for_testing) step_for_testing(task, step);
+  }
 
  private:
   struct Instance {

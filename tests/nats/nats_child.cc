@@ -1,18 +1,23 @@
 // The processes the NATS crash tests SIGKILL (tests/nats/nats_test.cc):
-//   nats_child shard DB_DIR SHARD SERVERS STREAM SEED
-//     a shard: Db with a change feed, a Publisher, random operations until killed
+//   nats_child shard DB_DIR SHARD SERVERS STREAM SEED [TRIMS]
+//     a shard: Db with a change feed, a Publisher, random operations until
+//     killed; with TRIMS, it SIGKILLs itself right after its TRIMS-th
+//     trim_changes was written (Storage::step_for_testing)
 //   nats_child follower VIEW_DIR SERVERS STREAM CONSUMER
 //     a view: GlobalView and a Follower until killed
 // Writes "ready\n" to stdout once started.
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
 
 #include "nats_test_util.h"
+#include "storage/storage.h"
 
 using namespace tidal;
 using namespace tidal::nats;
@@ -41,6 +46,12 @@ int fail(const std::string& what, const Status& s) {
 
 int main(int argc, char** argv) {
   if (argc >= 7 && std::string(argv[1]) == "shard") {
+    if (argc >= 8) {
+      static std::atomic<int> trims_left{std::atoi(argv[7])};
+      tidal::Storage::step_for_testing = [](std::string_view task, int) {
+        if (task == "trim changes" && trims_left.fetch_sub(1) == 1) ::raise(SIGKILL);
+      };
+    }
     Options o = testing::shard_options(std::strtoull(argv[3], nullptr, 10));
     o.aggregate_write_period = std::chrono::milliseconds(1);
     auto db = Db::open(argv[2], o);
@@ -69,6 +80,6 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   }
-  std::fprintf(stderr, "usage: nats_child shard DB SHARD SERVERS STREAM SEED | follower VIEW SERVERS STREAM CONSUMER\n");
+  std::fprintf(stderr, "usage: nats_child shard DB SHARD SERVERS STREAM SEED [TRIMS] | follower VIEW SERVERS STREAM CONSUMER\n");
   return 2;
 }
