@@ -4,6 +4,16 @@
 #include <cstring>
 
 namespace tidal {
+namespace {
+
+// The entry count in a payload's header (at least kFeedHeaderSize bytes).
+std::uint32_t feed_entry_count(std::string_view payload) {
+  std::uint32_t count = 0;
+  for (unsigned i = 0; i < 4; ++i) count |= static_cast<std::uint32_t>(static_cast<std::uint8_t>(payload[2 + i])) << (8 * i);
+  return count;
+}
+
+}  // namespace
 
 std::string encode_feed_key(std::uint64_t seq) {
   std::string key;
@@ -38,12 +48,6 @@ void FeedEncoder::seal() {
 std::vector<std::string> FeedEncoder::finish() {
   seal();
   return std::move(payloads_);
-}
-
-std::uint32_t feed_entry_count(std::string_view payload) {
-  std::uint32_t count = 0;
-  for (unsigned i = 0; i < 4; ++i) count |= static_cast<std::uint32_t>(static_cast<std::uint8_t>(payload[2 + i])) << (8 * i);
-  return count;
 }
 
 bool check_feed_payload(std::string_view payload, std::string* error) {

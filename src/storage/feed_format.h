@@ -74,12 +74,9 @@ class FeedEncoder {
 };
 
 // Checks a payload whole: true when it decodes (see decode_feed_payload);
-// otherwise false, and `error` says why. Its entries are then the
-// feed_entry_count(payload) runs of kFeedEntrySize bytes from
-// kFeedHeaderSize on, keys strictly ascending.
+// otherwise false, and `error` says why. Its entries are then the runs of
+// kFeedEntrySize bytes from kFeedHeaderSize on, keys strictly ascending.
 bool check_feed_payload(std::string_view payload, std::string* error);
-// The entry count of a payload that check_feed_payload accepted.
-std::uint32_t feed_entry_count(std::string_view payload);
 
 // Merges payloads that check_feed_payload accepted: calls `fn` once per
 // distinct key, in ascending key order, with the key (17 bytes) and the sum,
