@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include <libcuckoo/cuckoohash_map.hh>
+#include "db/cuckoo.h"
 #include <rocksdb/env.h>
 
 #include "db/clock.h"

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include <libcuckoo/cuckoohash_map.hh>
+#include "db/cuckoo.h"
 
 #include "tidal/db.h"
 

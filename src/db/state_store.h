@@ -54,7 +54,7 @@
 #include <shared_mutex>
 #include <thread>
 
-#include <libcuckoo/cuckoohash_map.hh>
+#include "db/cuckoo.h"
 
 #include "feed/change_feed.h"
 #include "storage/state_format.h"
