@@ -13,6 +13,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -331,6 +332,94 @@ TEST(PowerLossTest, UnsyncedWritesAreLostAndSeen) {
             << " unsynced bytes dropped), " << seconds_since(t) << " s\n";
   EXPECT_EQ(f.cuts, 30);
   EXPECT_GT(f.lost, 0u) << "the power-cut harness saw no loss even without fsync";
+}
+
+// ---- sync_writes = false: what a power cut may take ----
+
+// A purge cites the leave it relies on (the receipt's left_at_ns) and is a
+// synced write of the state engine, while without sync_writes the leave is
+// an unsynced write of the users engine. The purge makes the leave durable
+// first, so after a power cut right behind it either the purge is not there
+// (no receipt, the contribution still counted) or user 5 is Left with its
+// history and the receipt's left_at_ns: never a receipt for an Active user
+// with no history (issue 26, item 4). The period is long, so only the purge
+// can have synced the leave.
+TEST(PowerLossTest, APurgeNeverOutlivesTheUnsyncedLeaveItCites) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  FaultEnv fault = FaultEnv::make();
+  Options options;
+  options.sync_writes = false;
+  options.aggregate_write_period = std::chrono::seconds(60);
+  std::uint64_t left_at = 0;
+  {
+    std::unique_ptr<Db> db = open_on(path, options, fault.env.get());
+    ASSERT_NE(db, nullptr);
+    ASSERT_TRUE(db->signal_with_context({5, 1, 1.0}, {{7}}).ok());
+    ASSERT_TRUE(db->signal_with_context({6, 1, 2.0}, {{7}}).ok());
+    ASSERT_OK(db->flush());  // the contributions are durable (the state engine syncs every batch)
+    ASSERT_OK(db->leave_community_layer(5));
+    left_at = db->community_layer_status(5)->left_at_ns.value_or(0);
+    Result<PurgeReceipt> receipt = db->purge_community_contributions(5);
+    ASSERT_TRUE(receipt.ok()) << receipt.status().to_string();
+    ASSERT_EQ(receipt->entries_removed, 1u);
+    ASSERT_EQ(receipt->left_at_ns, left_at);
+    fault.fs->cut_power();
+  }  // its close fails: the power is off
+  (void)fault.fs->restore_power();
+  std::unique_ptr<Db> db = open_on(path, Options(), nullptr);
+  ASSERT_NE(db, nullptr);
+  Result<std::vector<PurgeReceipt>> receipts = db->purge_receipts(5);
+  ASSERT_TRUE(receipts.ok()) << receipts.status().to_string();
+  Result<CommunityMembership> status = db->community_layer_status(5);
+  ASSERT_TRUE(status.ok()) << status.status().to_string();
+  Result<std::vector<MembershipEvent>> history = db->community_layer_history(5);
+  ASSERT_TRUE(history.ok()) << history.status().to_string();
+  if (receipts->empty()) {
+    EXPECT_EQ(testing::value_of(db->cohort_score(7, 1)), 3.0) << "no receipt, yet the contribution is gone";
+  } else {
+    EXPECT_EQ(status->status, MembershipStatus::Left) << "a receipt cites a leave the power cut took";
+    EXPECT_EQ(status->left_at_ns, std::optional<std::uint64_t>(left_at));
+    EXPECT_EQ(history->size(), 1u);
+    EXPECT_EQ(testing::value_of(db->cohort_score(7, 1)), 2.0);
+  }
+  Result<VerifyReport> report = db->verify();
+  ASSERT_TRUE(report.ok()) << report.status().to_string();
+  EXPECT_TRUE(report->ok()) << report->problems.front();
+  EXPECT_OK(db->close());
+}
+
+// Without sync_writes, membership writes become durable within one
+// aggregate_write_period (plus an fsync) even when nothing else syncs the
+// users engine: leaves, a rejoin and a join made 2.5 periods before a power
+// cut are all there after it (docs/CONTRACT.md, G1).
+TEST(PowerLossTest, UnsyncedMembershipWritesAreDurableWithinAboutOnePeriod) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  FaultEnv fault = FaultEnv::make();
+  Options options;
+  options.sync_writes = false;
+  constexpr auto kPeriod = std::chrono::milliseconds(100);
+  options.aggregate_write_period = kPeriod;
+  {
+    std::unique_ptr<Db> db = open_on(path, options, fault.env.get());
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->leave_community_layer(5));
+    ASSERT_OK(db->leave_community_layer(6));
+    ASSERT_OK(db->rejoin_community_layer(6));
+    ASSERT_OK(db->join_community(7, 100));
+    std::this_thread::sleep_for(kPeriod * 5 / 2);
+    fault.fs->cut_power();
+  }
+  const FaultFs::CutReport cut = fault.fs->restore_power();
+  std::unique_ptr<Db> db = open_on(path, Options(), nullptr);
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(db->community_layer_status(5)->status, MembershipStatus::Left) << cut.bytes_dropped << " bytes dropped";
+  EXPECT_EQ(db->community_layer_history(5)->size(), 1u);
+  EXPECT_EQ(db->community_layer_history(6)->size(), 2u);
+  EXPECT_EQ(db->community_layer_status(6)->status, MembershipStatus::Active);
+  EXPECT_EQ(*db->communities_of(7), std::vector<std::uint64_t>{100});
+  EXPECT_OK(db->close());
 }
 
 // ---- N-th operation sweep ----

@@ -434,6 +434,10 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
 
   storage->registry_id_ = {st.st_dev, st.st_ino};
   g_open_dirs.emplace(*storage->registry_id_, canonical(path));
+  if (config.users_wal_sync_period.count() > 0) {
+    Storage* self = storage.get();
+    storage->wal_syncer_ = std::thread([self, period = config.users_wal_sync_period] { self->run_wal_syncer(period); });
+  }
   return storage;
 }
 
@@ -507,7 +511,34 @@ Status Storage::write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode,
   rocksdb::WriteOptions wo;
   wo.sync = mode == WriteMode::Sync;
   wo.disableWAL = mode == WriteMode::NoWal;
-  return from_rocksdb(db(engine)->Write(wo, batch), what);
+  Status s = from_rocksdb(db(engine)->Write(wo, batch), what);
+  // After the write: a sync that clears the flag before this point finds
+  // it set again, one that clears it after it syncs this write too.
+  if (engine == Engine::Users && mode == WriteMode::Async) users_unsynced_.store(true, std::memory_order_release);
+  return s;
+}
+
+Status Storage::sync_users_wal() {
+  if (read_only_ || users_.db == nullptr) return Status::OK();
+  std::lock_guard<std::mutex> lock(sync_mu_);
+  // Cleared before the fsync: a write that returns during it sets it again.
+  if (!users_unsynced_.exchange(false, std::memory_order_acq_rel)) return Status::OK();
+  Status s = from_rocksdb(users_.db->SyncWAL(), "fsync of the write-ahead log of '" + path_ + "'");
+  if (!s.ok()) users_unsynced_.store(true, std::memory_order_release);
+  return s;
+}
+
+void Storage::run_wal_syncer(std::chrono::milliseconds period) {
+  std::unique_lock<std::mutex> lock(syncer_mu_);
+  auto next = std::chrono::steady_clock::now() + period;
+  while (!syncer_cv_.wait_until(lock, next, [this] { return syncer_stop_; })) {
+    next += period;
+    lock.unlock();
+    // A failure leaves the flag set: the next round tries again.
+    (void)sync_users_wal();
+    lock.lock();
+    next = std::max(next, std::chrono::steady_clock::now());
+  }
 }
 
 void Storage::put_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix,
@@ -625,6 +656,14 @@ Status Storage::close_instance(Instance* instance, const std::string& path) {
 }
 
 Status Storage::close() {
+  if (wal_syncer_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(syncer_mu_);
+      syncer_stop_ = true;
+    }
+    syncer_cv_.notify_all();
+    wal_syncer_.join();
+  }
   if (users_.db == nullptr && state_.db == nullptr) return Status::OK();
   if (!read_only_) {
     // RocksDB deletes a WAL only once a flush has moved every column family
