@@ -1,7 +1,9 @@
 // The two RocksDB databases behind one Db (format 3, docs/FORMAT.md), each
 // with its own WAL, write queue and write controller, so that a stall of
-// one is never a stall of the other; they share a block cache and RocksDB's
-// background threads.
+// one is never a stall of the other. They share a block cache; their
+// flushes and compactions run on different threads: the state engine's on
+// the Env's pools (Env::Default's), the users engine's on two threads of
+// its own, shared by the users engines of every Db in the process.
 //
 // The users engine, in the Db directory itself:
 //   default     meta records (index state, clock floor and lease, format)
@@ -212,6 +214,9 @@ class Storage {
   std::optional<std::pair<dev_t, ino_t>> registry_id_;
   bool read_only_ = false;
   std::shared_ptr<rocksdb::Cache> block_cache_;
+  // The users engine's Env: the base Env's files, background threads of
+  // its own (storage.cc, UsersEngineEnv). Outlives the engine.
+  std::unique_ptr<rocksdb::Env> users_env_;
   Instance users_;
   Instance state_;
 
