@@ -8,11 +8,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -107,6 +110,110 @@ TEST(TwoEnginesTest, LeavesCompleteWhileTheStateEngineCannotSync) {
   EXPECT_EQ(*(*db)->communities_of(9), std::vector<std::uint64_t>{100});
   EXPECT_EQ(*(*db)->community_score(100, 1), 8.0);
   EXPECT_EQ(*(*db)->cohort_score(7, 2), 1.0);
+}
+
+// Occupies every background thread of Env::Default, the state engine's
+// pools, with a job that waits for release(): the state engine's flushes and
+// compactions cannot run (as behind a stuck flush of its own).
+class DefaultPoolsBlocker {
+ public:
+  DefaultPoolsBlocker() {
+    rocksdb::Env* env = rocksdb::Env::Default();
+    for (rocksdb::Env::Priority pri : {rocksdb::Env::BOTTOM, rocksdb::Env::LOW, rocksdb::Env::HIGH}) {
+      for (int i = env->GetBackgroundThreads(pri); i > 0; --i) {
+        ++scheduled_;
+        env->Schedule(&DefaultPoolsBlocker::block, this, pri);
+      }
+    }
+  }
+  ~DefaultPoolsBlocker() {
+    release();
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return finished_ == scheduled_; });  // no job still points here
+  }
+  // True once every thread runs a blocking job (waits up to 30 s).
+  bool all_held() {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(30), [&] { return running_ == scheduled_; });
+  }
+  int threads() const { return scheduled_; }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  static void block(void* arg) {
+    auto* self = static_cast<DefaultPoolsBlocker*>(arg);
+    std::unique_lock<std::mutex> lock(self->mu_);
+    ++self->running_;
+    self->cv_.notify_all();
+    self->cv_.wait(lock, [&] { return self->released_; });
+    ++self->finished_;
+    self->cv_.notify_all();
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int scheduled_ = 0;
+  int running_ = 0;   // guarded by mu_
+  int finished_ = 0;  // guarded by mu_
+  bool released_ = false;
+};
+
+// The users engine runs its flushes and compactions on threads of its own:
+// with every thread of the state engine's pools held, leaves still return,
+// and so do a flush and a compaction of the users engine. When both engines
+// shared Env::Default's pools the flush waited behind the state engine's
+// work (a stuck state-engine flush plus full users-engine memtables stopped
+// leaves; issue 26, item 8) and this test's watchdog failed it.
+TEST(TwoEnginesTest, TheUsersEngineFlushesAndCompactsWhileTheStateEnginesThreadsAreHeld) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  Options options;
+  options.aggregate_write_period = std::chrono::milliseconds(5);
+  Result<std::unique_ptr<Db>> opened = Db::open(path, options);
+  ASSERT_TRUE(opened.ok()) << opened.status().to_string();
+  std::unique_ptr<Db> db = std::move(*opened);
+  for (std::uint64_t u = 1; u <= 8; ++u) ASSERT_TRUE(db->signal_with_context({u, 1, 1.0}, {{7}}).ok());
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+  std::uint64_t in_memtable = 0, after_flush = 1;
+
+  std::optional<DefaultPoolsBlocker> blocker(std::in_place);
+  ASSERT_TRUE(blocker->all_held()) << "the blocking jobs never all ran";
+  std::atomic<bool> done{false};
+  Status flushed, compacted;
+  std::thread leaver([&] {
+    for (std::uint64_t u = 1; u <= 4; ++u) EXPECT_OK(db->leave_community_layer(u));
+    EXPECT_TRUE(users->GetIntProperty(storage.users(), rocksdb::DB::Properties::kNumEntriesActiveMemTable, &in_memtable));
+    flushed = storage.flush(Storage::Engine::Users);
+    EXPECT_TRUE(users->GetIntProperty(storage.users(), rocksdb::DB::Properties::kNumEntriesActiveMemTable, &after_flush));
+    compacted = from_rocksdb(users->CompactRange(rocksdb::CompactRangeOptions(), storage.users(), nullptr, nullptr),
+                             "compaction of the users engine");
+    EXPECT_OK(db->leave_community_layer(5));
+    EXPECT_OK(db->rejoin_community_layer(4));
+    done = true;
+  });
+  // A watchdog, not a timing: they either return while the pools are held,
+  // or not before the release.
+  for (int i = 0; i < 30'000 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const bool returned = done;
+  blocker.reset();
+  leaver.join();
+  ASSERT_TRUE(returned) << "a leave or the users engine's flush or compaction waited for the "
+                        << "state engine's background threads";
+  EXPECT_GT(in_memtable, 0u);
+  EXPECT_OK(flushed);
+  EXPECT_OK(compacted);
+  EXPECT_EQ(after_flush, 0u) << "the flush left the users engine's memtable as it was";
+  ASSERT_OK(db->close());
+  db.reset();
+  opened = Db::open(path);
+  ASSERT_TRUE(opened.ok()) << opened.status().to_string();
+  for (std::uint64_t u : {1u, 2u, 3u, 5u}) EXPECT_EQ((*opened)->community_layer_status(u)->status, MembershipStatus::Left);
+  EXPECT_EQ((*opened)->community_layer_status(4)->status, MembershipStatus::Active);
+  EXPECT_EQ(testing::value_of((*opened)->cohort_score(7, 1)), 8.0);
 }
 
 // ---- G6: WAL failures ----
@@ -331,6 +438,94 @@ TEST(PowerLossTest, UnsyncedWritesAreLostAndSeen) {
             << " unsynced bytes dropped), " << seconds_since(t) << " s\n";
   EXPECT_EQ(f.cuts, 30);
   EXPECT_GT(f.lost, 0u) << "the power-cut harness saw no loss even without fsync";
+}
+
+// ---- sync_writes = false: what a power cut may take ----
+
+// A purge cites the leave it relies on (the receipt's left_at_ns) and is a
+// synced write of the state engine, while without sync_writes the leave is
+// an unsynced write of the users engine. The purge makes the leave durable
+// first, so after a power cut right behind it either the purge is not there
+// (no receipt, the contribution still counted) or user 5 is Left with its
+// history and the receipt's left_at_ns: never a receipt for an Active user
+// with no history (issue 26, item 4). The period is long, so only the purge
+// can have synced the leave.
+TEST(PowerLossTest, APurgeNeverOutlivesTheUnsyncedLeaveItCites) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  FaultEnv fault = FaultEnv::make();
+  Options options;
+  options.sync_writes = false;
+  options.aggregate_write_period = std::chrono::seconds(60);
+  std::uint64_t left_at = 0;
+  {
+    std::unique_ptr<Db> db = open_on(path, options, fault.env.get());
+    ASSERT_NE(db, nullptr);
+    ASSERT_TRUE(db->signal_with_context({5, 1, 1.0}, {{7}}).ok());
+    ASSERT_TRUE(db->signal_with_context({6, 1, 2.0}, {{7}}).ok());
+    ASSERT_OK(db->flush());  // the contributions are durable (the state engine syncs every batch)
+    ASSERT_OK(db->leave_community_layer(5));
+    left_at = db->community_layer_status(5)->left_at_ns.value_or(0);
+    Result<PurgeReceipt> receipt = db->purge_community_contributions(5);
+    ASSERT_TRUE(receipt.ok()) << receipt.status().to_string();
+    ASSERT_EQ(receipt->entries_removed, 1u);
+    ASSERT_EQ(receipt->left_at_ns, left_at);
+    fault.fs->cut_power();
+  }  // its close fails: the power is off
+  (void)fault.fs->restore_power();
+  std::unique_ptr<Db> db = open_on(path, Options(), nullptr);
+  ASSERT_NE(db, nullptr);
+  Result<std::vector<PurgeReceipt>> receipts = db->purge_receipts(5);
+  ASSERT_TRUE(receipts.ok()) << receipts.status().to_string();
+  Result<CommunityMembership> status = db->community_layer_status(5);
+  ASSERT_TRUE(status.ok()) << status.status().to_string();
+  Result<std::vector<MembershipEvent>> history = db->community_layer_history(5);
+  ASSERT_TRUE(history.ok()) << history.status().to_string();
+  if (receipts->empty()) {
+    EXPECT_EQ(testing::value_of(db->cohort_score(7, 1)), 3.0) << "no receipt, yet the contribution is gone";
+  } else {
+    EXPECT_EQ(status->status, MembershipStatus::Left) << "a receipt cites a leave the power cut took";
+    EXPECT_EQ(status->left_at_ns, std::optional<std::uint64_t>(left_at));
+    EXPECT_EQ(history->size(), 1u);
+    EXPECT_EQ(testing::value_of(db->cohort_score(7, 1)), 2.0);
+  }
+  Result<VerifyReport> report = db->verify();
+  ASSERT_TRUE(report.ok()) << report.status().to_string();
+  EXPECT_TRUE(report->ok()) << report->problems.front();
+  EXPECT_OK(db->close());
+}
+
+// Without sync_writes, membership writes become durable within one
+// aggregate_write_period (plus an fsync) even when nothing else syncs the
+// users engine: leaves, a rejoin and a join made 2.5 periods before a power
+// cut are all there after it (docs/CONTRACT.md, G1).
+TEST(PowerLossTest, UnsyncedMembershipWritesAreDurableWithinAboutOnePeriod) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  FaultEnv fault = FaultEnv::make();
+  Options options;
+  options.sync_writes = false;
+  constexpr auto kPeriod = std::chrono::milliseconds(100);
+  options.aggregate_write_period = kPeriod;
+  {
+    std::unique_ptr<Db> db = open_on(path, options, fault.env.get());
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->leave_community_layer(5));
+    ASSERT_OK(db->leave_community_layer(6));
+    ASSERT_OK(db->rejoin_community_layer(6));
+    ASSERT_OK(db->join_community(7, 100));
+    std::this_thread::sleep_for(kPeriod * 5 / 2);
+    fault.fs->cut_power();
+  }
+  const FaultFs::CutReport cut = fault.fs->restore_power();
+  std::unique_ptr<Db> db = open_on(path, Options(), nullptr);
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(db->community_layer_status(5)->status, MembershipStatus::Left) << cut.bytes_dropped << " bytes dropped";
+  EXPECT_EQ(db->community_layer_history(5)->size(), 1u);
+  EXPECT_EQ(db->community_layer_history(6)->size(), 2u);
+  EXPECT_EQ(db->community_layer_status(6)->status, MembershipStatus::Active);
+  EXPECT_EQ(*db->communities_of(7), std::vector<std::uint64_t>{100});
+  EXPECT_OK(db->close());
 }
 
 // ---- N-th operation sweep ----

@@ -10,7 +10,8 @@
 //
 // Durability: community memberships, leaves and rejoins are written to the
 // RocksDB write-ahead log (fsynced when Options::sync_writes) before the call
-// returns and are never lost. Aggregate scores (personal, cohort, community)
+// returns and are never lost (without sync_writes, a power cut may lose
+// those of the last aggregate_write_period). Aggregate scores (personal, cohort, community)
 // are exact sums kept in RocksDB and written behind the signal path: a
 // background writer stores each signal's updates within
 // Options::aggregate_write_period (plus the time of one write, and up to 10 s
@@ -139,6 +140,10 @@ struct Options {
   // Create the directory and database if missing. Default: true.
   bool create_if_missing = true;
   // fsync the WAL before a membership write (join/exit/leave/rejoin) returns. Default: true.
+  // When false, a process crash still loses nothing, but a power cut may lose
+  // the membership writes of the last aggregate_write_period (plus one fsync):
+  // the Db fsyncs them once a period, and a purge first makes the leave it
+  // relies on durable (docs/CONTRACT.md, G1 and E2).
   bool sync_writes = true;
   // What open does with an undecodable 0x11 record. Default: Fail.
   CorruptRecordPolicy corrupt_record_policy = CorruptRecordPolicy::Fail;

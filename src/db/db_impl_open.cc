@@ -140,6 +140,9 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     config.read_only = options.read_only;
     config.env = env;
     config.block_cache_bytes = options.block_cache_bytes;
+    // Without sync_writes, membership writes become durable within a period
+    // (docs/CONTRACT.md, G1).
+    if (!options.sync_writes) config.users_wal_sync_period = options.aggregate_write_period;
     Result<std::unique_ptr<Storage>> storage = Storage::open(path, config);
     if (!storage.ok()) return storage.status();
 

@@ -84,6 +84,8 @@ class Db::Impl {
   // Closes every Db still open; run once by std::atexit (see db_impl_open.cc).
   static void close_all_at_exit();
 
+  // Tests only: the Db's two engines (to flush or compact one of them).
+  static Storage& storage_for_testing(Db& db) { return *db.impl_->storage_; }
   // Tests only: run by every purge between its durable batches and their
   // physical erasure, with no lock held. Set it while no purge runs.
   static inline std::function<void()> before_erasure_for_testing;

@@ -1,6 +1,7 @@
 // Retroactive purge (docs/CONTRACT.md, P1-P7; docs/PURGE.md).
 //
-// A purge of Left users runs in two steps:
+// A purge of Left users runs in two steps, once the leaves it relies on are
+// durable (Storage::sync_users_wal: without sync_writes a leave may not be):
 //   1. with the users' lock stripes held, inside StateStore::exclusive: the
 //      pending aggregate updates are written first (a Left user's gate is
 //      closed and leave waited out every signal that passed it, so none of
@@ -142,6 +143,13 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_locked(const char* what, const
                                      "; only a user who left the community layer can be purged; nothing changed");
     }
     left_at[i] = m.left_at_ns.value_or(0);
+  }
+  // The leave each receipt cites must outlive the purge (E2): without
+  // sync_writes it may still be an unsynced write of the users engine,
+  // and the purge is a synced one of the state engine.
+  if (Status s = storage_->sync_users_wal(); !s.ok()) {
+    return Status(s.code(), std::string(what) + ": making the leave durable before the purge failed; nothing purged: " +
+                                s.message());
   }
   std::vector<PurgeReceipt> receipts;
   receipts.reserve(users.size());

@@ -5,6 +5,7 @@
 #include <rocksdb/cache.h>
 #include <rocksdb/filter_policy.h>
 #include <rocksdb/table.h>
+#include <rocksdb/threadpool.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -283,6 +284,55 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   options->hard_pending_compaction_bytes_limit = 0;
 }
 
+// The users engine's Env: its files go through the base Env's file system,
+// its flushes and compactions run on two threads of its own instead of the
+// base Env's pools (Env::Default's, which the state engine uses), so a stuck
+// or busy state engine never holds up a users-engine flush or compaction,
+// and with it a leave (issue 26, item 8). The two threads (one for flushes,
+// one for compactions, as RocksDB's default max_background_jobs = 2 uses)
+// are shared by the users engines of every Db of the process, created at
+// the first open and kept until the process ends. RocksDB cannot take a job
+// back from them (UnSchedule does nothing): a closing engine waits until
+// its queued jobs have run, each of them returning at once.
+class UsersEngineEnv : public rocksdb::EnvWrapper {
+ public:
+  explicit UsersEngineEnv(rocksdb::Env* base) : EnvWrapper(base) {
+    file_system_ = base->GetFileSystem();
+    system_clock_ = base->GetSystemClock();
+  }
+  static constexpr int kFlushThreads = 1;
+  static constexpr int kCompactionThreads = 1;
+
+  const char* Name() const override { return "TidalUsersEngineEnv"; }
+  void Schedule(void (*fn)(void*), void* arg, Priority pri, void* /*tag*/, void (*/*unschedule*/)(void*)) override {
+    pool(pri)->SubmitJob([fn, arg] { fn(arg); });
+  }
+  int UnSchedule(void* /*tag*/, Priority /*pri*/) override { return 0; }
+  unsigned int GetThreadPoolQueueLen(Priority pri) const override { return pool(pri)->GetQueueLen(); }
+  // HIGH (flushes) and LOW (compactions); none in BOTTOM, so RocksDB never
+  // schedules there. Fixed sizes: RocksDB's requests for more are ignored.
+  int GetBackgroundThreads(Priority pri) override {
+    return pri == HIGH ? kFlushThreads : pri == LOW ? kCompactionThreads : 0;
+  }
+  void SetBackgroundThreads(int /*number*/, Priority /*pri*/) override {}
+  void IncBackgroundThreadsIfNeeded(int /*number*/, Priority /*pri*/) override {}
+  int ReserveThreads(int /*number*/, Priority /*pri*/) override { return 0; }
+  int ReleaseThreads(int /*number*/, Priority /*pri*/) override { return 0; }
+  void LowerThreadPoolIOPriority(Priority /*pool*/) override {}
+  void LowerThreadPoolCPUPriority(Priority /*pool*/) override {}
+  rocksdb::Status LowerThreadPoolCPUPriority(Priority /*pool*/, rocksdb::CpuPriority /*pri*/) override {
+    return rocksdb::Status::OK();
+  }
+
+ private:
+  // Never destroyed: a Db may still be open while static objects are.
+  static rocksdb::ThreadPool* pool(Priority pri) {
+    static rocksdb::ThreadPool* const flushes = rocksdb::NewThreadPool(kFlushThreads);
+    static rocksdb::ThreadPool* const compactions = rocksdb::NewThreadPool(kCompactionThreads);
+    return pri == HIGH ? flushes : compactions;
+  }
+};
+
 // The column families of each engine, in the order of Storage's accessors.
 const char* const kUsersFamilies[] = {"default", "users", "by_tag"};
 const char* const kStateFamilies[] = {"default", "aggregates", "ledger", "receipts"};
@@ -327,6 +377,11 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   options.db_write_buffer_size = 64 << 20;
 
   auto storage = std::unique_ptr<Storage>(new Storage());
+  storage->users_env_ = std::make_unique<UsersEngineEnv>(options.env);
+  // The users engine's own background threads; `options` stays the state
+  // engine's base (open_state).
+  rocksdb::Options users_options(options);
+  users_options.env = storage->users_env_.get();
   storage->path_ = path;
   storage->read_only_ = config.read_only;
   storage->block_cache_ = rocksdb::NewLRUCache(config.block_cache_bytes);
@@ -370,9 +425,9 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
                                        "opened for writing)");
       }
     }
-    s = rocksdb::DB::OpenForReadOnly(options, path, descriptors, &storage->users_.handles, &raw);
+    s = rocksdb::DB::OpenForReadOnly(users_options, path, descriptors, &storage->users_.handles, &raw);
   } else {
-    s = rocksdb::DB::Open(options, path, descriptors, &storage->users_.handles, &raw);
+    s = rocksdb::DB::Open(users_options, path, descriptors, &storage->users_.handles, &raw);
   }
   if (!s.ok()) {
     if (is_lock_error(s)) {
@@ -434,6 +489,10 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
 
   storage->registry_id_ = {st.st_dev, st.st_ino};
   g_open_dirs.emplace(*storage->registry_id_, canonical(path));
+  if (config.users_wal_sync_period.count() > 0) {
+    Storage* self = storage.get();
+    storage->wal_syncer_ = std::thread([self, period = config.users_wal_sync_period] { self->run_wal_syncer(period); });
+  }
   return storage;
 }
 
@@ -507,7 +566,34 @@ Status Storage::write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode,
   rocksdb::WriteOptions wo;
   wo.sync = mode == WriteMode::Sync;
   wo.disableWAL = mode == WriteMode::NoWal;
-  return from_rocksdb(db(engine)->Write(wo, batch), what);
+  Status s = from_rocksdb(db(engine)->Write(wo, batch), what);
+  // After the write: a sync that clears the flag before this point finds
+  // it set again, one that clears it after it syncs this write too.
+  if (engine == Engine::Users && mode == WriteMode::Async) users_unsynced_.store(true, std::memory_order_release);
+  return s;
+}
+
+Status Storage::sync_users_wal() {
+  if (read_only_ || users_.db == nullptr) return Status::OK();
+  std::lock_guard<std::mutex> lock(sync_mu_);
+  // Cleared before the fsync: a write that returns during it sets it again.
+  if (!users_unsynced_.exchange(false, std::memory_order_acq_rel)) return Status::OK();
+  Status s = from_rocksdb(users_.db->SyncWAL(), "fsync of the write-ahead log of '" + path_ + "'");
+  if (!s.ok()) users_unsynced_.store(true, std::memory_order_release);
+  return s;
+}
+
+void Storage::run_wal_syncer(std::chrono::milliseconds period) {
+  std::unique_lock<std::mutex> lock(syncer_mu_);
+  auto next = std::chrono::steady_clock::now() + period;
+  while (!syncer_cv_.wait_until(lock, next, [this] { return syncer_stop_; })) {
+    next += period;
+    lock.unlock();
+    // A failure leaves the flag set: the next round tries again.
+    (void)sync_users_wal();
+    lock.lock();
+    next = std::max(next, std::chrono::steady_clock::now());
+  }
 }
 
 void Storage::put_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix,
@@ -625,6 +711,14 @@ Status Storage::close_instance(Instance* instance, const std::string& path) {
 }
 
 Status Storage::close() {
+  if (wal_syncer_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(syncer_mu_);
+      syncer_stop_ = true;
+    }
+    syncer_cv_.notify_all();
+    wal_syncer_.join();
+  }
   if (users_.db == nullptr && state_.db == nullptr) return Status::OK();
   if (!read_only_) {
     // RocksDB deletes a WAL only once a flush has moved every column family

@@ -1,7 +1,9 @@
 // The two RocksDB databases behind one Db (format 3, docs/FORMAT.md), each
 // with its own WAL, write queue and write controller, so that a stall of
-// one is never a stall of the other; they share a block cache and RocksDB's
-// background threads.
+// one is never a stall of the other. They share a block cache; their
+// flushes and compactions run on different threads: the state engine's on
+// the Env's pools (Env::Default's), the users engine's on two threads of
+// its own, shared by the users engines of every Db in the process.
 //
 // The users engine, in the Db directory itself:
 //   default     meta records (index state, clock floor and lease, format)
@@ -22,11 +24,16 @@
 
 #include <sys/types.h>
 
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -54,6 +61,10 @@ class Storage {
     bool read_only = false;
     rocksdb::Env* env = nullptr;  // for fault injection in tests; null = default
     std::size_t block_cache_bytes = 64 << 20;  // shared by every column family of both engines
+    // How often a background thread makes the users engine's unsynced
+    // writes (WriteMode::Async) durable, when there are any; 0: never
+    // (every write that must be durable is synced).
+    std::chrono::milliseconds users_wal_sync_period{0};
   };
   enum class Engine { Users, State };
 
@@ -92,6 +103,12 @@ class Storage {
   static WriteMode durable_if(bool sync) { return sync ? WriteMode::Sync : WriteMode::Async; }
   // Every column family of `batch` must be of `engine`.
   Status write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what);
+  // Makes every write of the users engine that returned before the call
+  // durable: fsyncs its WAL when an Async write may have left it unsynced,
+  // and returns at once when none did. Before a state-engine write that
+  // relies on a users-engine one (a purge on its leave), and every
+  // Config::users_wal_sync_period.
+  Status sync_users_wal();
   // Adds a users record to `batch` and, for an indexed tag, its by_tag copy:
   // the one place that keeps the index in step with the users partition.
   void put_record(rocksdb::WriteBatch* batch, EntityId id, Tag tag, std::string_view suffix,
@@ -187,6 +204,9 @@ class Storage {
   // Drops the format-2 column families from the users engine.
   Status drop_legacy(const std::vector<rocksdb::ColumnFamilyHandle*>& legacy);
   static Status close_instance(Instance* instance, const std::string& path);
+  // The thread behind Config::users_wal_sync_period: sync_users_wal() every
+  // `period` (start to start) until close().
+  void run_wal_syncer(std::chrono::milliseconds period);
 
   std::string path_;
   // The directory's (st_dev, st_ino) in the registry of Dbs open for
@@ -194,8 +214,21 @@ class Storage {
   std::optional<std::pair<dev_t, ino_t>> registry_id_;
   bool read_only_ = false;
   std::shared_ptr<rocksdb::Cache> block_cache_;
+  // The users engine's Env: the base Env's files, background threads of
+  // its own (storage.cc, UsersEngineEnv). Outlives the engine.
+  std::unique_ptr<rocksdb::Env> users_env_;
   Instance users_;
   Instance state_;
+
+  // Set by every Async write of the users engine once it returned; cleared
+  // by the sync that makes it durable.
+  std::atomic<bool> users_unsynced_{false};
+  std::mutex sync_mu_;  // one sync_users_wal() at a time: a caller that finds
+                        // the flag cleared waits for the sync that cleared it
+  std::mutex syncer_mu_;
+  std::condition_variable syncer_cv_;
+  bool syncer_stop_ = false;  // guarded by syncer_mu_
+  std::thread wal_syncer_;
 };
 
 // The largest timestamp recorded in the clock-floor records of both engines'
