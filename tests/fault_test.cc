@@ -112,6 +112,92 @@ TEST(TwoEnginesTest, LeavesCompleteWhileTheStateEngineCannotSync) {
   EXPECT_EQ(*(*db)->cohort_score(7, 2), 1.0);
 }
 
+// Issue 26, item 2 (E1): a purge held inside the state engine (every fsync
+// under state/ held) keeps no lock a leave needs. A leave of a user of the
+// purged user's lock stripe (64 and 128 share stripe 0), a join and an exit
+// return while the purge is still stuck, and so does a leave while a bulk
+// purge of users in many stripes is stuck; a rejoin of the user being
+// purged waits for its purge (its new signals must not land in a ledger the
+// purge removes) and returns once the purge does. Before, the purge held its
+// users' stripes throughout and the leave waited for the fsyncs (3 s in the
+// issue's run); here the watchdog fails it.
+TEST(TwoEnginesTest, LeavesNeverWaitForAPurgeInTheStateEngine) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  FaultEnv fault = FaultEnv::make();
+  Options options;
+  options.aggregate_write_period = std::chrono::milliseconds(5);
+  std::unique_ptr<Db> db = open_on(path, options, fault.env.get());
+  ASSERT_NE(db, nullptr);
+  const std::vector<std::uint64_t> bulk = {65, 66, 70, 100, 130};  // stripes 1, 2, 6, 36, 2
+  for (std::uint64_t u : {64u, 65u, 66u, 70u, 100u, 130u}) {
+    ASSERT_TRUE(db->join_community(u, 100).ok());
+    ASSERT_TRUE(db->signal_with_context({u, 1, 2.0}, {{7}}).ok());
+    ASSERT_TRUE(db->leave_community_layer(u).ok());
+  }
+  ASSERT_TRUE(db->flush().ok());
+  // Waits up to 30 s (a watchdog, not a timing) for `done`.
+  const auto returns = [](const std::atomic<bool>& done) {
+    for (int i = 0; i < 30'000 && !done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return done.load();
+  };
+
+  for (bool bulk_purge : {false, true}) {
+    SCOPED_TRACE(bulk_purge ? "bulk purge" : "purge of user 64");
+    fault.fs->hold_syncs_under(path + "/state/");
+    std::atomic<bool> purged{false};
+    std::thread purger([&] {
+      if (bulk_purge) {
+        EXPECT_TRUE(db->purge_community_contributions(bulk).ok());
+      } else {
+        EXPECT_TRUE(db->purge_community_contributions(64).ok());
+      }
+      purged = true;
+    });
+    for (int i = 0; i < 10'000 && fault.fs->held_syncs() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ASSERT_GT(fault.fs->held_syncs(), 0u) << "the purge never synced under state/";
+    const std::uint64_t other = bulk_purge ? 2 : 128;  // a stripe of the purge's users
+    std::atomic<bool> left{false};
+    std::thread leaver([&] {
+      EXPECT_TRUE(db->leave_community_layer(other).ok());
+      EXPECT_TRUE(db->join_community(other + 64, 100).ok());
+      EXPECT_TRUE(db->exit_community(other + 64, 100).ok());
+      EXPECT_TRUE(db->leave_community_layer(bulk_purge ? 65 : 64).ok());  // being purged: Left already, a no-op
+      left = true;
+    });
+    std::atomic<bool> rejoined{false};
+    std::thread rejoiner;
+    if (!bulk_purge) {
+      rejoiner = std::thread([&] {
+        EXPECT_TRUE(db->rejoin_community_layer(64).ok());
+        rejoined = true;
+      });
+    }
+    const bool leave_returned = returns(left);
+    const bool purge_still_held = !purged.load();
+    const bool rejoin_waited = !rejoined.load();
+    fault.fs->release_syncs();
+    purger.join();
+    leaver.join();
+    if (rejoiner.joinable()) rejoiner.join();
+    ASSERT_TRUE(leave_returned) << "a leave of user " << other << " waited for the purge in the state engine";
+    EXPECT_TRUE(purge_still_held) << "the purge was not held while the leave ran: the test proves nothing";
+    if (!bulk_purge) {
+      EXPECT_TRUE(rejoin_waited) << "the rejoin of user 64 did not wait for its purge";
+      EXPECT_TRUE(rejoined.load());
+      EXPECT_EQ(db->community_layer_status(64)->status, MembershipStatus::Active);
+      ASSERT_EQ(db->purge_receipts(64)->size(), 1u);
+      EXPECT_EQ(db->purge_receipts(64)->front().cohort_weight_removed, 2.0);
+    }
+    EXPECT_EQ(db->community_layer_status(other)->status, MembershipStatus::Left);
+  }
+  for (std::uint64_t u : bulk) EXPECT_EQ(db->purge_receipts(u)->size(), 1u) << u;
+  EXPECT_EQ(*db->cohort_score(7, 1), 0.0);  // every signaller was purged
+  ASSERT_TRUE(db->close().ok());
+}
+
 // Occupies every background thread of Env::Default, the state engine's
 // pools, with a job that waits for release(): the state engine's flushes and
 // compactions cannot run (as behind a stuck flush of its own).

@@ -65,7 +65,7 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
   return guarded("rejoin_community_layer", [&]() -> Status {
     Call call(this, "rejoin_community_layer", /*write=*/true);
     if (!call.status().ok()) return call.status();
-    std::lock_guard<std::mutex> lock(user_lock(user_id));
+    const auto lock = lock_stripes({&user_id, 1}, /*wait_for_purges=*/true);
     CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
     leave_status_.find(user_id, current);
     // Active and ungated: nothing to do (G7). Active but gated happens only
@@ -143,6 +143,26 @@ Status Db::Impl::rejoin_community_layer(std::span<const std::uint64_t> user_ids)
   return bulk("rejoin_community_layer", user_ids, /*leave=*/false);
 }
 
+std::vector<std::unique_lock<std::mutex>> Db::Impl::lock_stripes(std::span<const std::uint64_t> users,
+                                                                 bool wait_for_purges) {
+  std::vector<bool> touched(user_locks_.size(), false);
+  for (std::uint64_t u : users) touched[u % user_locks_.size()] = true;
+  const auto purged = [&] {  // with purging_mu_ held
+    return std::any_of(users.begin(), users.end(), [&](std::uint64_t u) { return purging_.contains(u); });
+  };
+  for (;;) {
+    std::vector<std::unique_lock<std::mutex>> locks;
+    for (std::size_t i = 0; i < touched.size(); ++i) {
+      if (touched[i]) locks.emplace_back(user_locks_[i]);
+    }
+    if (!wait_for_purges) return locks;
+    std::unique_lock<std::mutex> lock(purging_mu_);
+    if (!purged()) return locks;  // and none can start: a purge registers under the stripes
+    locks.clear();  // wait holding no stripe: the other users of the stripes go on
+    purge_ended_.wait(lock, [&] { return !purged(); });
+  }
+}
+
 // A single-user call holds one stripe, and every bulk call takes its stripes
 // in ascending order, so no two calls wait on each other in a cycle. The
 // stripes stay locked for the whole call (a concurrent leave or rejoin of a
@@ -154,12 +174,7 @@ Status Db::Impl::bulk(const char* what, std::span<const std::uint64_t> user_ids,
     std::vector<std::uint64_t> users(user_ids.begin(), user_ids.end());
     std::sort(users.begin(), users.end());
     users.erase(std::unique(users.begin(), users.end()), users.end());  // duplicates: G7
-    std::vector<bool> touched(user_locks_.size(), false);
-    for (std::uint64_t u : users) touched[u % user_locks_.size()] = true;
-    std::vector<std::unique_lock<std::mutex>> locks;
-    for (std::size_t i = 0; i < touched.size(); ++i) {
-      if (touched[i]) locks.emplace_back(user_locks_[i]);
-    }
+    const auto locks = lock_stripes(users, /*wait_for_purges=*/!leave);
     return leave ? leave_locked(users) : rejoin_locked(users);
   });
 }

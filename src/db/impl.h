@@ -138,6 +138,12 @@ class Db::Impl {
   // would include the caller's own section.
   static Status check_outside_sink(const char* what);
   std::mutex& user_lock(std::uint64_t user_id) { return user_locks_[user_id % user_locks_.size()]; }
+  // Locks the stripes of `users` (sorted) in ascending order, as every call
+  // that holds more than one does (no cycle between them). With
+  // `wait_for_purges`, first waits, holding no stripe, until no purge is
+  // working on any of them (a rejoin: its new signals must not land in a
+  // ledger the purge is removing); nothing else waits for a purge.
+  std::vector<std::unique_lock<std::mutex>> lock_stripes(std::span<const std::uint64_t> users, bool wait_for_purges);
   // Appends the clock floor record of the user's lock stripe to `batch`.
   void put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts);
   // Writes the clock's lease record (Clock::StoreFloor).
@@ -157,11 +163,13 @@ class Db::Impl {
   // Appends the clock floor records of the stripes in `floors` (0 = untouched).
   void put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors);
   CounterStripe& counters();
-  // db/purge.cc: `users` sorted, distinct, Left, their stripes locked.
-  // Writes the durable batches; adds to `to_erase` every user whose ledger
-  // bytes may still be in a file (including on error).
-  Result<std::vector<PurgeReceipt>> purge_locked(const char* what, const std::vector<std::uint64_t>& users,
-                                                 std::vector<std::uint64_t>* to_erase);
+  // db/purge.cc: `users` sorted, distinct, Left since `left_at` (same
+  // order), registered in purging_. Writes the durable batches; adds to
+  // `to_erase` every user whose ledger bytes may still be in a file
+  // (including on error).
+  Result<std::vector<PurgeReceipt>> purge_registered(const char* what, const std::vector<std::uint64_t>& users,
+                                                     const std::vector<std::uint64_t>& left_at,
+                                                     std::vector<std::uint64_t>* to_erase);
   // One purge batch, ingested atomically (storage/ingest_batch.h): per
   // aggregate cell the users touched a merge operand of minus their exact
   // sum, a range deletion of each user's ledger, each user's receipt
@@ -194,6 +202,12 @@ class Db::Impl {
   mutable std::condition_variable drained_;
   std::mutex close_mu_;  // a second close() returns once the first has finished
   std::array<std::mutex, 64> user_locks_;  // serializes membership changes of one user
+  // The users a purge is working on (registered under their stripes, while
+  // they are Left), with the number of purges of each: a purge holds no
+  // stripe while it works, so leaves, joins and exits never wait for one.
+  std::mutex purging_mu_;
+  std::condition_variable purge_ended_;
+  std::unordered_map<std::uint64_t, unsigned> purging_;
   std::mutex erase_mu_;  // one physical erasure at a time (db/purge.cc)
   // Which purge batch last wrote each user's erasure mark, so that an
   // erasure deletes only marks of batches it covered (db/purge.cc).

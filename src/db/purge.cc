@@ -2,7 +2,10 @@
 //
 // A purge of Left users runs in two steps, once the leaves it relies on are
 // durable (Storage::sync_users_wal: without sync_writes a leave may not be):
-//   1. with the users' lock stripes held, inside StateStore::exclusive: the
+//   1. with the users registered as being purged (a rejoin of one of them
+//      waits; their stripes are held only to check that they are Left and
+//      register them, so leaves, joins and exits of any user never wait for
+//      the state engine), inside StateStore::exclusive: the
 //      pending aggregate updates are written first (a Left user's gate is
 //      closed and leave waited out every signal that passed it, so none of
 //      the user's contributions is still in memory afterwards and none
@@ -106,15 +109,42 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
     users.erase(std::unique(users.begin(), users.end()), users.end());
     std::vector<std::uint64_t> to_erase;  // users whose ledger bytes may still be in a file
     Result<std::vector<PurgeReceipt>> receipts = [&]() -> Result<std::vector<PurgeReceipt>> {
-      // Stripes in ascending order, as the bulk leave: no cycle with it.
-      // Held for the durable batches only, not for the erasure.
-      std::vector<bool> touched(user_locks_.size(), false);
-      for (std::uint64_t u : users) touched[u % user_locks_.size()] = true;
-      std::vector<std::unique_lock<std::mutex>> locks;
-      for (std::size_t i = 0; i < touched.size(); ++i) {
-        if (touched[i]) locks.emplace_back(user_locks_[i]);
+      // Under the users' stripes, only long enough to check that each is
+      // Left and register it in purging_: from then on a rejoin of one of
+      // them waits for this purge, and nobody else does (no leave, join or
+      // exit waits for the state engine).
+      std::vector<std::uint64_t> left_at(users.size());
+      {
+        const auto locks = lock_stripes(users, /*wait_for_purges=*/false);
+        for (std::size_t i = 0; i < users.size(); ++i) {
+          CommunityMembership m{users[i], MembershipStatus::Active, std::nullopt};
+          leave_status_.find(users[i], m);
+          if (m.status != MembershipStatus::Left) {
+            return Status::InvalidArgument(std::string(what) + "(" + user_text(users[i]) + "): " +
+                                           user_text(users[i]) + " is " + status_text(m.status) +
+                                           "; only a user who left the community layer can be purged; nothing "
+                                           "changed");
+          }
+          left_at[i] = m.left_at_ns.value_or(0);
+        }
+        std::lock_guard<std::mutex> lock(purging_mu_);
+        for (std::uint64_t u : users) ++purging_[u];
       }
-      return purge_locked(what, users, &to_erase);
+      // Unregistered however purge_registered ends (an exception included).
+      struct Unregister {
+        Impl* impl;
+        const std::vector<std::uint64_t>& users;
+        ~Unregister() {
+          {
+            std::lock_guard<std::mutex> lock(impl->purging_mu_);
+            for (std::uint64_t u : users) {
+              if (auto it = impl->purging_.find(u); --it->second == 0) impl->purging_.erase(it);
+            }
+          }
+          impl->purge_ended_.notify_all();
+        }
+      } unregister{this, users};
+      return purge_registered(what, users, left_at, &to_erase);
     }();
     // Erase what the batches made durable, even when a later batch failed:
     // what is not erased now stays marked for the next purge or open.
@@ -131,19 +161,9 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
   });
 }
 
-Result<std::vector<PurgeReceipt>> Db::Impl::purge_locked(const char* what, const std::vector<std::uint64_t>& users,
-                                                         std::vector<std::uint64_t>* to_erase) {
-  std::vector<std::uint64_t> left_at(users.size());
-  for (std::size_t i = 0; i < users.size(); ++i) {
-    CommunityMembership m{users[i], MembershipStatus::Active, std::nullopt};
-    leave_status_.find(users[i], m);
-    if (m.status != MembershipStatus::Left) {
-      return Status::InvalidArgument(std::string(what) + "(" + user_text(users[i]) + "): " + user_text(users[i]) +
-                                     " is " + status_text(m.status) +
-                                     "; only a user who left the community layer can be purged; nothing changed");
-    }
-    left_at[i] = m.left_at_ns.value_or(0);
-  }
+Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, const std::vector<std::uint64_t>& users,
+                                                             const std::vector<std::uint64_t>& left_at,
+                                                             std::vector<std::uint64_t>* to_erase) {
   // The leave each receipt cites must outlive the purge (E2): without
   // sync_writes it may still be an unsynced write of the users engine,
   // and the purge is a synced one of the state engine.
