@@ -2,11 +2,14 @@
 // cap forced down to a few cells, verify() and rematerialize_shared_aggregates
 // find exactly what they find in one pass, repair the same, and no pass holds
 // more cells than the cap.
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <iterator>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -202,6 +205,72 @@ TEST(LedgerScan, RepairUnderATinyCapLeavesEveryScoreAsIfNeverDamaged) {
     differ += std::memcmp(&a, &b, sizeof a) != 0 ? 1u : 0u;
   }
   EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(value_of(db->community_score(777, 3)), 0.0);
+}
+
+// Issue 26, item 3 (S4): a repairing re-materialization scans at a snapshot
+// with no lock, so the writer keeps writing batches all through its scan
+// (before, it held the drain lock throughout and no batch was written), and
+// its repair, a correction added to each damaged cell, stays exact while
+// signals keep landing on those very cells: afterwards every score is
+// bit-identical to an undamaged Db that got the same signals.
+TEST(LedgerScanConcurrentTest, ARepairWhileSignalsFlowNeverStopsTheWriterAndIsExact) {
+  TempDir dir;
+  const Workload w;
+  build(dir.sub("reference"), w);
+  build(dir.sub("db"), w);
+  damage_shared(dir.sub("db"), w);
+  Options options;
+  options.aggregate_write_period = std::chrono::milliseconds(5);
+  auto db = open_db(dir.sub("db"), options);
+  auto reference = open_db(dir.sub("reference"), manual_writes());
+  ASSERT_NE(db, nullptr);
+  PassCells cells(1);  // one pass per cell: a long scan
+  std::atomic<bool> done{false};
+  std::chrono::steady_clock::duration took{};
+  Result<RematerializeReport> fixed = Status::Busy("not run");
+  std::thread repairer([&] {
+    const auto start = std::chrono::steady_clock::now();
+    fixed = db->rematerialize_shared_aggregates(/*repair=*/true);
+    took = std::chrono::steady_clock::now() - start;
+    done = true;
+  });
+  // The same signals again, into both, while the repair runs: they land on
+  // the damaged cells too. Count the batches the writer stores meanwhile.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past the repair's initial drain
+  const std::uint64_t writes_before = db->stats().aggregate_writes;
+  std::uint64_t writes_during = 0;
+  std::size_t replayed = 0;
+  while (!done.load()) {
+    const auto& [signal, ctx] = w.signals[replayed % w.signals.size()];
+    ASSERT_OK(db->signal_with_context(signal, ctx));
+    ASSERT_OK(reference->signal_with_context(signal, ctx));
+    ++replayed;
+    writes_during = db->stats().aggregate_writes - writes_before;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  repairer.join();
+  ASSERT_OK(fixed);
+  EXPECT_TRUE(fixed->repaired);
+  EXPECT_EQ(fixed->mismatches.size(), 4u) << all(fixed->mismatches);
+  const auto period = options.aggregate_write_period;
+  ASSERT_GT(took, 20 * period) << "the scan was too short to show anything";
+  EXPECT_GE(writes_during, 3u) << "the writer stored " << writes_during << " batches during a "
+                               << std::chrono::duration_cast<std::chrono::milliseconds>(took).count()
+                               << " ms re-materialization (period " << period.count() << " ms)";
+  ASSERT_OK(db->flush());
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << all(v->problems);
+  std::size_t differ = 0;
+  for (const auto& [kind, owner, item] : w.cells) {
+    const double a = value_of(kind == AggregateKind::Cohort ? db->cohort_score(owner, item)
+                                                            : db->community_score(owner, item));
+    const double b = value_of(kind == AggregateKind::Cohort ? reference->cohort_score(owner, item)
+                                                            : reference->community_score(owner, item));
+    differ += std::memcmp(&a, &b, sizeof a) != 0 ? 1u : 0u;
+  }
+  EXPECT_EQ(differ, 0u) << "after " << replayed << " signals replayed during the repair";
   EXPECT_EQ(value_of(db->community_score(777, 3)), 0.0);
 }
 

@@ -209,6 +209,7 @@ class Db::Impl {
   std::condition_variable purge_ended_;
   std::unordered_map<std::uint64_t, unsigned> purging_;
   std::mutex erase_mu_;  // one physical erasure at a time (db/purge.cc)
+  std::mutex repair_mu_;  // one repairing re-materialization at a time (db/rematerialize.cc)
   // Which purge batch last wrote each user's erasure mark, so that an
   // erasure deletes only marks of batches it covered (db/purge.cc).
   std::mutex marks_mu_;

@@ -1,13 +1,40 @@
 // Db::Impl::rematerialize_shared_aggregates: every cohort and community
 // aggregate recomputed from the contribution ledger and compared exactly;
-// with repair, the differing ones rewritten in one synced batch
+// with repair, the differing ones corrected in one synced batch
 // (docs/CONTRACT.md, P6). The check runs in passes of bounded memory
 // (storage/ledger_scan.h).
+//
+// The scan holds no lock: it reads one snapshot, taken after the write
+// buffers were drained, while the writer goes on writing batches (each an
+// atomic step that adds the same deltas to an aggregate and its ledger, as a
+// purge's batch removes the same amounts from both). So a difference found
+// at the snapshot is still the difference when the repair lands, and a
+// repair is a merge operand of (ledger sum - stored sum) at the snapshot:
+// it composes with every batch written since, and takes the drain lock only
+// for its one small write (a repair's feed entry must not interleave with a
+// writer batch's). One repair at a time: two would each add the correction.
+// An aggregate whose stored value does not decode cannot take an operand:
+// then the scan is made again under the drain lock, and that one is
+// overwritten with its ledger sum.
+#include <algorithm>
+
+#include <rocksdb/snapshot.h>
+
 #include "db/guarded.h"
 #include "db/impl.h"
 #include "storage/ledger_scan.h"
 
 namespace tidal {
+namespace {
+
+// One aggregate the repair corrects.
+struct Fix {
+  std::string key;
+  Units recomputed;
+  std::optional<Units> stored;  // empty when the stored value does not decode
+};
+
+}  // namespace
 
 Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repair) {
   const char* what = "rematerialize_shared_aggregates";
@@ -17,20 +44,18 @@ Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repai
     if (Status busy = check_outside_sink(what); !busy.ok()) return busy;
     Call call(this, what, /*write=*/repair);
     if (!call.status().ok()) return call.status();
+    std::unique_lock<std::mutex> one_repair(repair_mu_, std::defer_lock);
+    if (repair) one_repair.lock();
     RematerializeReport report;
-    Status s = state_->exclusive([&]() -> Status {
-      // The check holds at most ledger_pass_cells() sums at once
-      // (storage/ledger_scan.h); what grows with the state is only the list
-      // of fixes, one per mismatch, kept for the one batch below.
-      struct Fix {
-        std::string key;
-        Units recomputed;
-        std::optional<Units> stored;
-      };
-      std::vector<Fix> fixes;
+    std::vector<Fix> fixes;
+    // The check holds at most ledger_pass_cells() sums at once; what grows
+    // with the state is only the list of fixes, one per mismatch.
+    const auto scan = [&](const rocksdb::Snapshot* snapshot) -> Status {
+      report = RematerializeReport{};
+      fixes.clear();
       LedgerCheck check;
       Status r = check_ledger(
-          *storage_, /*snapshot=*/nullptr, &check,
+          *storage_, snapshot, &check,
           [&](std::string problem) { report.mismatches.push_back(std::move(problem)); },
           [&](const AggregateMismatch& m) {
             report.mismatches.push_back(m.what);
@@ -39,9 +64,23 @@ Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repai
           });
       report.ledger_entries_read = check.ledger_entries;
       report.aggregates_checked = check.aggregates;
-      if (!r.ok() || !repair || report.mismatches.empty()) return r;
+      return r;
+    };
+    // Everything acknowledged before the call is stored first.
+    if (Status s = state_->flush(); !s.ok()) return s;
+    {
+      rocksdb::ManagedSnapshot snapshot(storage_->db(Storage::Engine::State));
+      if (Status s = scan(snapshot.snapshot()); !s.ok()) return s;
+    }
+    if (!repair || report.mismatches.empty()) return report;
+    const bool undecodable = std::any_of(fixes.begin(), fixes.end(), [](const Fix& f) { return !f.stored; });
+    Status s = state_->exclusive([&]() -> Status {
+      // No writer batch lands while fn runs: a scan here sees what the
+      // repair overwrites.
+      if (undecodable) {
+        if (Status r = scan(/*snapshot=*/nullptr); !r.ok()) return r;
+      }
       // One synced batch: a crash leaves every aggregate repaired or none.
-      // No writer batch lands between the scan and this write (drain lock).
       // With a change feed, each repair enters it as the delta that moves
       // the stored sum to the recomputed one, in the same batch, so views
       // follow (fixes come in key order).
@@ -55,15 +94,19 @@ Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repai
       std::string value;
       for (const Fix& f : fixes) {
         value.clear();
-        put_units(&value, f.recomputed);
-        batch.Put(storage_->aggregates(), f.key, value);
-        if (!feed) continue;
-        if (!f.stored) {
+        if (f.stored) {
+          put_units(&value, f.recomputed - *f.stored);
+          batch.Merge(storage_->aggregates(), f.key, value);
+          if (feed) feed->add(f.key, f.recomputed - *f.stored);
+          continue;
+        }
+        if (feed) {
           return Status::Corruption(std::string(what) + ": aggregate " + hex(f.key) +
                                     " does not decode, so the change feed cannot carry its repair as a delta; "
                                     "nothing repaired");
         }
-        feed->add(f.key, f.recomputed - *f.stored);
+        put_units(&value, f.recomputed);
+        batch.Put(storage_->aggregates(), f.key, value);
       }
       ChangeFeed::Appended appended;
       if (feed) {
@@ -71,8 +114,8 @@ Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repai
         if (!a.ok()) return a.status();
         appended = *a;
       }
-      if (r = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync, std::string(what) + " repair of " +
-                                                                  std::to_string(fixes.size()) + " aggregates");
+      if (Status r = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync,
+                                     std::string(what) + " repair of " + std::to_string(fixes.size()) + " aggregates");
           !r.ok()) {
         return r;
       }
