@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <set>
 #include <tuple>
@@ -558,6 +559,168 @@ TEST(MigrationTest, AnUpgradedDbThatLostItsStateEpochStillNeverReusesAnEpoch) {
     ASSERT_TRUE(raw.db(testing::RawDb::kStateMeta)->Delete(sync, raw.cf(testing::RawDb::kStateMeta), kStateEpochKey).ok());
   }
   batches_then_exact_purge(path, layout_options(layout), ledger);
+}
+
+// ---- rollback: tidal 0.2 refuses a format-3 Db ----
+
+// What tidal 0.2 did first on every open (StateStore::check_format, the
+// same from 0.2.0 to 9dd4519), on the RocksDB database in the Db directory:
+// read "state_format" from its default column family; refuse any value but
+// "2"; when absent, refuse a non-empty "aggregates" column family (tidal
+// 0.1's), else mark it "2" and run. Returns 0.2's refusal, or "" when 0.2
+// would have run.
+std::string tidal02_refusal(const std::string& path) {
+  RawReader raw(path);
+  if (raw.db() == nullptr) return "cannot open";
+  std::string format;
+  rocksdb::Status s = raw.db()->Get(rocksdb::ReadOptions(), raw.cf("default"), "state_format", &format);
+  if (s.ok()) {
+    if (format == "2") return "";
+    return "cannot open tidal Db at '" + path + "': its aggregates are in format " + format +
+           "; this version reads format 2";
+  }
+  EXPECT_TRUE(s.IsNotFound()) << s.ToString();
+  if (raw.cf("aggregates") != nullptr) {
+    std::unique_ptr<rocksdb::Iterator> it(raw.db()->NewIterator(rocksdb::ReadOptions(), raw.cf("aggregates")));
+    it->SeekToFirst();
+    if (it->Valid()) return "its aggregates were written by tidal 0.1";
+  }
+  return "";
+}
+
+// Issue 26 item 6: after the upgrade (and in a new Db) the users engine
+// carries a state_format that tidal 0.2 refuses, so a rollback to 0.2 fails
+// its open with a clear error instead of running on empty aggregates; and
+// format 3 opens its own Db with the mark, read-only and writable.
+TEST(MigrationTest, Tidal02RefusesAnUpgradedOrNewFormat3Db) {
+  TempDir dir;
+  const std::string path = extract_fixture(dir.path());
+  ASSERT_EQ(tidal02_refusal(path), "") << "0.2 opens its own fixture";
+  {
+    Result<std::unique_ptr<Db>> db = Db::open(path, feed_options());
+    ASSERT_OK(db.status());
+    ASSERT_OK((*db)->close());
+  }
+  const std::string refusal = tidal02_refusal(path);
+  EXPECT_NE(refusal.find("its aggregates are in format 3"), std::string::npos) << refusal;
+  EXPECT_NE(refusal.find("tidal 0.3 or newer"), std::string::npos) << refusal;
+  EXPECT_NE(refusal.find("state/"), std::string::npos) << refusal;
+  expect_all_values(path, expected_lines(), "with the rollback mark");
+
+  const std::string fresh = dir.sub("new");
+  {
+    Result<std::unique_ptr<Db>> db = Db::open(fresh);
+    ASSERT_OK(db.status());
+    ASSERT_OK((*db)->leave_community_layer(5));
+    ASSERT_OK((*db)->close());
+  }
+  EXPECT_NE(tidal02_refusal(fresh).find("its aggregates are in format 3"), std::string::npos);
+  // A format-3 Db written before the mark existed gets it at its next writable open.
+  {
+    testing::RawDb raw(fresh);
+    ASSERT_TRUE(raw.ok());
+    ASSERT_TRUE(raw.db(testing::RawDb::kMeta)->Delete(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kMeta), "state_format").ok());
+  }
+  ASSERT_EQ(tidal02_refusal(fresh), "");
+  for (bool read_only : {true, false}) {
+    Options options;
+    options.read_only = read_only;
+    Result<std::unique_ptr<Db>> db = Db::open(fresh, options);
+    ASSERT_OK(db.status());
+    Result<CommunityMembership> m = (*db)->community_layer_status(5);
+    ASSERT_OK(m.status());
+    EXPECT_EQ(m->status, MembershipStatus::Left);
+    ASSERT_OK((*db)->close());
+  }
+  EXPECT_NE(tidal02_refusal(fresh).find("its aggregates are in format 3"), std::string::npos);
+}
+
+// ---- an open that fails does not upgrade ----
+
+// Issue 26 item 6: every check that can refuse the open of a format-2 Db
+// runs before the upgrade, so a refused open leaves it in format 2 with
+// every record as it was, and no state engine.
+TEST(MigrationTest, AnOpenRefusedForAnyReasonLeavesFormat2AsItWas) {
+  struct Case {
+    const char* name;
+    std::function<void(const std::string& path)> damage;  // before the open
+    std::function<void(Options*)> options;
+    StatusCode code;
+    const char* message;
+  };
+  const std::uint64_t corrupt_user = 1021;  // Left in the fixture
+  const std::vector<Case> cases = {
+      {"another shard id", nullptr, [](Options* o) { o->shard_id = 8; }, StatusCode::InvalidArgument,
+       "its change feed belongs to shard 7"},
+      {"no change feed in Options", nullptr, [](Options* o) { o->change_feed = false; }, StatusCode::InvalidArgument,
+       "it keeps a change feed (shard 7)"},
+      {"a corrupt leave record",
+       [&](const std::string& path) {
+         testing::RawDb raw(path, testing::RawDb::Layout::Format2);
+         ASSERT_TRUE(raw.ok());
+         const std::string bad = "\x01\x02\x03";
+         ASSERT_TRUE(raw.db(testing::RawDb::kUsers)
+                         ->Put(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kUsers),
+                               encode_key(EntityId(corrupt_user), Tag::CommunityLeave), bad)
+                         .ok());
+         ASSERT_TRUE(raw.db(testing::RawDb::kByTag)
+                         ->Put(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kByTag),
+                               encode_index_key(EntityId(corrupt_user), Tag::CommunityLeave), bad)
+                         .ok());
+       },
+       nullptr, StatusCode::Corruption, "1021"},
+      {"a corrupt clock floor",
+       [](const std::string& path) {
+         testing::RawDb raw(path, testing::RawDb::Layout::Format2);
+         ASSERT_TRUE(raw.ok());
+         ASSERT_TRUE(raw.db(testing::RawDb::kMeta)
+                         ->Put(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kMeta), clock_floor_stripe_key(3), "abc")
+                         .ok());
+       },
+       nullptr, StatusCode::Corruption, "clock floor"},
+      {"a corrupt state_epoch",
+       [](const std::string& path) {
+         testing::RawDb raw(path, testing::RawDb::Layout::Format2);
+         ASSERT_TRUE(raw.ok());
+         ASSERT_TRUE(raw.db(testing::RawDb::kMeta)
+                         ->Put(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kMeta), kStateEpochKey, "abc")
+                         .ok());
+       },
+       nullptr, StatusCode::Corruption, "epoch"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    TempDir dir;
+    const std::string path = extract_fixture(dir.path());
+    if (c.damage) c.damage(path);
+    if (::testing::Test::HasFatalFailure()) return;
+    std::map<std::string, std::vector<std::pair<std::string, std::string>>> before;
+    {
+      RawReader raw(path);
+      before = raw.contents();
+    }
+    ASSERT_EQ(before.size(), 6u);  // default, users, by_tag, aggregates, ledger, feed
+    Options options = feed_options();
+    if (c.options) c.options(&options);
+    Result<std::unique_ptr<Db>> db = Db::open(path, options);
+    ASSERT_EQ(db.status().code(), c.code) << db.status().to_string();
+    EXPECT_NE(db.status().message().find(c.message), std::string::npos) << db.status().message();
+    EXPECT_FALSE(std::filesystem::exists(state_engine_dir(path))) << "the refused open created the state engine";
+    RawReader raw(path);
+    const auto after = raw.contents();
+    EXPECT_EQ(after.size(), before.size()) << "column families changed";
+    for (const auto& [cf, rows] : before) {
+      auto it = after.find(cf);
+      if (it == after.end()) {
+        ADD_FAILURE() << "column family " << cf << " is gone";
+        continue;
+      }
+      EXPECT_TRUE(it->second == rows) << "column family " << cf << " changed: " << rows.size() << " records before, "
+                                      << it->second.size() << " after";
+    }
+    std::string format;
+    EXPECT_TRUE(raw.db()->Get(rocksdb::ReadOptions(), raw.cf("default"), "db_format", &format).IsNotFound());
+  }
 }
 
 }  // namespace

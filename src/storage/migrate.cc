@@ -10,8 +10,9 @@
 //      (from the users partition) and the state store's meta records, with
 //      a state_epoch at or above every epoch the copied ledger names;
 //   3. fsync the Db directory (state/'s own entry), then write, synced, in
-//      one batch of the users engine: db_format = 3, and the deletion of the
-//      copied receipts and meta records (the commit point);
+//      one batch of the users engine: db_format = 3, the deletion of the
+//      copied receipts and meta records, and a state_format that tidal 0.2
+//      refuses (kUsersStateFormatMark) (the commit point);
 //   4. drop the format-2 column families.
 // A crash before 3 leaves the format-2 Db whole (the next open starts over
 // at 1); a crash after it leaves a format-3 Db whose next open finishes 4.
@@ -179,6 +180,8 @@ Status Storage::migrate_to_format3(const rocksdb::Options& base,
   rocksdb::WriteBatch commit;
   commit.Put(meta(), kDbFormatKey, kDbFormat);
   for (std::size_t i = 0; i < moved.size(); ++i) commit.Delete(i < moved_meta ? meta() : users(), moved[i]);
+  // After the deletion of the moved "2": the mark tidal 0.2 refuses (a rollback is refused, never run empty).
+  commit.Put(meta(), kStateFormatKey, kUsersStateFormatMark);
   if (Status s = write(Engine::Users, &commit, WriteMode::Sync, what); !s.ok()) {
     // The commit may or may not be durable: state/ stays, for the format-3
     // Db the next open then finds, or to be rebuilt by its next attempt.
