@@ -13,7 +13,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <set>
+#include <tuple>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -264,6 +267,459 @@ TEST(MigrationTest, ASigkillAtEveryStepOfTheUpgradeLosesNothing) {
     }
     expect_all_values(path, expected, ("after a SIGKILL at step " + std::to_string(step)).c_str());
     if (::testing::Test::HasFailure()) return;
+  }
+}
+
+// ---- every format-2 layout tidal 0.2 wrote, and the epochs of its ledger ----
+
+// A RocksDB database (a Db directory's, or its state engine's) opened
+// read-only with every column family it has.
+class RawReader {
+ public:
+  explicit RawReader(const std::string& path) {
+    std::vector<std::string> names;
+    rocksdb::Status s = rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &names);
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    for (const std::string& name : names) {
+      cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+      if (name == "aggregates") cfs.back().options.merge_operator = new_units_add_operator();
+    }
+    rocksdb::DB* raw = nullptr;
+    if (s.ok()) s = rocksdb::DB::OpenForReadOnly(rocksdb::Options(), path, cfs, &handles_, &raw);
+    EXPECT_TRUE(s.ok()) << "read-only open of " << path << ": " << s.ToString();
+    db_.reset(raw);
+  }
+  ~RawReader() {
+    for (auto* h : handles_) (void)db_->DestroyColumnFamilyHandle(h);
+  }
+  RawReader(const RawReader&) = delete;
+  RawReader& operator=(const RawReader&) = delete;
+
+  rocksdb::DB* db() const { return db_.get(); }
+  // Null when the database has no such column family.
+  rocksdb::ColumnFamilyHandle* cf(const std::string& name) const {
+    for (auto* h : handles_) {
+      if (h->GetName() == name) return h;
+    }
+    return nullptr;
+  }
+  // Every key and value of every column family, by name.
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> contents() const {
+    std::map<std::string, std::vector<std::pair<std::string, std::string>>> out;
+    for (auto* h : handles_) {
+      std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), h));
+      auto& rows = out[h->GetName()];
+      for (it->SeekToFirst(); it->Valid(); it->Next()) rows.emplace_back(it->key().ToString(), it->value().ToString());
+      EXPECT_TRUE(it->status().ok()) << it->status().ToString();
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<rocksdb::DB> db_;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;
+};
+
+// The layouts of format 2 that tidal 0.2 wrote. The fixture was written at
+// 9dd4519 (the last format-2 commit): a state_epoch record (from cbd41e6
+// on) and a change feed (from 615c6e1 on). tidal 0.2.0 before cbd41e6 wrote
+// each batch's ledger records under the engine's next sequence number and
+// stored no state_epoch; before 615c6e1 there was no feed column family and
+// no feed_* meta record.
+struct Format2Layout {
+  const char* name;
+  bool state_epoch;
+  bool feed;
+};
+constexpr Format2Layout kFormat2Layouts[] = {
+    {"as written at 9dd4519 (state_epoch, change feed)", true, true},
+    {"without state_epoch (tidal 0.2.0 before cbd41e6), with a change feed", false, true},
+    {"without state_epoch or change feed (tidal 0.2.0 as released)", false, false},
+    {"with state_epoch, without change feed (cbd41e6 to 615c6e1)", true, false},
+};
+
+// Rewrites the extracted fixture at `path` into `layout`, with RocksDB's own
+// API: what 0.2 would have written, but for what the layout lacks.
+void reshape(const std::string& path, const Format2Layout& layout) {
+  std::vector<std::string> names;
+  ASSERT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &names).ok());
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+  for (const std::string& name : names) {
+    cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+    if (name == "aggregates") cfs.back().options.merge_operator = new_units_add_operator();
+  }
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  ASSERT_TRUE(rocksdb::DB::Open(rocksdb::Options(), path, cfs, &handles, &raw).ok());
+  std::unique_ptr<rocksdb::DB> db(raw);
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  std::string epoch;
+  ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), handles[0], kStateEpochKey, &epoch).ok()) << "the fixture has a state_epoch";
+  if (!layout.state_epoch) {
+    ASSERT_TRUE(db->Delete(sync, handles[0], kStateEpochKey).ok());
+  }
+  ASSERT_TRUE(db->Flush(rocksdb::FlushOptions(), handles).ok());
+  if (!layout.feed) {
+    ASSERT_TRUE(db->Delete(sync, handles[0], kFeedShardKey).ok());
+    ASSERT_TRUE(db->Delete(sync, handles[0], kFeedTrimmedKey).ok());
+    for (auto* h : handles) {
+      if (h->GetName() == "feed") {
+        ASSERT_TRUE(db->DropColumnFamily(h).ok());
+      }
+    }
+    ASSERT_TRUE(db->Flush(rocksdb::FlushOptions(), handles[0]).ok());
+  }
+  for (auto* h : handles) ASSERT_TRUE(db->DestroyColumnFamilyHandle(h).ok());
+  ASSERT_TRUE(db->Close().ok());
+}
+
+Options layout_options(const Format2Layout& layout) {
+  Options options;
+  options.create_if_missing = false;
+  options.change_feed = layout.feed;
+  options.shard_id = 7;
+  options.aggregate_write_period = std::chrono::hours(1);  // only flush() writes a batch
+  return options;
+}
+
+// A user Active in the fixture, with ledger records from several of 0.2's
+// batches and two communities (501 and 0x8000000000000005).
+constexpr std::uint64_t kUser = 1001;
+// Cells no signal of the fixture touched.
+constexpr std::uint64_t kNewCohort = 424242;
+constexpr std::uint64_t kNewItem = 777;
+// Batches written after the upgrade: enough for a state engine whose
+// sequence restarted near 0 (each batch takes two sequence numbers) to reach
+// epochs that 0.2 gave kUser's records (without the fix: 22 I1 mismatches).
+constexpr int kBatches = 64;
+constexpr Units kOne = 1'000'000'000;  // weight 1.0 in 1e-9 units
+
+using CellId = std::tuple<AggregateKind, std::uint64_t, std::uint64_t>;  // target kind, target id, item
+
+// What the fixture's ledger (read raw, before the upgrade) says.
+struct FixtureLedger {
+  std::map<CellId, Units> others;     // every cell a ledger entry names: the sum over users other than kUser
+  Units user_cohort = 0;              // kUser's contributions to cohorts
+  Units user_community = 0;           // and to communities
+  std::set<std::uint64_t> user_epochs;
+  std::uint64_t max_epoch = 0;        // of any ledger key
+  std::uint64_t last_sequence = 0;    // the format-2 engine's
+};
+
+FixtureLedger read_fixture_ledger(const std::string& path) {
+  FixtureLedger out;
+  RawReader raw(path);
+  if (raw.db() == nullptr) return out;
+  out.last_sequence = raw.db()->GetLatestSequenceNumber();
+  std::unique_ptr<rocksdb::Iterator> it(raw.db()->NewIterator(rocksdb::ReadOptions(), raw.cf("ledger")));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const std::optional<LedgerKey> key = decode_ledger_key({it->key().data(), it->key().size()});
+    const std::optional<std::vector<LedgerEntry>> entries = decode_ledger_value({it->value().data(), it->value().size()});
+    EXPECT_TRUE(key && entries) << "ledger record " << hex_bytes(it->key().ToString()) << " does not decode";
+    if (!key || !entries) continue;
+    out.max_epoch = std::max(out.max_epoch, key->epoch);
+    if (key->user_id == kUser) out.user_epochs.insert(key->epoch);
+    for (const LedgerEntry& e : *entries) {
+      Units& others = out.others[{e.target, e.target_id, e.item}];
+      if (key->user_id != kUser) others += e.units;
+      else (e.target == AggregateKind::Cohort ? out.user_cohort : out.user_community) += e.units;
+    }
+  }
+  EXPECT_TRUE(it->status().ok()) << it->status().ToString();
+  return out;
+}
+
+std::string problems(const VerifyReport& v) {
+  std::string out = std::to_string(v.problems.size()) + " verify problems, the first: ";
+  return v.problems.empty() ? "none" : out + v.problems.front();
+}
+
+// Opens the (upgraded or to be upgraded) Db at `path`, writes kBatches
+// batches of one kUser signal each (cohort kNewCohort, item kNewItem), then
+// checks I1 (verify), and that a purge of kUser once Left removes exactly
+// what kUser ever gave: every cell the fixture's ledger names reads the sum
+// of the other users' entries, bit for bit, and the new cells read 0.
+void batches_then_exact_purge(const std::string& path, const Options& options, const FixtureLedger& ledger) {
+  ASSERT_FALSE(ledger.user_epochs.empty()) << "user " << kUser << " has no ledger record in the fixture";
+  Result<std::unique_ptr<Db>> opened = Db::open(path, options);
+  ASSERT_OK(opened.status());
+  Db& db = **opened;
+  Result<std::vector<std::uint64_t>> communities = db.communities_of(kUser);
+  ASSERT_OK(communities.status());
+  ASSERT_EQ(communities->size(), 2u);
+  for (int b = 0; b < kBatches; ++b) {
+    Result<SignalOutcome> signaled = db.signal_with_context({kUser, kNewItem, 1.0}, {{kNewCohort}});
+    ASSERT_OK(signaled.status());
+    ASSERT_OK(db.flush());
+  }
+  EXPECT_EQ(db.stats().aggregate_writes, static_cast<std::uint64_t>(kBatches));
+  Result<double> fresh = db.cohort_score(kNewCohort, kNewItem);
+  ASSERT_OK(fresh.status());
+  EXPECT_EQ(*fresh, static_cast<double>(kBatches));
+  Result<VerifyReport> v = db.verify();
+  ASSERT_OK(v.status());
+  EXPECT_TRUE(v->ok()) << "after " << kBatches << " batches: " << problems(*v);
+
+  ASSERT_OK(db.leave_community_layer(kUser));
+  Result<PurgeReceipt> receipt = db.purge_community_contributions(kUser);
+  ASSERT_OK(receipt.status());
+  EXPECT_EQ(receipt->cohort_weight_removed, units_to_double(ledger.user_cohort + kBatches * kOne));
+  EXPECT_EQ(receipt->community_weight_removed,
+            units_to_double(ledger.user_community + 2 * kBatches * kOne));
+  int wrong = 0;
+  for (const auto& [cell, units] : ledger.others) {
+    const auto& [kind, target, item] = cell;
+    Result<double> score = kind == AggregateKind::Cohort ? db.cohort_score(target, item) : db.community_score(target, item);
+    ASSERT_OK(score.status());
+    if (*score != units_to_double(units) && ++wrong <= 5) {
+      ADD_FAILURE() << (kind == AggregateKind::Cohort ? "cohort " : "community ") << target << " item " << item
+                    << " reads " << bits(*score) << " after the purge of " << kUser << "; expected "
+                    << bits(units_to_double(units)) << " (" << units_to_string(units) << " units)";
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "of " << ledger.others.size() << " cells the fixture's ledger names";
+  Result<double> cleared = db.cohort_score(kNewCohort, kNewItem);
+  ASSERT_OK(cleared.status());
+  EXPECT_EQ(*cleared, 0.0);
+  for (std::uint64_t c : *communities) {
+    Result<double> community = db.community_score(c, kNewItem);
+    ASSERT_OK(community.status());
+    EXPECT_EQ(*community, 0.0) << "community " << c;
+  }
+  v = db.verify();
+  ASSERT_OK(v.status());
+  EXPECT_TRUE(v->ok()) << "after the purge: " << problems(*v);
+  ASSERT_OK(db.close());
+}
+
+// Issue 26 item 1: an upgrade that leaves the state store's epoch below the
+// epochs of the copied ledger makes new batches replace ledger records.
+TEST(MigrationTest, EveryFormat2LayoutKeepsI1AndPurgesExactlyAfterManyBatches) {
+  for (const Format2Layout& layout : kFormat2Layouts) {
+    SCOPED_TRACE(layout.name);
+    TempDir dir;
+    const std::string path = extract_fixture(dir.path());
+    reshape(path, layout);
+    if (::testing::Test::HasFatalFailure()) return;
+    const FixtureLedger ledger = read_fixture_ledger(path);
+    batches_then_exact_purge(path, layout_options(layout), ledger);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// The upgrade stores a state_epoch at or above every epoch a copied ledger
+// key names and the format-2 engine's latest sequence number, whether or not
+// the format-2 Db had one.
+TEST(MigrationTest, TheUpgradeStoresAStateEpochAboveEveryCopiedLedgerEpoch) {
+  for (const Format2Layout& layout : kFormat2Layouts) {
+    SCOPED_TRACE(layout.name);
+    TempDir dir;
+    const std::string path = extract_fixture(dir.path());
+    reshape(path, layout);
+    if (::testing::Test::HasFatalFailure()) return;
+    const FixtureLedger ledger = read_fixture_ledger(path);
+    ASSERT_GT(ledger.max_epoch, 0u);
+    {
+      Result<std::unique_ptr<Db>> db = Db::open(path, layout_options(layout));
+      ASSERT_OK(db.status());
+      ASSERT_OK((*db)->close());
+    }
+    RawReader state(state_engine_dir(path));
+    ASSERT_NE(state.db(), nullptr);
+    std::string epoch;
+    ASSERT_TRUE(state.db()->Get(rocksdb::ReadOptions(), state.cf("default"), kStateEpochKey, &epoch).ok())
+        << "no state_epoch in the state engine";
+    ASSERT_EQ(epoch.size(), 8u);
+    EXPECT_GE(get_u64_be(epoch.data()), ledger.max_epoch);
+    EXPECT_GE(get_u64_be(epoch.data()), ledger.last_sequence);
+  }
+}
+
+// The second line of defence: a format-3 Db that an upgrade left with no
+// state_epoch at all (as tidal 0.3.0 left an upgraded 0.2.0 Db) still never
+// reuses an epoch of its format-2 ledger.
+TEST(MigrationTest, AnUpgradedDbThatLostItsStateEpochStillNeverReusesAnEpoch) {
+  const Format2Layout& layout = kFormat2Layouts[1];
+  TempDir dir;
+  const std::string path = extract_fixture(dir.path());
+  reshape(path, layout);
+  if (::testing::Test::HasFatalFailure()) return;
+  const FixtureLedger ledger = read_fixture_ledger(path);
+  {
+    Result<std::unique_ptr<Db>> db = Db::open(path, layout_options(layout));
+    ASSERT_OK(db.status());
+    ASSERT_OK((*db)->close());
+  }
+  {
+    testing::RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    rocksdb::WriteOptions sync;
+    sync.sync = true;
+    ASSERT_TRUE(raw.db(testing::RawDb::kStateMeta)->Delete(sync, raw.cf(testing::RawDb::kStateMeta), kStateEpochKey).ok());
+  }
+  batches_then_exact_purge(path, layout_options(layout), ledger);
+}
+
+// ---- rollback: tidal 0.2 refuses a format-3 Db ----
+
+// What tidal 0.2 did first on every open (StateStore::check_format, the
+// same from 0.2.0 to 9dd4519), on the RocksDB database in the Db directory:
+// read "state_format" from its default column family; refuse any value but
+// "2"; when absent, refuse a non-empty "aggregates" column family (tidal
+// 0.1's), else mark it "2" and run. Returns 0.2's refusal, or "" when 0.2
+// would have run.
+std::string tidal02_refusal(const std::string& path) {
+  RawReader raw(path);
+  if (raw.db() == nullptr) return "cannot open";
+  std::string format;
+  rocksdb::Status s = raw.db()->Get(rocksdb::ReadOptions(), raw.cf("default"), "state_format", &format);
+  if (s.ok()) {
+    if (format == "2") return "";
+    return "cannot open tidal Db at '" + path + "': its aggregates are in format " + format +
+           "; this version reads format 2";
+  }
+  EXPECT_TRUE(s.IsNotFound()) << s.ToString();
+  if (raw.cf("aggregates") != nullptr) {
+    std::unique_ptr<rocksdb::Iterator> it(raw.db()->NewIterator(rocksdb::ReadOptions(), raw.cf("aggregates")));
+    it->SeekToFirst();
+    if (it->Valid()) return "its aggregates were written by tidal 0.1";
+  }
+  return "";
+}
+
+// Issue 26 item 6: after the upgrade (and in a new Db) the users engine
+// carries a state_format that tidal 0.2 refuses, so a rollback to 0.2 fails
+// its open with a clear error instead of running on empty aggregates; and
+// format 3 opens its own Db with the mark, read-only and writable.
+TEST(MigrationTest, Tidal02RefusesAnUpgradedOrNewFormat3Db) {
+  TempDir dir;
+  const std::string path = extract_fixture(dir.path());
+  ASSERT_EQ(tidal02_refusal(path), "") << "0.2 opens its own fixture";
+  {
+    Result<std::unique_ptr<Db>> db = Db::open(path, feed_options());
+    ASSERT_OK(db.status());
+    ASSERT_OK((*db)->close());
+  }
+  const std::string refusal = tidal02_refusal(path);
+  EXPECT_NE(refusal.find("its aggregates are in format 3"), std::string::npos) << refusal;
+  EXPECT_NE(refusal.find("tidal 0.3 or newer"), std::string::npos) << refusal;
+  EXPECT_NE(refusal.find("state/"), std::string::npos) << refusal;
+  expect_all_values(path, expected_lines(), "with the rollback mark");
+
+  const std::string fresh = dir.sub("new");
+  {
+    Result<std::unique_ptr<Db>> db = Db::open(fresh);
+    ASSERT_OK(db.status());
+    ASSERT_OK((*db)->leave_community_layer(5));
+    ASSERT_OK((*db)->close());
+  }
+  EXPECT_NE(tidal02_refusal(fresh).find("its aggregates are in format 3"), std::string::npos);
+  // A format-3 Db written before the mark existed gets it at its next writable open.
+  {
+    testing::RawDb raw(fresh);
+    ASSERT_TRUE(raw.ok());
+    ASSERT_TRUE(raw.db(testing::RawDb::kMeta)->Delete(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kMeta), "state_format").ok());
+  }
+  ASSERT_EQ(tidal02_refusal(fresh), "");
+  for (bool read_only : {true, false}) {
+    Options options;
+    options.read_only = read_only;
+    Result<std::unique_ptr<Db>> db = Db::open(fresh, options);
+    ASSERT_OK(db.status());
+    Result<CommunityMembership> m = (*db)->community_layer_status(5);
+    ASSERT_OK(m.status());
+    EXPECT_EQ(m->status, MembershipStatus::Left);
+    ASSERT_OK((*db)->close());
+  }
+  EXPECT_NE(tidal02_refusal(fresh).find("its aggregates are in format 3"), std::string::npos);
+}
+
+// ---- an open that fails does not upgrade ----
+
+// Issue 26 item 6: every check that can refuse the open of a format-2 Db
+// runs before the upgrade, so a refused open leaves it in format 2 with
+// every record as it was, and no state engine.
+TEST(MigrationTest, AnOpenRefusedForAnyReasonLeavesFormat2AsItWas) {
+  struct Case {
+    const char* name;
+    std::function<void(const std::string& path)> damage;  // before the open
+    std::function<void(Options*)> options;
+    StatusCode code;
+    const char* message;
+  };
+  const std::uint64_t corrupt_user = 1021;  // Left in the fixture
+  const std::vector<Case> cases = {
+      {"another shard id", nullptr, [](Options* o) { o->shard_id = 8; }, StatusCode::InvalidArgument,
+       "its change feed belongs to shard 7"},
+      {"no change feed in Options", nullptr, [](Options* o) { o->change_feed = false; }, StatusCode::InvalidArgument,
+       "it keeps a change feed (shard 7)"},
+      {"a corrupt leave record",
+       [&](const std::string& path) {
+         testing::RawDb raw(path, testing::RawDb::Layout::Format2);
+         ASSERT_TRUE(raw.ok());
+         const std::string bad = "\x01\x02\x03";
+         ASSERT_TRUE(raw.db(testing::RawDb::kUsers)
+                         ->Put(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kUsers),
+                               encode_key(EntityId(corrupt_user), Tag::CommunityLeave), bad)
+                         .ok());
+         ASSERT_TRUE(raw.db(testing::RawDb::kByTag)
+                         ->Put(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kByTag),
+                               encode_index_key(EntityId(corrupt_user), Tag::CommunityLeave), bad)
+                         .ok());
+       },
+       nullptr, StatusCode::Corruption, "1021"},
+      {"a corrupt clock floor",
+       [](const std::string& path) {
+         testing::RawDb raw(path, testing::RawDb::Layout::Format2);
+         ASSERT_TRUE(raw.ok());
+         ASSERT_TRUE(raw.db(testing::RawDb::kMeta)
+                         ->Put(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kMeta), clock_floor_stripe_key(3), "abc")
+                         .ok());
+       },
+       nullptr, StatusCode::Corruption, "clock floor"},
+      {"a corrupt state_epoch",
+       [](const std::string& path) {
+         testing::RawDb raw(path, testing::RawDb::Layout::Format2);
+         ASSERT_TRUE(raw.ok());
+         ASSERT_TRUE(raw.db(testing::RawDb::kMeta)
+                         ->Put(rocksdb::WriteOptions(), raw.cf(testing::RawDb::kMeta), kStateEpochKey, "abc")
+                         .ok());
+       },
+       nullptr, StatusCode::Corruption, "epoch"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    TempDir dir;
+    const std::string path = extract_fixture(dir.path());
+    if (c.damage) c.damage(path);
+    if (::testing::Test::HasFatalFailure()) return;
+    std::map<std::string, std::vector<std::pair<std::string, std::string>>> before;
+    {
+      RawReader raw(path);
+      before = raw.contents();
+    }
+    ASSERT_EQ(before.size(), 6u);  // default, users, by_tag, aggregates, ledger, feed
+    Options options = feed_options();
+    if (c.options) c.options(&options);
+    Result<std::unique_ptr<Db>> db = Db::open(path, options);
+    ASSERT_EQ(db.status().code(), c.code) << db.status().to_string();
+    EXPECT_NE(db.status().message().find(c.message), std::string::npos) << db.status().message();
+    EXPECT_FALSE(std::filesystem::exists(state_engine_dir(path))) << "the refused open created the state engine";
+    RawReader raw(path);
+    const auto after = raw.contents();
+    EXPECT_EQ(after.size(), before.size()) << "column families changed";
+    for (const auto& [cf, rows] : before) {
+      auto it = after.find(cf);
+      if (it == after.end()) {
+        ADD_FAILURE() << "column family " << cf << " is gone";
+        continue;
+      }
+      EXPECT_TRUE(it->second == rows) << "column family " << cf << " changed: " << rows.size() << " records before, "
+                                      << it->second.size() << " after";
+    }
+    std::string format;
+    EXPECT_TRUE(raw.db()->Get(rocksdb::ReadOptions(), raw.cf("default"), "db_format", &format).IsNotFound());
   }
 }
 

@@ -736,14 +736,17 @@ int run(int argc, char** argv) {
   if (!opened.ok() && !options.read_only && opened.status().code() == tidal::StatusCode::InvalidArgument &&
       opened.status().message().find("keeps a change feed") != std::string::npos) {
     // A Db with a change feed: a write must go into its feed too. Its shard
-    // id, from a read-only open, then the writable open with the feed.
-    tidal::Options ro = options;
-    ro.read_only = true;
-    tidal::Result<std::unique_ptr<tidal::Db>> reader = tidal::Db::open(path, ro);
-    if (reader.ok()) {
+    // id, which the refusal names (a read-only open would refuse a format-2
+    // Db, and the refused open did not upgrade it), then the writable open
+    // with the feed.
+    const std::string& message = opened.status().message();
+    const std::string marker = "shard_id = ";
+    std::uint64_t shard = 0;
+    if (const std::size_t at = message.rfind(marker);
+        at != std::string::npos &&
+        std::from_chars(message.data() + at + marker.size(), message.data() + message.size(), shard).ec == std::errc()) {
       options.change_feed = true;
-      options.shard_id = (*reader)->stats().change_feed_shard_id;
-      (void)(*reader)->close();
+      options.shard_id = shard;
       opened = tidal::Db::open(path, options);
     }
   }

@@ -143,13 +143,19 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     // Without sync_writes, membership writes become durable within a period
     // (docs/CONTRACT.md, G1).
     if (!options.sync_writes) config.users_wal_sync_period = options.aggregate_write_period;
+    config.defer_upgrade = true;
     Result<std::unique_ptr<Storage>> storage = Storage::open(path, config);
     if (!storage.ok()) return storage.status();
 
     auto impl = std::make_unique<Impl>(options, std::move(*storage));
     Storage& st = *impl->storage_;
+    // Every check that can refuse the open comes before the upgrade of a
+    // format-2 Db, on its format-2 records (Storage::upgrade_pending), so an
+    // open that fails leaves it in format 2 (docs/CONTRACT.md E3). Until
+    // then only the users engine is written (the index backfill, which
+    // format 2 keeps the same way).
     if (Status s = StateStore::check_format(st); !s.ok()) return s;
-    if (Status s = impl->open_feed(); !s.ok()) return s;
+    if (Status s = impl->check_feed_options(); !s.ok()) return s;
     if (Status s = ensure_index(st); !s.ok()) return s;
     if (Status s = rebuild_community_memberships(st, &impl->communities_); !s.ok()) return s;
     LeaveRebuildResult leaves;
@@ -161,6 +167,9 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     impl->corrupt_treated_as_left_.store(leaves.corrupt_treated_as_left, std::memory_order_relaxed);
     Result<std::uint64_t> floor = read_clock_floor(st);
     if (!floor.ok()) return floor.status();
+    if (Result<std::uint64_t> epoch = StateStore::stored_epoch(st); !epoch.ok()) return epoch.status();
+    if (Status s = st.finish_upgrade(); !s.ok()) return s;
+    if (Status s = impl->open_feed(); !s.ok()) return s;
     impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
     if (!options.read_only) {
       if (Status s = impl->state_->start(); !s.ok()) return s;
@@ -174,7 +183,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
   });
 }
 
-Status Db::Impl::open_feed() {
+Status Db::Impl::check_feed_options() {
   Result<std::optional<std::uint64_t>> stored = ChangeFeed::stored_shard(*storage_);
   if (!stored.ok()) return stored.status();
   if (!options_.change_feed && *stored && !options_.read_only) {
@@ -189,6 +198,13 @@ Status Db::Impl::open_feed() {
     return Status::InvalidArgument("cannot open tidal Db at '" + storage_->path() +
                                    "' read-only with Options::change_feed: it keeps no change feed yet");
   }
+  return ChangeFeed::check(storage_.get(), options_.change_feed ? options_.shard_id : **stored);
+}
+
+Status Db::Impl::open_feed() {
+  Result<std::optional<std::uint64_t>> stored = ChangeFeed::stored_shard(*storage_);
+  if (!stored.ok()) return stored.status();
+  if (!options_.change_feed && !*stored) return Status::OK();
   // Read-only without change_feed: the stored feed, to read (nothing is written).
   const std::uint64_t shard = options_.change_feed ? options_.shard_id : **stored;
   Result<std::unique_ptr<ChangeFeed>> feed = ChangeFeed::open(storage_.get(), shard, options_.change_feed_max_bytes);

@@ -126,6 +126,9 @@ class Db::Impl {
   bool report(const Signal& signal, ContributionTarget target, std::uint64_t target_id, FanOut* fan_out);
 
   Status change_membership(std::uint64_t user_id, std::uint64_t community_id, bool join);
+  // At open, before anything is written: what open_feed() can refuse (the
+  // Options against the stored feed), reading only.
+  Status check_feed_options();
   // At open, before the writer starts: the change feed, when the Db keeps
   // one or Options::change_feed asks for it (feed/change_feed.h).
   Status open_feed();

@@ -57,18 +57,28 @@ StateStore::~StateStore() { (void)stop(); }
 
 Status StateStore::check_format(Storage& storage) { return storage.check_state_format(); }
 
-Status StateStore::start() {
+Result<std::uint64_t> StateStore::stored_epoch(const Storage& storage) {
   std::string stored;
-  Status s = storage_->get(storage_->state_meta(), kStateEpochKey, &stored);
-  if (s.ok()) {
-    if (stored.size() != 8) {
-      return Status::Corruption("the state store's epoch record of '" + storage_->path() + "' has " +
-                                std::to_string(stored.size()) + " bytes; expected 8");
-    }
-    last_epoch_ = get_u64_be(stored.data());
-  } else if (s.code() != StatusCode::NotFound) {
-    return s;
+  Status s = storage.get(storage.state_meta(), kStateEpochKey, &stored);
+  if (s.code() == StatusCode::NotFound) return std::uint64_t{0};
+  if (!s.ok()) return s;
+  if (stored.size() != 8) {
+    return Status::Corruption("the state store's epoch record of '" + storage.path() + "' has " +
+                              std::to_string(stored.size()) + " bytes; expected 8");
   }
+  return get_u64_be(stored.data());
+}
+
+Status StateStore::start() {
+  Result<std::uint64_t> stored = stored_epoch(*storage_);
+  if (!stored.ok()) return stored.status();
+  // Also above the users engine's latest sequence number: it is format 2's
+  // one engine, whose sequence numbers named every ledger record a format-2
+  // Db holds (tidal 0.2.0 used them as epochs) and only ever grow. So a Db
+  // that an upgrade left without a high enough state_epoch (tidal 0.3.0
+  // copied it only when present) still never reuses such an epoch, at the
+  // cost of one read instead of a scan of the ledger.
+  last_epoch_ = std::max(*stored, storage_->db(Storage::Engine::Users)->GetLatestSequenceNumber());
   writer_ = std::thread([this] { run_writer(); });
   return Status::OK();
 }

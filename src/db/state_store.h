@@ -93,6 +93,10 @@ class StateStore {
 
   // Storage::check_state_format.
   static Status check_format(Storage& storage);
+  // The stored state_epoch (0 when there is none); Corruption when it is
+  // not 8 bytes. Reads only, so a format-2 Db's open checks it before the
+  // upgrade.
+  static Result<std::uint64_t> stored_epoch(const Storage& storage);
 
   // Every batch also enters `feed` (null: no feed), in the same ingestion.
   // Before start().

@@ -33,15 +33,30 @@ Result<std::optional<std::uint64_t>> ChangeFeed::stored_shard(const Storage& sto
   return std::optional<std::uint64_t>(get_u64_be(value.data()));
 }
 
+namespace {
+
+Status check_shard(const Storage& storage, std::optional<std::uint64_t> stored, std::uint64_t shard_id) {
+  if (!stored || *stored == shard_id) return Status::OK();
+  return Status::InvalidArgument("cannot open tidal Db at '" + storage.path() + "' with Options::shard_id " +
+                                 std::to_string(shard_id) + ": its change feed belongs to shard " +
+                                 std::to_string(*stored) + "; nothing changed");
+}
+
+}  // namespace
+
+Status ChangeFeed::check(Storage* storage, std::uint64_t shard_id) {
+  Result<std::optional<std::uint64_t>> stored = stored_shard(*storage);
+  if (!stored.ok()) return stored.status();
+  if (Status s = check_shard(*storage, *stored, shard_id); !s.ok() || !*stored) return s;
+  ChangeFeed probe(storage, shard_id, 0);
+  return probe.load();
+}
+
 Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint64_t shard_id,
                                                      std::uint64_t max_bytes) {
   Result<std::optional<std::uint64_t>> stored = stored_shard(*storage);
   if (!stored.ok()) return stored.status();
-  if (*stored && **stored != shard_id) {
-    return Status::InvalidArgument("cannot open tidal Db at '" + storage->path() + "' with Options::shard_id " +
-                                   std::to_string(shard_id) + ": its change feed belongs to shard " +
-                                   std::to_string(**stored) + "; nothing changed");
-  }
+  if (Status s = check_shard(*storage, *stored, shard_id); !s.ok()) return s;
   std::unique_ptr<ChangeFeed> feed(new ChangeFeed(storage, shard_id, max_bytes));
   if (*stored) {
     if (Status s = feed->load(); !s.ok()) return s;

@@ -53,6 +53,11 @@ class ChangeFeed {
   static Result<std::unique_ptr<ChangeFeed>> open(Storage* storage, std::uint64_t shard_id, std::uint64_t max_bytes);
   // The shard id stored in a Db, if it keeps a feed.
   static Result<std::optional<std::uint64_t>> stored_shard(const Storage& storage);
+  // What open() can refuse, found by reading only (so a format-2 Db is
+  // checked before its upgrade): a stored shard id other than `shard_id`
+  // (InvalidArgument), a trim point or last record that does not decode
+  // (Corruption).
+  static Status check(Storage* storage, std::uint64_t shard_id);
 
   // Builds the feed records of one write: entries added in ascending key
   // order become payloads numbered from the next seq, each put into the

@@ -92,6 +92,14 @@ inline constexpr char kIndexVersion[] = "1";
 // and written by StateStore::check_format.
 inline constexpr char kStateFormatKey[] = "state_format";
 inline constexpr char kStateFormat[] = "2";
+// The users engine's own "state_format" record in format 3, written with
+// db_format: a value tidal 0.2 refuses. Every 0.2 open (read-only too) first
+// reads "state_format" from its one engine's meta and refuses any value but
+// "2" with "its aggregates are in format <value>; this version reads format
+// 2", so 0.2 never runs a format-3 Db on empty aggregates. Format 3 reads
+// the state engine's record, never this one.
+inline constexpr char kUsersStateFormatMark[] =
+    "3 (db_format 3: written by tidal 0.3 or newer, its aggregates are in the state/ directory)";
 // The epoch of the state store's latest batch (8 bytes BE), written synced
 // before the batch is ingested: it takes a sequence number, so every later
 // batch's epoch is above it, even after a crash (StateStore).

@@ -7,10 +7,12 @@
 //   1. delete whatever state/ holds (what an earlier attempt left);
 //   2. create the state engine and copy into it, in one atomic ingestion,
 //      the aggregates, the ledger, the change feed, the purge receipts
-//      (from the users partition) and the state store's meta records;
+//      (from the users partition) and the state store's meta records, with
+//      a state_epoch at or above every epoch the copied ledger names;
 //   3. fsync the Db directory (state/'s own entry), then write, synced, in
-//      one batch of the users engine: db_format = 3, and the deletion of the
-//      copied receipts and meta records (the commit point);
+//      one batch of the users engine: db_format = 3, the deletion of the
+//      copied receipts and meta records, and a state_format that tidal 0.2
+//      refuses (kUsersStateFormatMark) (the commit point);
 //   4. drop the format-2 column families.
 // A crash before 3 leaves the format-2 Db whole (the next open starts over
 // at 1); a crash after it leaves a format-3 Db whose next open finishes 4.
@@ -18,6 +20,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -85,30 +88,70 @@ Status Storage::migrate_to_format3(const rocksdb::Options& base,
   // One file per column family, each in key order; one atomic ingestion.
   IngestBatch copy(this, "migrate");
   std::vector<std::string> moved;  // users-engine keys the commit deletes: meta, then receipts
+  // The largest epoch a copied ledger key names (its last 8 bytes).
+  std::uint64_t ledger_epoch = 0;
   const auto copy_all = [&](rocksdb::ColumnFamilyHandle* from, rocksdb::ColumnFamilyHandle* to) -> Status {
     auto it = iterator(from, /*bulk=*/true);
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (to == ledger()) {
+        if (const std::optional<LedgerKey> k = decode_ledger_key(view(it->key()))) {
+          ledger_epoch = std::max(ledger_epoch, k->epoch);
+        }
+      }
       if (rocksdb::Status s = copy.put(to, view(it->key()), view(it->value())); !s.ok()) return from_rocksdb(s, what);
     }
     return from_rocksdb(it->status(), what);
   };
-  {
-    auto it = iterator(meta());
-    for (it->SeekToFirst(); it->Valid(); it->Next()) {
-      const std::string_view key = view(it->key());
-      if (!copied_to_state(key)) continue;
-      if (rocksdb::Status s = copy.put(state_meta(), key, view(it->value())); !s.ok()) return refuse(from_rocksdb(s, what));
-      if (moves_to_state(key)) moved.emplace_back(key);
-    }
-    if (Status s = from_rocksdb(it->status(), what); !s.ok()) return refuse(s);
-  }
-  const std::size_t moved_meta = moved.size();
   if (old_aggregates != nullptr) {
     if (Status s = copy_all(old_aggregates, aggregates()); !s.ok()) return refuse(s);
   }
   if (old_ledger != nullptr) {
     if (Status s = copy_all(old_ledger, ledger()); !s.ok()) return refuse(s);
   }
+  // The state store names each batch's ledger records by an epoch above the
+  // stored state_epoch (StateStore), and the new engine's sequence numbers
+  // restart near 0: without a state_epoch at or above every copied epoch,
+  // new batches would reuse epochs and silently replace ledger records
+  // (I1 broken, a purge removing the wrong amount). tidal 0.2.0 before the
+  // record existed named epochs by the one engine's sequence numbers, so
+  // the floor is the largest of the stored record, the largest copied
+  // epoch and that engine's (the users engine's) latest sequence number.
+  std::uint64_t epoch_floor = std::max(ledger_epoch, users_.db->GetLatestSequenceNumber());
+  {
+    std::string stored;
+    Status s = get(meta(), kStateEpochKey, &stored);
+    if (s.ok() && stored.size() != 8) {
+      return refuse(Status::Corruption(what + ": its state_epoch record has " + std::to_string(stored.size()) +
+                                       " bytes; expected 8"));
+    }
+    if (s.ok()) epoch_floor = std::max(epoch_floor, get_u64_be(stored.data()));
+    if (!s.ok() && s.code() != StatusCode::NotFound) return refuse(s);
+  }
+  {
+    std::string epoch_value;
+    put_u64_be(&epoch_value, epoch_floor);
+    bool epoch_copied = epoch_floor == 0;  // a new Db: nothing to stay above
+    const auto copy_epoch = [&]() {
+      epoch_copied = true;
+      return copy.put(state_meta(), kStateEpochKey, epoch_value);
+    };
+    auto it = iterator(meta());
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const std::string_view key = view(it->key());
+      if (!copied_to_state(key)) continue;
+      if (moves_to_state(key)) moved.emplace_back(key);
+      if (key == kStateEpochKey) continue;  // copied as epoch_floor, in key order
+      if (!epoch_copied && key > std::string_view(kStateEpochKey)) {
+        if (rocksdb::Status s = copy_epoch(); !s.ok()) return refuse(from_rocksdb(s, what));
+      }
+      if (rocksdb::Status s = copy.put(state_meta(), key, view(it->value())); !s.ok()) return refuse(from_rocksdb(s, what));
+    }
+    if (Status s = from_rocksdb(it->status(), what); !s.ok()) return refuse(s);
+    if (!epoch_copied) {
+      if (rocksdb::Status s = copy_epoch(); !s.ok()) return refuse(from_rocksdb(s, what));
+    }
+  }
+  const std::size_t moved_meta = moved.size();
   {
     // The purge receipts (users records of tag 0x10), keyed as before.
     auto it = iterator(users(), /*bulk=*/true);
@@ -137,6 +180,8 @@ Status Storage::migrate_to_format3(const rocksdb::Options& base,
   rocksdb::WriteBatch commit;
   commit.Put(meta(), kDbFormatKey, kDbFormat);
   for (std::size_t i = 0; i < moved.size(); ++i) commit.Delete(i < moved_meta ? meta() : users(), moved[i]);
+  // After the deletion of the moved "2": the mark tidal 0.2 refuses (a rollback is refused, never run empty).
+  commit.Put(meta(), kStateFormatKey, kUsersStateFormatMark);
   if (Status s = write(Engine::Users, &commit, WriteMode::Sync, what); !s.ok()) {
     // The commit may or may not be durable: state/ stays, for the format-3
     // Db the next open then finds, or to be rebuilt by its next attempt.

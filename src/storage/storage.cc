@@ -437,14 +437,8 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     return from_rocksdb(s, "cannot open tidal Db at '" + path + "'");
   }
   storage->users_.db.reset(raw);
-  // Destroyed (not dropped) when open returns, whatever it returns.
-  struct LegacyHandles {
-    rocksdb::DB* db;
-    std::vector<rocksdb::ColumnFamilyHandle*> handles;
-    ~LegacyHandles() {
-      for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
-    }
-  } legacy{raw, {storage->users_.handles.begin() + std::size(kUsersFamilies), storage->users_.handles.end()}};
+  // Destroyed (not dropped) by the end of the open or of the upgrade, or by close().
+  storage->legacy_.assign(storage->users_.handles.begin() + std::size(kUsersFamilies), storage->users_.handles.end());
   storage->users_.handles.resize(std::size(kUsersFamilies));
 
   std::string format;
@@ -479,12 +473,30 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     return from_rocksdb(cs, "cannot open tidal Db at '" + path + "': creating " + storage->ingest_dir() + " failed");
   }
   if (!f.ok()) {
-    // Format 2, a new Db, or either of them cut short by a crash.
-    if (Status m = storage->migrate_to_format3(options, legacy.handles); !m.ok()) return m;
+    // Format 2, a new Db, or either of them cut short by a crash. Deferred
+    // only for a format-2 state store (a new Db has nothing to check).
+    storage->options_ = options;
+    storage->upgrade_pending_ = true;
+    if (!config.defer_upgrade || storage->legacy("aggregates") == nullptr) {
+      if (Status m = storage->finish_upgrade(); !m.ok()) return m;
+    }
   } else {
     // A migration that a crash cut short after its commit point.
-    if (Status d = storage->drop_legacy(legacy.handles); !d.ok()) return d;
+    if (Status d = storage->drop_legacy(storage->legacy_); !d.ok()) return d;
+    storage->release_legacy();
     if (Status o = storage->open_state(options, /*create=*/false); !o.ok()) return o;
+    // A format-3 Db upgraded or created before the users engine carried the
+    // mark that tidal 0.2 refuses (format.h, kUsersStateFormatMark).
+    std::string mark;
+    Status m = storage->get(storage->meta(), kStateFormatKey, &mark);
+    if (!m.ok() && m.code() != StatusCode::NotFound) return m;
+    if (!m.ok() || mark != kUsersStateFormatMark) {
+      rocksdb::WriteBatch batch;
+      batch.Put(storage->meta(), kStateFormatKey, kUsersStateFormatMark);
+      if (Status w = storage->write(Engine::Users, &batch, WriteMode::Sync, "format mark of '" + path + "'"); !w.ok()) {
+        return w;
+      }
+    }
   }
 
   storage->registry_id_ = {st.st_dev, st.st_ino};
@@ -527,6 +539,26 @@ Status Storage::open_state(const rocksdb::Options& base, bool create) {
   return Status::OK();
 }
 
+Status Storage::finish_upgrade() {
+  if (!upgrade_pending_) return Status::OK();
+  upgrade_pending_ = false;  // from here on the accessors name the state engine's column families
+  Status s = migrate_to_format3(options_, legacy_);
+  release_legacy();
+  return s;
+}
+
+rocksdb::ColumnFamilyHandle* Storage::legacy(std::string_view name) const {
+  for (auto* h : legacy_) {
+    if (h->GetName() == name) return h;
+  }
+  return nullptr;
+}
+
+void Storage::release_legacy() {
+  for (auto* h : legacy_) (void)users_.db->DestroyColumnFamilyHandle(h);
+  legacy_.clear();
+}
+
 Status Storage::drop_legacy(const std::vector<rocksdb::ColumnFamilyHandle*>& legacy) {
   for (auto* h : legacy) {
     // Durable in the MANIFEST when it returns.
@@ -563,6 +595,7 @@ rocksdb::DB* Storage::db_of(rocksdb::ColumnFamilyHandle* cf) const {
 
 Status Storage::write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
+  if (db(engine) == nullptr) return not_upgraded(what);
   rocksdb::WriteOptions wo;
   wo.sync = mode == WriteMode::Sync;
   wo.disableWAL = mode == WriteMode::NoWal;
@@ -643,6 +676,7 @@ std::unique_ptr<rocksdb::SstFileWriter> Storage::sst_writer(rocksdb::ColumnFamil
 Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>>& files,
                        std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
+  if (state_.db == nullptr) return not_upgraded(what);
   std::vector<rocksdb::IngestExternalFileArg> args;
   for (const auto& [cf, file] : files) {
     rocksdb::IngestExternalFileArg& arg = args.emplace_back();
@@ -710,6 +744,11 @@ Status Storage::close_instance(Instance* instance, const std::string& path) {
   return result;
 }
 
+Status Storage::not_upgraded(std::string_view what) const {
+  return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ +
+                                 "' has no state engine yet (its upgrade from format 2 has not run)");
+}
+
 Status Storage::close() {
   if (wal_syncer_.joinable()) {
     {
@@ -720,6 +759,7 @@ Status Storage::close() {
     wal_syncer_.join();
   }
   if (users_.db == nullptr && state_.db == nullptr) return Status::OK();
+  if (users_.db != nullptr) release_legacy();
   if (!read_only_) {
     // RocksDB deletes a WAL only once a flush has moved every column family
     // past it; with empty memtables Flush does nothing, and each open/close
@@ -776,7 +816,8 @@ Status Storage::check_state_format() {
         "cannot read exactly; open it with tidal 0.1 to export them");
   }
   if (s = from_rocksdb(it->status(), "format check of '" + path_ + "'"); !s.ok()) return s;
-  if (read_only_) return Status::OK();
+  // Before the upgrade, it marks the state engine once the records are there.
+  if (read_only_ || upgrade_pending_) return Status::OK();
   rocksdb::WriteBatch batch;
   batch.Put(state_meta(), kStateFormatKey, kStateFormat);
   return write(Engine::State, &batch, WriteMode::Sync, "format mark of '" + path_ + "'");

@@ -65,6 +65,9 @@ class Storage {
     // writes (WriteMode::Async) durable, when there are any; 0: never
     // (every write that must be durable is synced).
     std::chrono::milliseconds users_wal_sync_period{0};
+    // A writable open of a format-2 Db leaves the upgrade to finish_upgrade(),
+    // so that the caller's checks run first, on the format-2 records.
+    bool defer_upgrade = false;
   };
   enum class Engine { Users, State };
 
@@ -72,21 +75,38 @@ class Storage {
   // format 2 (or one whose creation or upgrade a crash cut short) first
   // moves its state store into <path>/state (storage/migrate.cc); a
   // read-only open of one is InvalidArgument naming `tidalctl migrate`.
+  // With Config::defer_upgrade, a format-2 Db is opened as it is, its state
+  // store read where format 2 keeps it (upgrade_pending()), until
+  // finish_upgrade().
   static Result<std::unique_ptr<Storage>> open(const std::string& path, const Config& config);
   ~Storage();
+
+  // True from a deferred open of a format-2 Db until finish_upgrade(): the
+  // state store's accessors then name its column families in the users
+  // engine (state_meta() is meta(), receipts() is users()), for reading
+  // only; there is no state engine, and a write to it is refused.
+  bool upgrade_pending() const { return upgrade_pending_; }
+  // Upgrades a format-2 Db opened with Config::defer_upgrade to format 3
+  // (storage/migrate.cc); OK at once when none is pending.
+  Status finish_upgrade();
 
   rocksdb::DB* db(Engine engine) const { return engine == Engine::Users ? users_.db.get() : state_.db.get(); }
   // The users engine's column families.
   rocksdb::ColumnFamilyHandle* meta() const { return users_.handles[0]; }
   rocksdb::ColumnFamilyHandle* users() const { return users_.handles[1]; }
   rocksdb::ColumnFamilyHandle* by_tag() const { return users_.handles[2]; }
-  // The state engine's.
-  rocksdb::ColumnFamilyHandle* state_meta() const { return state_.handles[0]; }
-  rocksdb::ColumnFamilyHandle* aggregates() const { return state_.handles[1]; }
-  rocksdb::ColumnFamilyHandle* ledger() const { return state_.handles[2]; }
-  rocksdb::ColumnFamilyHandle* receipts() const { return state_.handles[3]; }
+  // The state engine's (format 2's, while upgrade_pending()).
+  rocksdb::ColumnFamilyHandle* state_meta() const { return upgrade_pending_ ? meta() : state_.handles[0]; }
+  rocksdb::ColumnFamilyHandle* aggregates() const {
+    return upgrade_pending_ ? legacy("aggregates") : state_.handles[1];
+  }
+  rocksdb::ColumnFamilyHandle* ledger() const { return upgrade_pending_ ? legacy("ledger") : state_.handles[2]; }
+  rocksdb::ColumnFamilyHandle* receipts() const { return upgrade_pending_ ? users() : state_.handles[3]; }
   // The change feed (docs/FORMAT.md); null until create_feed().
-  rocksdb::ColumnFamilyHandle* feed() const { return state_.handles.size() > 4 ? state_.handles[4] : nullptr; }
+  rocksdb::ColumnFamilyHandle* feed() const {
+    if (upgrade_pending_) return legacy("feed");
+    return state_.handles.size() > 4 ? state_.handles[4] : nullptr;
+  }
   // Creates the feed's column family (durable: RocksDB's MANIFEST). No-op
   // when it exists.
   Status create_feed();
@@ -203,6 +223,12 @@ class Storage {
   Status migrate_to_format3(const rocksdb::Options& base, const std::vector<rocksdb::ColumnFamilyHandle*>& legacy);
   // Drops the format-2 column families from the users engine.
   Status drop_legacy(const std::vector<rocksdb::ColumnFamilyHandle*>& legacy);
+  // The format-2 column family `name` of the users engine; null when absent.
+  rocksdb::ColumnFamilyHandle* legacy(std::string_view name) const;
+  // Destroys the handles of legacy_ (the column families stay, unless dropped).
+  void release_legacy();
+  // InvalidArgument: `what` needs the state engine, which a pending upgrade has not made yet.
+  Status not_upgraded(std::string_view what) const;
   static Status close_instance(Instance* instance, const std::string& path);
   // The thread behind Config::users_wal_sync_period: sync_users_wal() every
   // `period` (start to start) until close().
@@ -229,6 +255,11 @@ class Storage {
   std::condition_variable syncer_cv_;
   bool syncer_stop_ = false;  // guarded by syncer_mu_
   std::thread wal_syncer_;
+  // The format-2 column families found in the users engine (aggregates,
+  // ledger, feed), while open: until the upgrade or the end of open.
+  std::vector<rocksdb::ColumnFamilyHandle*> legacy_;
+  bool upgrade_pending_ = false;
+  rocksdb::Options options_;  // the users engine's, for finish_upgrade()
 };
 
 // The largest timestamp recorded in the clock-floor records of both engines'
