@@ -1,12 +1,15 @@
 // The change feed (docs/CONTRACT.md, "Change feed"): what enters it, its
 // numbering, its bound, trimming, and the convergence of a GlobalView fed
 // by several shards with one Db that received everything.
+#include <chrono>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <random>
 #include <set>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -274,6 +277,94 @@ TEST(ChangeFeed, PastItsBoundWritesWaitForATrimAndNothingIsDropped) {
   Result<PurgeReceipt> purge = db->purge_community_contributions(1);
   EXPECT_EQ(purge.status().code(), StatusCode::Busy) << purge.status().to_string();
   EXPECT_TRUE(db->purge_receipts(1)->empty());
+}
+
+// Bytes in the state engine's write-ahead logs: every epoch mark and trim
+// is a synced record there.
+std::uintmax_t state_wal_bytes(const std::string& db_path) {
+  std::uintmax_t bytes = 0;
+  for (const auto& e : std::filesystem::directory_iterator(db_path + "/state")) {
+    if (e.path().extension() == ".log") bytes += e.file_size();
+  }
+  return bytes;
+}
+
+// A full feed holds the writer's batch back (F4) without making it spin.
+// Signals past the soft bound keep waking the writer; it used to retry at
+// once every time, each try writing a synced epoch mark before it found the
+// feed full: 458 failed batch writes (458 fsyncs) in 2 s at a 1 s period
+// (issue 26, item 5). Now it asks the feed first, writes nothing for a batch
+// that cannot go in, and retries once a period; a trim lets the batch through.
+TEST(ChangeFeed, AFullFeedHoldsTheWriterBackWithoutMakingItSpin) {
+  TempDir dir;
+  Options options = feed_options(1);
+  options.aggregate_write_period = std::chrono::milliseconds(500);
+  options.change_feed_max_bytes = 1;        // full after one batch
+  options.write_buffer_bytes = 256 << 10;   // a soft bound of ~768 cells: reached at once
+  auto db = open_db(dir.path(), options);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->signal_with_context({1, 0, 1.0}, {{4}}));
+  ASSERT_OK(db->flush());  // the feed is full from here
+  const std::uint64_t failures_before = db->stats().aggregate_write_failures;
+  const std::uintmax_t wal_before = state_wal_bytes(dir.path());
+  const auto start = std::chrono::steady_clock::now();
+  std::uint64_t accepted = 0, busy = 0;
+  for (std::uint64_t i = 1; std::chrono::steady_clock::now() - start < std::chrono::seconds(2); ++i) {
+    Result<SignalOutcome> out = db->signal_with_context({1 + i % 50, i, 1.0}, {{4}});
+    if (out.ok()) {
+      ++accepted;
+    } else {
+      ++busy;
+      ASSERT_EQ(out.status().code(), StatusCode::Busy) << out.status().to_string();
+    }
+  }
+  const double periods = std::chrono::duration<double>(std::chrono::steady_clock::now() - start) /
+                         options.aggregate_write_period;
+  const Stats held = db->stats();
+  const std::uint64_t failures = held.aggregate_write_failures - failures_before;
+  std::cout << "[full feed] " << accepted << " signals accepted, " << busy << " Busy, over " << periods
+            << " periods: " << failures << " failed batch writes\n";
+  EXPECT_GT(busy, 0u) << "the signals never reached the bound of the write buffers";
+  EXPECT_GE(failures, 1u);
+  EXPECT_LE(static_cast<double>(failures), periods + 2) << "the writer retries faster than once a period";
+  // No epoch mark (nor anything else) was written for the refused batches.
+  EXPECT_EQ(state_wal_bytes(dir.path()), wal_before);
+  EXPECT_EQ(held.aggregate_writes, 1u);
+  // The consumers trim: the held batch goes, and its deltas enter the feed.
+  ASSERT_OK(db->trim_changes(*db->last_change_seq()));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (db->stats().aggregate_writes == held.aggregate_writes && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GT(db->stats().aggregate_writes, held.aggregate_writes);
+  Result<std::vector<ChangeBatch>> after = db->read_changes(held.change_feed_last_seq, 1 << 20);
+  ASSERT_OK(after);
+  EXPECT_FALSE(after->empty());
+}
+
+// A batch held back by a full feed goes as soon as the feed is trimmed, not
+// a period later: with a period of an hour only the trim can start it.
+TEST(ChangeFeed, ATrimWakesAWriterHeldBackByAFullFeed) {
+  TempDir dir;
+  Options options = feed_options(1);  // period: an hour
+  options.change_feed_max_bytes = 1;
+  options.write_buffer_bytes = 256 << 10;
+  auto db = open_db(dir.path(), options);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->signal_with_context({1, 0, 1.0}, {{4}}));
+  ASSERT_OK(db->flush());
+  // Past the soft bound: the writer wakes, finds the feed full and fails.
+  for (std::uint64_t i = 1; db->stats().aggregate_write_failures == 0; ++i) {
+    ASSERT_LT(i, 1'000'000u) << "the writer never tried";
+    (void)db->signal_with_context({1 + i % 50, i, 1.0}, {{4}});
+  }
+  const std::uint64_t writes = db->stats().aggregate_writes;
+  ASSERT_OK(db->trim_changes(*db->last_change_seq()));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (db->stats().aggregate_writes == writes && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GT(db->stats().aggregate_writes, writes) << "the trim did not wake the writer";
 }
 
 TEST(ChangeFeed, ReadChangesHonoursMaxBytesAndSaysWhatWasTrimmed) {

@@ -78,7 +78,9 @@ Status Db::Impl::trim_changes(std::uint64_t through_seq) {
     Call call(this, "trim_changes", /*write=*/true);
     if (!call.status().ok()) return call.status();
     if (Status s = check_feed("trim_changes"); !s.ok()) return s;
-    return feed_->trim(through_seq);
+    if (Status s = feed_->trim(through_seq); !s.ok()) return s;
+    state_->feed_trimmed();  // a batch the full feed held back goes now
+    return Status::OK();
   });
 }
 

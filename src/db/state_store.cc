@@ -98,7 +98,17 @@ Status StateStore::stop() {
 void StateStore::wake_writer() {
   {
     std::lock_guard<std::mutex> lock(writer_mu_);
+    if (wake_) return;  // woken already (or failing, and waiting for its period)
     wake_ = true;
+  }
+  writer_cv_.notify_one();
+}
+
+void StateStore::feed_trimmed() {
+  {
+    std::lock_guard<std::mutex> lock(writer_mu_);
+    if (last_error_.ok()) return;
+    retry_ = true;
   }
   writer_cv_.notify_one();
 }
@@ -107,20 +117,26 @@ void StateStore::run_writer() {
   std::unique_lock<std::mutex> lock(writer_mu_);
   // Batches start write_period apart (start to start), or sooner when the
   // soft bound wakes the writer; between them the writer looks at the debt.
+  // After a failed batch only the period (or a trim of the feed) starts the
+  // next try: the soft bound, which every signal past it keeps reaching,
+  // would start one at once, again and again.
   auto next = std::chrono::steady_clock::now() + config_.write_period;
+  bool failing = false;
+  const auto woken = [&] { return retry_ || (wake_ && !failing); };
   while (!stop_) {
     const auto look = std::chrono::steady_clock::now() + kDebtLookPeriod;
-    writer_cv_.wait_until(lock, std::min(next, look), [this] { return stop_ || wake_; });
+    writer_cv_.wait_until(lock, std::min(next, look), [&] { return stop_ || woken(); });
     if (stop_) break;
     lock.unlock();
     look_at_debt();
     lock.lock();
     const auto now = std::chrono::steady_clock::now();
-    if (!wake_ && now < next) continue;
+    if (!woken() && now < next) continue;
     wake_ = false;
+    retry_ = false;
     next = now + config_.write_period;
     lock.unlock();
-    (void)flush();  // the outcome is kept in last_error_ and the counters
+    failing = !flush().ok();  // the outcome is kept in last_error_ and the counters
     lock.lock();
   }
 }
@@ -237,6 +253,19 @@ Status StateStore::write_frozen_locked(int frozen) {
     cells.assign(locked.begin(), locked.end());
   }
   const std::string what = "aggregate write of '" + storage_->path() + "'";
+  // A batch with shared cells enters the change feed, which refuses it
+  // while full (F4): ask first, so that a batch that cannot be written
+  // costs no epoch mark (an fsync) and no files.
+  const auto shared = [](const auto& c) {
+    return c.first.kind == static_cast<std::uint8_t>(AggregateKind::Cohort) ||
+           c.first.kind == static_cast<std::uint8_t>(AggregateKind::Community);
+  };
+  if (feed_ != nullptr && std::any_of(cells.begin(), cells.end(), shared)) {
+    if (Status s = feed_->room(); !s.ok()) {
+      write_failures_.fetch_add(1, std::memory_order_relaxed);
+      return s;  // the frozen buffer stays live, as below
+    }
+  }
   // The batch's epoch names its ledger records: above the last batch's
   // (the synced meta record, taken first) and RocksDB's next sequence
   // number. An ingestion need not take a sequence number of its own (a file

@@ -41,7 +41,10 @@
 //
 // Past the buffers' bound, admit() makes signals wait for the writer
 // (backpressure); while the writer is failing, they get its error instead of
-// waiting forever.
+// waiting forever. A failing writer retries once a period, not at every
+// wake of the soft bound (which at a full change feed made it retry, and
+// fsync, hundreds of times a second); a trim of the feed brings the retry
+// forward (feed_trimmed).
 #ifndef TIDAL_DB_STATE_STORE_H_
 #define TIDAL_DB_STATE_STORE_H_
 
@@ -101,6 +104,9 @@ class StateStore {
   Status start();
   // Stops the writer and writes what is pending. Idempotent.
   Status stop();
+  // The change feed was trimmed: a writer whose last batch failed (perhaps
+  // for want of room in the feed) retries now rather than at its period.
+  void feed_trimmed();
 
   // Before a signal's read section: slows the signal a little past the soft
   // bound and waits while the buffers are full; the error of the failing
@@ -206,7 +212,8 @@ class StateStore {
   std::condition_variable writer_cv_;    // wakes the writer
   std::condition_variable drained_cv_;   // wakes signals waiting in admit()
   bool stop_ = false;
-  bool wake_ = false;
+  bool wake_ = false;                    // the soft bound was reached
+  bool retry_ = false;                   // feed_trimmed(): retry a failed batch now
   Status last_error_;                    // of the last drain; OK once one succeeds
   std::thread writer_;
 

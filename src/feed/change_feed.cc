@@ -124,16 +124,10 @@ void ChangeFeed::Appender::on_payload(std::string payload) {
   if (bounded_ && next_.last_seq == first_seq_) {
     // Checked once a write, before its first payload: a write of any size
     // goes into a feed below the bound (so the bound is passed by at most
-    // one write), none into a feed at or above it.
-    std::lock_guard<std::mutex> lock(feed_->mu_);
-    const std::uint64_t pending = next_.end_offset - feed_->trimmed_offset_;
-    if (pending >= feed_->max_bytes_) {
-      error_ = Status::Busy("the change feed of shard " + std::to_string(feed_->shard_id_) + " in '" +
-                            feed_->storage_->path() + "' holds " + std::to_string(pending) +
-                            " bytes not yet trimmed, at or above Options::change_feed_max_bytes (" +
-                            std::to_string(feed_->max_bytes_) + "); its consumers must trim_changes() what they have");
-      return;
-    }
+    // one write), none into a feed at or above it. (Writers are serialized:
+    // the feed's end is still where this write began.)
+    error_ = feed_->room();
+    if (!error_.ok()) return;
   }
   std::string value = be64(end);
   value += payload;
@@ -156,6 +150,16 @@ void ChangeFeed::committed(const Appended& a) {
   if (a.last_seq <= last_seq_) return;
   last_seq_ = a.last_seq;
   end_offset_ = a.end_offset;
+}
+
+Status ChangeFeed::room() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::uint64_t pending = end_offset_ - trimmed_offset_;
+  if (pending < max_bytes_) return Status::OK();
+  return Status::Busy("the change feed of shard " + std::to_string(shard_id_) + " in '" + storage_->path() +
+                      "' holds " + std::to_string(pending) +
+                      " bytes not yet trimmed, at or above Options::change_feed_max_bytes (" +
+                      std::to_string(max_bytes_) + "); its consumers must trim_changes() what they have");
 }
 
 Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::size_t max_bytes) const {
