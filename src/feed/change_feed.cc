@@ -232,6 +232,17 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
     trimmed_through_ = std::max(trimmed_through_, through_seq);
     trimmed_offset_ = std::max(trimmed_offset_, offset);
   }
+  // Feed keys only grow, so every ingested feed file lands at the bottom
+  // level, where no compaction by size ever reaches it, and the range
+  // deletion alone would keep every file for good (400 files after 400
+  // trimmed batches, issue 26 item 10). Drop the files that hold only
+  // trimmed seqs: the range deletion just written covers every key of
+  // them and ends past `through_seq`, so it is never among the files
+  // dropped, and it keeps covering what a file that also holds later seqs
+  // still has of the trimmed ones. Best effort: a failure leaves the files
+  // to the next trim (which covers seqs 1.. again), and the trim is done.
+  (void)storage_->drop_files_in_range(storage_->feed(), encode_feed_key(0), encode_feed_key(through_seq),
+                                      "dropping the trimmed files of the change feed of '" + storage_->path() + "'");
   Storage::test_step("trim changes", static_cast<int>(through_seq));
   return Status::OK();
 }
