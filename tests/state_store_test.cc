@@ -210,6 +210,52 @@ TEST(Admission, TheWriterWritesOnTimeAndSignalsArePausedWhileCompactionsAreBehin
   EXPECT_EQ(*stored, 5);
 }
 
+// stats() reports how long batch writes take, from when each was due (the
+// crash window is the period plus that, docs/CONTRACT.md S4): the longest
+// and a recent p99; and while a write is overdue (here the writer's batch
+// waits in its quiesce step for the test, as it would for a slow signal or
+// disk), the longest counts it as far as it got, so a crash then is inside
+// the window the Db reports (issue 26, item 12).
+TEST(WriteBehind, StatsReportHowLongBatchWritesTakeAnOverdueOneIncluded) {
+  TempDir dir;
+  Result<std::unique_ptr<Storage>> opened = Storage::open(dir.sub("db"), Storage::Config{});
+  ASSERT_OK(opened.status());
+  std::atomic<bool> hold{false}, held{false};
+  StateStore::Config config;
+  config.write_period = std::chrono::milliseconds(20);
+  StateStore store(opened->get(), config, [&] {
+    while (hold.load()) {
+      held.store(true);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return Status::OK();
+  });
+  ASSERT_OK(store.start());
+  EXPECT_EQ(store.stats().write_p99_ns, 0u);
+  store.add(store.begin_signal(), AggregateKind::Cohort, 1, 2, 5);
+  ASSERT_OK(store.flush());
+  const StateStoreStats first = store.stats();
+  EXPECT_GT(first.write_p99_ns, 0u);
+  EXPECT_GE(first.write_max_ns, first.write_p99_ns);
+
+  hold.store(true);
+  store.add(store.begin_signal(), AggregateKind::Cohort, 1, 3, 5);
+  while (!held.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // The batch was due before it reached its quiesce step, so before now.
+  const auto since = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto overdue = std::chrono::steady_clock::now() - since;
+  const StateStoreStats during = store.stats();
+  EXPECT_GE(std::chrono::nanoseconds(during.write_max_ns), overdue);
+  EXPECT_EQ(during.writes, first.writes);
+  hold.store(false);
+  while (store.stats().writes == first.writes) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const StateStoreStats after = store.stats();
+  EXPECT_GE(std::chrono::nanoseconds(after.write_max_ns), overdue);
+  EXPECT_GE(after.write_max_ns, after.write_p99_ns);
+  ASSERT_OK(store.stop());
+}
+
 TEST(WriteBehind, ConcurrentSignalsPastTheBufferBoundWaitAndStayExact) {
   TempDir dir;
   Options options = manual_writes();

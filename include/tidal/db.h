@@ -209,6 +209,13 @@ struct Stats {
   std::uint64_t aggregate_cells_written = 0;   // aggregate cells and ledger records stored
   std::uint64_t aggregate_cells_pending = 0;   // cells in memory now, not yet stored
   std::uint64_t backpressure_waits = 0;        // signals that waited for the writer (buffers full)
+  // How long a batch write takes, from the moment the batch was due (the
+  // writer's deadline, a period after the last batch started, or a call of
+  // flush) to the moment it is stored, waits for a late writer included. A
+  // signal acknowledged at t is stored by t + aggregate_write_period + its
+  // batch's write time: the crash window (docs/CONTRACT.md S4).
+  std::uint64_t aggregate_write_max_ns = 0;    // the longest since open; a write overdue now counts as far as it got
+  std::uint64_t aggregate_write_p99_ns = 0;    // p99 of the last 1,000 writes (0 before the first)
   // Admission (docs/CONTRACT.md "Admission"): while the state engine's
   // compactions are behind, each signal is slowed by a short pause that
   // grows with the debt, so that the writer never has to hold a batch back.

@@ -36,6 +36,10 @@ constexpr auto kDebtLookPeriod = std::chrono::milliseconds(20);
 // The pause admit() gives each signal at the top of the debt range.
 constexpr std::uint64_t kMaxAdmissionPauseNs = 2'000'000;
 
+std::int64_t steady_ns(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 // Where `v` is in [start, full], 0 to 1.
 double share(std::uint64_t v, std::uint64_t start, std::uint64_t full) {
   if (v <= start) return 0;
@@ -121,6 +125,7 @@ void StateStore::run_writer() {
   // next try: the soft bound, which every signal past it keeps reaching,
   // would start one at once, again and again.
   auto next = std::chrono::steady_clock::now() + config_.write_period;
+  writer_due_ns_.store(steady_ns(next), std::memory_order_relaxed);
   bool failing = false;
   const auto woken = [&] { return retry_ || (wake_ && !failing); };
   while (!stop_) {
@@ -134,11 +139,16 @@ void StateStore::run_writer() {
     if (!woken() && now < next) continue;
     wake_ = false;
     retry_ = false;
+    // Due at the deadline, or now when woken before it.
+    const auto due = std::min(now, next);
+    writer_due_ns_.store(steady_ns(due), std::memory_order_relaxed);
     next = now + config_.write_period;
     lock.unlock();
-    failing = !flush().ok();  // the outcome is kept in last_error_ and the counters
+    failing = !flush_due(due).ok();  // the outcome is kept in last_error_ and the counters
+    writer_due_ns_.store(steady_ns(next), std::memory_order_relaxed);
     lock.lock();
   }
+  writer_due_ns_.store(0, std::memory_order_relaxed);
 }
 
 void StateStore::look_at_debt() {
@@ -196,24 +206,38 @@ Status StateStore::admit(bool nested) {
   return Status::OK();
 }
 
-Status StateStore::flush() {
+Status StateStore::flush() { return flush_due(std::chrono::steady_clock::now()); }
+
+Status StateStore::flush_due(std::chrono::steady_clock::time_point due) {
   std::lock_guard<std::mutex> drain(drain_mu_);
-  Status s = drain_all_locked();
+  return drain_all_locked(due);
+}
+
+Status StateStore::drain_all_locked(std::chrono::steady_clock::time_point due) {
+  // A batch that failed earlier is still frozen: drain_locked() writes it
+  // first, and the active buffer takes a second drain. (frozen_live_ changes
+  // only under drain_mu_, which the caller holds.)
+  const std::uint64_t writes = writes_.load(std::memory_order_relaxed);
+  const bool retry = frozen_live_;
+  Status s = drain_locked();
+  if (s.ok() && retry) s = drain_locked();
+  if (s.ok() && writes_.load(std::memory_order_relaxed) != writes) {
+    const auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - due);
+    const auto ns = static_cast<std::uint64_t>(std::max<std::int64_t>(0, took.count()));
+    std::lock_guard<std::mutex> lock(write_times_mu_);
+    write_max_ns_ = std::max(write_max_ns_, ns);
+    if (recent_writes_.size() < kRecentWrites) {
+      recent_writes_.push_back(ns);
+    } else {
+      recent_writes_[recent_next_] = ns;
+      recent_next_ = (recent_next_ + 1) % kRecentWrites;
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(writer_mu_);
     last_error_ = s;
   }
   drained_cv_.notify_all();
-  return s;
-}
-
-Status StateStore::drain_all_locked() {
-  // A batch that failed earlier is still frozen: drain_locked() writes it
-  // first, and the active buffer takes a second drain. (frozen_live_ changes
-  // only under drain_mu_, which the caller holds.)
-  const bool retry = frozen_live_;
-  Status s = drain_locked();
-  if (s.ok() && retry) s = drain_locked();
   return s;
 }
 
@@ -397,6 +421,22 @@ StateStoreStats StateStore::stats() const {
   out.admission_pause_ns = pause_ns_.load(std::memory_order_relaxed);
   out.compaction_debt_bytes = debt_bytes_.load(std::memory_order_relaxed);
   out.compaction_debt_l0_files = debt_l0_files_.load(std::memory_order_relaxed);
+  std::vector<std::uint64_t> recent;
+  {
+    std::lock_guard<std::mutex> lock(write_times_mu_);
+    out.write_max_ns = write_max_ns_;
+    recent = recent_writes_;
+  }
+  if (!recent.empty()) {
+    const std::size_t rank = (recent.size() * 99 + 99) / 100 - 1;  // the smallest time >= 99 % of them
+    std::nth_element(recent.begin(), recent.begin() + static_cast<std::ptrdiff_t>(rank), recent.end());
+    out.write_p99_ns = recent[rank];
+  }
+  // A batch the writer has not stored by its deadline is a write already
+  // that long.
+  const std::int64_t due = writer_due_ns_.load(std::memory_order_relaxed);
+  const std::int64_t now = steady_ns(std::chrono::steady_clock::now());
+  if (due != 0 && now > due) out.write_max_ns = std::max(out.write_max_ns, static_cast<std::uint64_t>(now - due));
   return out;
 }
 
@@ -412,14 +452,9 @@ Status StateStore::verify(VerifyReport* report) const {
 }
 
 Status StateStore::exclusive(const std::function<Status()>& fn) {
+  const auto due = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> drain(drain_mu_);
-  Status s = drain_all_locked();
-  {
-    std::lock_guard<std::mutex> lock(writer_mu_);
-    last_error_ = s;
-  }
-  drained_cv_.notify_all();
-  if (!s.ok()) return s;
+  if (Status s = drain_all_locked(due); !s.ok()) return s;
   return fn();
 }
 

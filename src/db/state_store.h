@@ -56,6 +56,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <thread>
+#include <vector>
 
 #include <libcuckoo/cuckoohash_map.hh>
 
@@ -78,6 +79,8 @@ struct StateStoreStats {
   std::uint64_t admission_pause_ns = 0;
   std::uint64_t compaction_debt_bytes = 0;
   std::uint64_t compaction_debt_l0_files = 0;
+  std::uint64_t write_max_ns = 0;      // the longest batch write (see write time below), one overdue now included
+  std::uint64_t write_p99_ns = 0;      // p99 of the last kRecentWrites
 };
 
 class StateStore {
@@ -135,6 +138,17 @@ class StateStore {
   // pending when they were called is written.
   Status flush();
 
+  // A batch's *write time*, which stats() reports (the longest and a recent
+  // p99): from the moment the batch was due to the moment it is stored. For
+  // the writer, due is its period's deadline (or the wake of the soft bound,
+  // when earlier): a write that starts late (the last one overran the
+  // period, the writer waited for the drain lock or for a CPU) counts its
+  // lateness. For flush() and exclusive(), due is the call. So a signal
+  // acknowledged at t is stored by t + write_period + the write time of its
+  // batch (docs/CONTRACT.md S4). While the writer is past its deadline, the
+  // longest write counts that overdue write as far as it got.
+  static constexpr std::size_t kRecentWrites = 1000;
+
   StateStoreStats stats() const;
 
   // Checks every stored aggregate and ledger record, and invariant I1 (each
@@ -179,8 +193,12 @@ class StateStore {
   // Caller holds drain_mu_.
   Status drain_locked();
   // Drains until nothing acknowledged before the call is left in memory (a
-  // failed batch, then the active buffer). Caller holds drain_mu_.
-  Status drain_all_locked();
+  // failed batch, then the active buffer), keeps the outcome in last_error_
+  // and, when it stored a batch, its write time from `due`. Caller holds
+  // drain_mu_.
+  Status drain_all_locked(std::chrono::steady_clock::time_point due);
+  // flush(), for a drain that was due at `due`.
+  Status flush_due(std::chrono::steady_clock::time_point due);
   Status write_frozen_locked(int frozen);
   // Writes the frozen buffer's cells (sorting them into key order) as one
   // SST file per column family and ingests them together; counts the keys.
@@ -218,6 +236,14 @@ class StateStore {
   std::thread writer_;
 
   std::atomic<std::uint64_t> writes_{0}, write_failures_{0}, cells_written_{0}, backpressure_waits_{0};
+  // Write times: the longest and the last kRecentWrites (a ring), in ns;
+  // and the steady-clock ns at which the writer's next batch is due (0: no
+  // writer), which stats() compares with the time now.
+  mutable std::mutex write_times_mu_;
+  std::uint64_t write_max_ns_ = 0;
+  std::vector<std::uint64_t> recent_writes_;
+  std::size_t recent_next_ = 0;
+  std::atomic<std::int64_t> writer_due_ns_{0};
   // Admission: the pause each signal takes now, and the debt it comes from.
   std::atomic<std::uint64_t> pause_ns_{0};
   std::atomic<std::uint64_t> debt_bytes_{0}, debt_l0_files_{0};
