@@ -70,6 +70,7 @@ Status StateStore::start() {
                                 std::to_string(stored.size()) + " bytes; expected 8");
     }
     last_epoch_ = get_u64_be(stored.data());
+    reserved_epoch_ = last_epoch_;
   } else if (s.code() != StatusCode::NotFound) {
     return s;
   }
@@ -290,21 +291,32 @@ Status StateStore::write_frozen_locked(int frozen) {
       return s;  // the frozen buffer stays live, as below
     }
   }
-  // The batch's epoch names its ledger records: above the last batch's
-  // (the synced meta record, taken first) and RocksDB's next sequence
-  // number. An ingestion need not take a sequence number of its own (a file
-  // that overlaps nothing goes in at 0; only because the frozen snapshot is
-  // held does RocksDB 7.8 give it one), so without the record two batches
-  // could share an epoch, and the second's ledger records would replace the
-  // first's; and a Db upgraded from format 2 has ledger records named by the
-  // old engine's sequence numbers, above the new one's. One fsync a batch.
+  // The batch's epoch names its ledger records, so no two batches may share
+  // one, after a crash or an upgrade too: it is above the last batch's and
+  // RocksDB's next sequence number, and at most the reservation in the
+  // state_epoch record, which a synced mark raises (by epoch_lease) before
+  // any batch takes an epoch above it. A new StateStore starts above the
+  // stored record, so above every epoch a stored batch can have: those
+  // were all reserved, synced, before their batch was written. The
+  // ingestion alone would not do: it need not take a sequence number of its
+  // own (a file that overlaps nothing goes in at 0; only because the frozen
+  // snapshot is held does RocksDB 7.8 give it one), and a Db upgraded from
+  // format 2 has ledger records named by the old engine's sequence numbers,
+  // above the new one's. The mark used to be written, and fsynced, for
+  // every batch, besides the ingestion's own fsyncs; a reservation costs
+  // that fsync once every few thousand batches.
   rocksdb::DB* db = storage_->db(Storage::Engine::State);
   const std::uint64_t epoch = std::max(db->GetLatestSequenceNumber(), last_epoch_) + 1;
-  rocksdb::WriteBatch mark;
-  std::string epoch_value;
-  put_u64_be(&epoch_value, epoch);
-  mark.Put(storage_->state_meta(), kStateEpochKey, epoch_value);
-  Status s = storage_->write(Storage::Engine::State, &mark, Storage::WriteMode::Sync, what);
+  Status s;
+  if (epoch > reserved_epoch_) {
+    const std::uint64_t reserve = epoch + std::max<std::uint64_t>(epoch_lease, 1) - 1;
+    rocksdb::WriteBatch mark;
+    std::string value;
+    put_u64_be(&value, reserve);
+    mark.Put(storage_->state_meta(), kStateEpochKey, value);
+    s = storage_->write(Storage::Engine::State, &mark, Storage::WriteMode::Sync, what);
+    if (s.ok()) reserved_epoch_ = reserve;
+  }
   if (s.ok()) last_epoch_ = epoch;
   std::uint64_t keys = 0;
   if (s.ok()) s = write_batch_files(&cells, epoch, what, &keys);

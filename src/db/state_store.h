@@ -100,6 +100,10 @@ class StateStore {
   // Storage::check_state_format.
   static Status check_format(Storage& storage);
 
+  // Epochs one synced state_epoch mark reserves for the batches that follow
+  // (write_frozen_locked). Tests set 1: a mark every batch.
+  static inline std::uint64_t epoch_lease = 4096;
+
   // Every batch also enters `feed` (null: no feed), in the same ingestion.
   // Before start().
   void set_feed(ChangeFeed* feed) { feed_ = feed; }
@@ -223,7 +227,11 @@ class StateStore {
   const rocksdb::Snapshot* frozen_snapshot_ = nullptr;  // storage without the frozen buffer
 
   std::mutex drain_mu_;  // one drain at a time
-  std::uint64_t last_epoch_ = 0;  // of the last batch's mark; guarded by drain_mu_ (and set before the writer starts)
+  // The last batch's epoch, and the highest the stored state_epoch record
+  // reserves (write_frozen_locked); guarded by drain_mu_ (and set before the
+  // writer starts).
+  std::uint64_t last_epoch_ = 0;
+  std::uint64_t reserved_epoch_ = 0;
 
   // Writer thread control and backpressure.
   std::mutex writer_mu_;
