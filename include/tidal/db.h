@@ -156,7 +156,8 @@ struct Options {
   // Default (empty): the system clock.
   std::function<std::uint64_t()> clock;
   // Longest a signal's aggregate updates wait in memory before the background
-  // writer stores them (the crash window). Default: 1 s.
+  // writer starts storing them: the crash window is this plus the time of
+  // one write, which Stats::aggregate_write_max_ns reports. Default: 1 s.
   std::chrono::milliseconds aggregate_write_period{1000};
   // Bound on the aggregate updates held in memory (two write buffers of half
   // of it each, at ~128 bytes a cell). The writer starts early when the
