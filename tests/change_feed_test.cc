@@ -1,16 +1,22 @@
 // The change feed (docs/CONTRACT.md, "Change feed"): what enters it, its
 // numbering, its bound, trimming, and the convergence of a GlobalView fed
 // by several shards with one Db that received everything.
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
+#include <iostream>
 #include <map>
 #include <random>
 #include <set>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <rocksdb/db.h>
 
+#include "db/state_store.h"
 #include "feed_util.h"
 #include "raw_db.h"
 #include "storage/feed_format.h"
@@ -276,6 +282,101 @@ TEST(ChangeFeed, PastItsBoundWritesWaitForATrimAndNothingIsDropped) {
   EXPECT_TRUE(db->purge_receipts(1)->empty());
 }
 
+// Bytes in the state engine's write-ahead logs: every epoch mark and trim
+// is a synced record there.
+std::uintmax_t state_wal_bytes(const std::string& db_path) {
+  std::uintmax_t bytes = 0;
+  for (const auto& e : std::filesystem::directory_iterator(db_path + "/state")) {
+    if (e.path().extension() == ".log") bytes += e.file_size();
+  }
+  return bytes;
+}
+
+// A full feed holds the writer's batch back (F4) without making it spin.
+// Signals past the soft bound keep waking the writer; it used to retry at
+// once every time, each try writing a synced epoch mark before it found the
+// feed full: 458 failed batch writes (458 fsyncs) in 2 s at a 1 s period
+// (issue 26, item 5). Now it asks the feed first, writes nothing for a batch
+// that cannot go in, and retries once a period; a trim lets the batch through.
+TEST(ChangeFeed, AFullFeedHoldsTheWriterBackWithoutMakingItSpin) {
+  // A synced epoch mark every batch (StateStore::epoch_lease), as before
+  // marks reserved epochs for many: a refused batch must not write one.
+  struct Lease {
+    std::uint64_t saved = StateStore::epoch_lease;
+    Lease() { StateStore::epoch_lease = 1; }
+    ~Lease() { StateStore::epoch_lease = saved; }
+  } lease;
+  TempDir dir;
+  Options options = feed_options(1);
+  options.aggregate_write_period = std::chrono::milliseconds(500);
+  options.change_feed_max_bytes = 1;        // full after one batch
+  options.write_buffer_bytes = 256 << 10;   // a soft bound of ~768 cells: reached at once
+  auto db = open_db(dir.path(), options);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->signal_with_context({1, 0, 1.0}, {{4}}));
+  ASSERT_OK(db->flush());  // the feed is full from here
+  const std::uint64_t failures_before = db->stats().aggregate_write_failures;
+  const std::uintmax_t wal_before = state_wal_bytes(dir.path());
+  const auto start = std::chrono::steady_clock::now();
+  std::uint64_t accepted = 0, busy = 0;
+  for (std::uint64_t i = 1; std::chrono::steady_clock::now() - start < std::chrono::seconds(2); ++i) {
+    Result<SignalOutcome> out = db->signal_with_context({1 + i % 50, i, 1.0}, {{4}});
+    if (out.ok()) {
+      ++accepted;
+    } else {
+      ++busy;
+      ASSERT_EQ(out.status().code(), StatusCode::Busy) << out.status().to_string();
+    }
+  }
+  const double periods = std::chrono::duration<double>(std::chrono::steady_clock::now() - start) /
+                         options.aggregate_write_period;
+  const Stats held = db->stats();
+  const std::uint64_t failures = held.aggregate_write_failures - failures_before;
+  std::cout << "[full feed] " << accepted << " signals accepted, " << busy << " Busy, over " << periods
+            << " periods: " << failures << " failed batch writes\n";
+  EXPECT_GT(busy, 0u) << "the signals never reached the bound of the write buffers";
+  EXPECT_GE(failures, 1u);
+  EXPECT_LE(static_cast<double>(failures), periods + 2) << "the writer retries faster than once a period";
+  // No epoch mark (nor anything else) was written for the refused batches.
+  EXPECT_EQ(state_wal_bytes(dir.path()), wal_before);
+  EXPECT_EQ(held.aggregate_writes, 1u);
+  // The consumers trim: the held batch goes, and its deltas enter the feed.
+  ASSERT_OK(db->trim_changes(*db->last_change_seq()));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (db->stats().aggregate_writes == held.aggregate_writes && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GT(db->stats().aggregate_writes, held.aggregate_writes);
+  Result<std::vector<ChangeBatch>> after = db->read_changes(held.change_feed_last_seq, 1 << 20);
+  ASSERT_OK(after);
+  EXPECT_FALSE(after->empty());
+}
+
+// A batch held back by a full feed goes as soon as the feed is trimmed, not
+// a period later: with a period of an hour only the trim can start it.
+TEST(ChangeFeed, ATrimWakesAWriterHeldBackByAFullFeed) {
+  TempDir dir;
+  Options options = feed_options(1);  // period: an hour
+  options.change_feed_max_bytes = 1;
+  options.write_buffer_bytes = 256 << 10;
+  auto db = open_db(dir.path(), options);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->signal_with_context({1, 0, 1.0}, {{4}}));
+  ASSERT_OK(db->flush());
+  // Past the soft bound: the writer wakes, finds the feed full and fails.
+  for (std::uint64_t i = 1; db->stats().aggregate_write_failures == 0; ++i) {
+    ASSERT_LT(i, 1'000'000u) << "the writer never tried";
+    (void)db->signal_with_context({1 + i % 50, i, 1.0}, {{4}});
+  }
+  const std::uint64_t writes = db->stats().aggregate_writes;
+  ASSERT_OK(db->trim_changes(*db->last_change_seq()));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (db->stats().aggregate_writes == writes && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_GT(db->stats().aggregate_writes, writes) << "the trim did not wake the writer";
+}
+
 TEST(ChangeFeed, ReadChangesHonoursMaxBytesAndSaysWhatWasTrimmed) {
   TempDir dir;
   auto db = open_db(dir.path(), feed_options(1));
@@ -298,6 +399,72 @@ TEST(ChangeFeed, ReadChangesHonoursMaxBytesAndSaysWhatWasTrimmed) {
   EXPECT_NE(gone.status().message().find("trimmed through seq 3"), std::string::npos) << gone.status().to_string();
   EXPECT_EQ(db->read_changes(3, 1 << 20)->size(), 2u);
   EXPECT_EQ(db->trim_changes(9).code(), StatusCode::InvalidArgument);
+}
+
+// The live SST files of the change feed's column family of the (closed) Db
+// at `path`, from its state engine opened read-only.
+std::size_t feed_files(const std::string& path) {
+  const std::string dir = state_engine_dir(path);
+  std::vector<std::string> names;
+  EXPECT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), dir, &names).ok());
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+  for (const std::string& name : names) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::OpenForReadOnly(rocksdb::Options(), dir, cfs, &handles, &raw);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  if (!s.ok()) return 0;
+  std::unique_ptr<rocksdb::DB> db(raw);
+  std::vector<rocksdb::LiveFileMetaData> files;
+  db->GetLiveFilesMetaData(&files);
+  for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
+  return static_cast<std::size_t>(
+      std::count_if(files.begin(), files.end(), [](const auto& f) { return f.column_family_name == "feed"; }));
+}
+
+// Trimmed batches leave no files behind. Feed keys only grow, so each
+// ingested feed file landed at the bottom level, where no compaction by
+// size reaches it, and a trim's range deletion stayed above them: 400 files
+// after 400 batches, all trimmed (issue 26, item 10). A file that holds
+// trimmed and untrimmed seqs stays, and reads past the trim point go on
+// after a reopen.
+TEST(ChangeFeed, TrimmedBatchesLeaveNoFilesBehind) {
+  TempDir dir;
+  std::uint64_t trimmed = 0;
+  {
+    auto db = open_db(dir.path(), feed_options(1));
+    ASSERT_NE(db, nullptr);
+    for (std::uint64_t i = 0; i < 400; ++i) {
+      ASSERT_OK(db->signal_with_context({1 + i % 7, i, 1.0}, {{4}}));
+      ASSERT_OK(db->flush());
+      ASSERT_OK(db->trim_changes(*db->last_change_seq()));
+    }
+    // One write of three payloads (one file), trimmed through its first.
+    for (std::uint64_t i = 0; i < 2 * kMaxFeedEntries + 10; ++i) {
+      ASSERT_OK(db->signal_with_context({1, 1000 + i, 1.0}, {{5}}));
+    }
+    ASSERT_OK(db->flush());
+    ASSERT_EQ(*db->last_change_seq(), 403u);
+    trimmed = 401;
+    ASSERT_OK(db->trim_changes(trimmed));
+    ASSERT_OK(db->close());
+  }
+  const std::size_t files = feed_files(dir.path());
+  std::cout << "[feed files] after 400 trimmed batches and a partly trimmed one: " << files << " feed files\n";
+  EXPECT_LE(files, 10u);
+  auto db = open_db(dir.path(), feed_options(1));
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(*db->last_change_seq(), 403u);
+  EXPECT_EQ(db->read_changes(0, 1 << 20).status().code(), StatusCode::NotFound);
+  std::map<std::string, Units> sums;
+  EXPECT_EQ(sum_feed(*db, &sums, trimmed), 403u);
+  // Seqs 402 and 403 hold the last 2 * kMaxFeedEntries + 10 - kMaxFeedEntries
+  // cells of cohort 5, each 1.0.
+  EXPECT_EQ(sums.size(), kMaxFeedEntries + 10);
+  for (const auto& [key, units] : sums) EXPECT_EQ(units_to_double(units), 1.0) << hex(key);
+  Result<VerifyReport> report = db->verify();
+  ASSERT_OK(report);
+  EXPECT_TRUE(report->ok()) << report->problems.front();
 }
 
 TEST(ChangeFeed, ARepairEntersTheFeedAsTheDeltaThatMovesTheStoredSum) {

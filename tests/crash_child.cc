@@ -17,6 +17,9 @@
 //     signals user i % 64 on item i with weight 1 and cohort i % 8, and after
 //     each returned prints "A <i> <CLOCK_MONOTONIC ns>" and pauses 100 us
 //     (a steady few thousand signals a second, so rounds stay short).
+//     Meanwhile, every 5 ms, prints "W <write ns> <CLOCK_MONOTONIC ns>": the
+//     longest batch write the Db reports (Stats::aggregate_write_max_ns, a
+//     write overdue then counted as far as it got) and when it was read.
 //   tidal_crash_child stamps <db-path> <speed>
 //     Opens the Db with a ContributionSink that prints "S <forwarded_at_ns>"
 //     for every contribution it is handed, and a clock running `speed` times
@@ -40,7 +43,8 @@
 //     new user i on item 7 with weight 1 and cohort i % 1000; after each
 //     signal with i % 256 == 255 returned prints "A <i> <CLOCK_MONOTONIC ns>"
 //     (every signal up to i had returned then), and every 4096 signals
-//     "S <compaction debt L0 files> <debt bytes> <signals paused so far>".
+//     "S <compaction debt L0 files> <debt bytes> <signals paused so far>";
+//     and "W ..." lines as in signals mode.
 //   tidal_crash_child migrate <db-path> <step>
 //     Opens the Db (a format-2 one, with the change feed of shard 7), and
 //     SIGKILLs itself when the upgrade to format 3 reaches <step>
@@ -104,6 +108,23 @@ int run_ops(const std::string& path, std::uint64_t seed, std::uint64_t users) {
   }
 }
 
+std::int64_t monotonic_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Prints "W <longest write ns> <CLOCK_MONOTONIC ns>" every 5 ms, forever
+// (the parent kills the process).
+void report_write_times(tidal::Db* db) {
+  std::thread([db] {
+    for (;;) {
+      const tidal::Stats st = db->stats();
+      say("W " + std::to_string(st.aggregate_write_max_ns) + " " + std::to_string(monotonic_ns()));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }).detach();
+}
+
 int run_signals(const std::string& path, std::uint64_t period_ms) {
   tidal::Options options;
   options.aggregate_write_period = std::chrono::milliseconds(period_ms);
@@ -113,6 +134,7 @@ int run_signals(const std::string& path, std::uint64_t period_ms) {
     if (tidal::Status s = (*db)->join_community(u, 1000 + u % 4); !s.ok()) fail("join", s);
   }
   say("R");
+  report_write_times(db->get());
   for (std::uint64_t i = 0;; ++i) {
     auto out = (*db)->signal_with_context({i % 64, i, 1.0}, tidal::SignalContext{{i % 8}});
     if (!out.ok()) fail("signal", out.status());
@@ -129,6 +151,7 @@ int run_overload(const std::string& path, std::uint64_t period_ms, std::uint64_t
   auto db = tidal::Db::open(path, options);
   if (!db.ok()) fail("open", db.status());
   say("R");
+  report_write_times(db->get());
   for (std::uint64_t i = first;; ++i) {
     auto out = (*db)->signal_with_context({i, 7, 1.0}, tidal::SignalContext{{i % 1000}});
     if (!out.ok()) fail("signal", out.status());

@@ -492,29 +492,67 @@ TEST(CrashTest, KillDuringIndexBackfillOf50kLeavers) { crash_during_open(false);
 
 // ---- the state store's crash window ----
 
+std::int64_t ns_of(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// The crash window a child's Db promised (docs/CONTRACT.md S4): every signal
+// acknowledged more than aggregate_write_period + W before the kill is
+// stored, W being the longest batch write the Db reported (the child's
+// "W <ns> <CLOCK_MONOTONIC ns>" lines, a write overdue then counted as far as
+// it got). A write still running at the kill may have grown since the last
+// report, by at most the time from that report to the kill; kSlack covers
+// the reading of the clocks around the calls. So the allowance follows what
+// the disk did in that round, never a fixed figure a busy disk exceeds.
+struct ReportedWrites {
+  static constexpr auto kSlack = std::chrono::milliseconds(20);
+  std::int64_t write_ns = 0;     // the longest write reported
+  std::int64_t reported_at = 0;  // when it was read (0: no report yet)
+
+  // Takes a "W" line; false for any other.
+  bool take(const std::string& line) {
+    std::istringstream in(line);
+    std::string kind;
+    std::int64_t ns = 0, at = 0;
+    in >> kind >> ns >> at;
+    if (kind != "W") return false;
+    write_ns = std::max(write_ns, ns);
+    reported_at = std::max(reported_at, at);
+    return true;
+  }
+  // The window for a kill at `killed_at`; nullopt without a report (the
+  // round then requires nothing).
+  std::optional<std::chrono::nanoseconds> window(std::chrono::milliseconds period, Clock::time_point killed_at) const {
+    if (reported_at == 0) return std::nullopt;
+    const std::int64_t stale = std::max<std::int64_t>(0, ns_of(killed_at) - reported_at);
+    return std::chrono::nanoseconds(period + kSlack) + std::chrono::nanoseconds(write_ns + stale);
+  }
+};
+
 // A child signals (one new item per signal) with a short write period and is
 // SIGKILLed 550-800 ms after it opened. After each kill, every signal that
-// returned more than the period plus one write before the kill is in the
-// personal, cohort and community aggregates, and verify() finds I1 intact.
+// returned more than the period plus the longest write its Db reported
+// before the kill (ReportedWrites) is in the personal, cohort and community
+// aggregates, and verify() finds I1 intact.
 TEST(CrashTest, SignalsOutsideTheWritePeriodSurviveSigkill) {
   TempDir dir;
   const int rounds = std::max(30, crash_rounds() / 2);
-  constexpr std::uint64_t kPeriodMs = 20;
-  // "Plus one write": a batch of one period of signals takes a few ms; the
-  // rest is slack for a machine loaded by parallel builds and tests.
-  constexpr auto kWindow = std::chrono::milliseconds(kPeriodMs + 500);
+  constexpr auto kPeriod = std::chrono::milliseconds(20);
   std::mt19937_64 rng(20261130);
   std::uint64_t acked = 0, required = 0, in_window_found = 0, in_window = 0, lost = 0;
+  std::int64_t longest_write = 0, widest = 0;
   const auto start = Clock::now();
   for (int round = 0; round < rounds && !::testing::Test::HasFailure(); ++round) {
     const std::string path = dir.path() + "/db" + std::to_string(round);
     std::vector<std::int64_t> ack_ns;  // by signal index
+    ReportedWrites writes;
     Clock::time_point killed_at;
     {
-      Child child({"signals", path, std::to_string(kPeriodMs)});
+      Child child({"signals", path, std::to_string(kPeriod.count())});
       const int status = run_until_killed(
           child, std::chrono::milliseconds(550 + rng() % 251),
           [&](const std::string& line) {
+            if (writes.take(line)) return;
             std::istringstream in(line);
             std::string kind;
             std::uint64_t i = 0;
@@ -530,8 +568,10 @@ TEST(CrashTest, SignalsOutsideTheWritePeriodSurviveSigkill) {
           &killed_at);
       ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "round " << round << ": status " << status;
     }
-    const std::int64_t deadline_ns =
-        std::chrono::duration_cast<std::chrono::nanoseconds>((killed_at - kWindow).time_since_epoch()).count();
+    const std::optional<std::chrono::nanoseconds> window = writes.window(kPeriod, killed_at);
+    const std::int64_t deadline_ns = window ? ns_of(killed_at) - window->count() : 0;
+    longest_write = std::max(longest_write, writes.write_ns);
+    widest = std::max<std::int64_t>(widest, window ? window->count() : 0);
     auto db = Db::open(path);
     ASSERT_TRUE(db.ok()) << "round " << round << ": reopen: " << db.status().to_string();
     for (std::uint64_t i = 0; i < ack_ns.size(); ++i) {
@@ -542,7 +582,9 @@ TEST(CrashTest, SignalsOutsideTheWritePeriodSurviveSigkill) {
         ++required;
         if (!found) ++lost;
         EXPECT_TRUE(found) << "round " << round << ": signal " << i << " returned "
-                           << (deadline_ns - ack_ns[i]) / 1000000 << " ms before the window and is lost";
+                           << (deadline_ns - ack_ns[i]) / 1000000 << " ms before the window ("
+                           << window->count() / 1000000 << " ms: the period + the longest write reported, "
+                           << writes.write_ns / 1000000 << " ms, + the report's age) and is lost";
       } else {
         ++in_window;
         in_window_found += found ? 1 : 0;
@@ -562,9 +604,10 @@ TEST(CrashTest, SignalsOutsideTheWritePeriodSurviveSigkill) {
   }
   const auto secs = std::chrono::duration<double>(Clock::now() - start).count();
   std::cout << "[crash window] rounds (SIGKILLs): " << rounds << ", acknowledged signals: " << acked
-            << ", returned > " << kWindow.count() << " ms before the kill: " << required << " (lost: " << lost
-            << "), within the window: " << in_window << " (" << in_window_found << " stored anyway); I1 held after every round; "
-            << secs << " s\n";
+            << ", returned before the window (period " << kPeriod.count() << " ms + the longest write the Db reported "
+            << "that round, up to " << longest_write / 1000000 << " ms; widest window " << widest / 1000000
+            << " ms): " << required << " (lost: " << lost << "), within the window: " << in_window << " ("
+            << in_window_found << " stored anyway); I1 held after every round; " << secs << " s\n";
   EXPECT_EQ(lost, 0u);
   EXPECT_GT(required, 0u);
 }
@@ -574,35 +617,40 @@ TEST(CrashTest, SignalsOutsideTheWritePeriodSurviveSigkill) {
 // records and the state engine's compactions fall behind as the Db grows),
 // SIGKILLed 1.5-3 s after it opened (TIDAL_OVERLOAD_ROUNDS rounds). The writer never holds a batch back,
 // whatever the compactions do, so every signal acknowledged more than the
-// period plus 500 ms before the kill is stored, whole.
+// period plus the longest write the Db reported (ReportedWrites) before the
+// kill is stored, whole.
 TEST(CrashTest, TheCrashWindowHoldsUnderSustainedOverload) {
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  // The window is a time: under a sanitizer the instrumented writer, on 2
-  // cores shared with a flat-out signaler and the other tests, takes longer
-  // than 500 ms a batch (38,529 of 142,848 lost in CI's ASan stage, round 0),
-  // which measures the sanitizer, not tidal. The main build runs it.
+  // Under a sanitizer the instrumented writer, on 2 cores shared with a
+  // flat-out signaler and the other tests, took longer than the fixed 500 ms
+  // allowance of the time (38,529 of 142,848 lost in CI's ASan stage, round
+  // 0). The allowance now follows the write time the Db reports, so the skip
+  // may go once the test has been run under the sanitizers; the main build
+  // runs it.
   GTEST_SKIP() << "a timing window: not meaningful under a sanitizer's slowdown (run in the main build)";
 #endif
   TempDir dir;
   const char* env = std::getenv("TIDAL_OVERLOAD_ROUNDS");
   // 12 by default (about a minute); tests/RELIABILITY.md has a run of 30.
   const int rounds = env != nullptr ? std::atoi(env) : 12;
-  constexpr std::uint64_t kPeriodMs = 200;
-  constexpr auto kWindow = std::chrono::milliseconds(kPeriodMs + 500);
+  constexpr auto kPeriod = std::chrono::milliseconds(200);
   std::mt19937_64 rng(20261201);
   const std::string path = dir.path() + "/db";
   std::uint64_t first = 0, required = 0, lost = 0, acked = 0;
   std::uint64_t delayed = 0, max_l0 = 0, max_debt = 0;
+  std::int64_t longest_write = 0, widest = 0;
   const auto start = Clock::now();
   for (int round = 0; round < rounds && !::testing::Test::HasFailure(); ++round) {
     std::vector<std::pair<std::uint64_t, std::int64_t>> acks;  // (last signal index, monotonic ns)
     std::uint64_t round_delayed = 0;
+    ReportedWrites writes;
     Clock::time_point killed_at;
     {
-      Child child({"overload", path, std::to_string(kPeriodMs), std::to_string(first)});
+      Child child({"overload", path, std::to_string(kPeriod.count()), std::to_string(first)});
       const int status = run_until_killed(
           child, std::chrono::milliseconds(1500 + rng() % 1501),
           [&](const std::string& line) {
+            if (writes.take(line)) return;
             std::istringstream in(line);
             std::string kind;
             in >> kind;
@@ -624,12 +672,13 @@ TEST(CrashTest, TheCrashWindowHoldsUnderSustainedOverload) {
           &killed_at);
       ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "round " << round << ": status " << status;
     }
-    const std::int64_t deadline_ns =
-        std::chrono::duration_cast<std::chrono::nanoseconds>((killed_at - kWindow).time_since_epoch()).count();
+    const std::optional<std::chrono::nanoseconds> window = writes.window(kPeriod, killed_at);
+    longest_write = std::max(longest_write, writes.write_ns);
+    widest = std::max<std::int64_t>(widest, window ? window->count() : 0);
     // Every signal up to the last acknowledgement before the deadline.
     std::optional<std::uint64_t> must;
     for (const auto& [i, ns] : acks) {
-      if (ns < deadline_ns) must = i;
+      if (window && ns < ns_of(killed_at) - window->count()) must = i;
     }
     auto db = Db::open(path);
     ASSERT_TRUE(db.ok()) << "round " << round << ": reopen: " << db.status().to_string();
@@ -641,8 +690,9 @@ TEST(CrashTest, TheCrashWindowHoldsUnderSustainedOverload) {
         ++required;
         if (*personal != 1.0) ++lost;
       }
-      EXPECT_EQ(lost, 0u) << "round " << round << ": signals acknowledged more than " << kWindow.count()
-                          << " ms before the kill are lost";
+      EXPECT_EQ(lost, 0u) << "round " << round << ": signals acknowledged more than " << window->count() / 1000000
+                          << " ms before the kill (the period + the longest write reported, "
+                          << writes.write_ns / 1000000 << " ms, + the report's age) are lost";
     }
     acked += last - first;
     delayed += round_delayed;
@@ -656,7 +706,9 @@ TEST(CrashTest, TheCrashWindowHoldsUnderSustainedOverload) {
   EXPECT_TRUE(report->ok()) << report->problems.front();
   const auto secs = std::chrono::duration<double>(Clock::now() - start).count();
   std::cout << "[overload crash window] rounds (SIGKILLs): " << rounds << ", acknowledged signals: " << acked
-            << ", returned > " << kWindow.count() << " ms before the kill: " << required << " (lost: " << lost
+            << ", returned before the window (period " << kPeriod.count()
+            << " ms + the longest write the Db reported that round, up to " << longest_write / 1000000
+            << " ms; widest window " << widest / 1000000 << " ms): " << required << " (lost: " << lost
             << "); compaction debt seen by the child: up to " << max_l0 << " L0 files, " << (max_debt >> 20)
             << " MiB; signals paused by admission: " << delayed << "; I1 held at the end; " << secs << " s\n";
   EXPECT_EQ(lost, 0u);

@@ -210,6 +210,88 @@ TEST(Admission, TheWriterWritesOnTimeAndSignalsArePausedWhileCompactionsAreBehin
   EXPECT_EQ(*stored, 5);
 }
 
+// stats() reports how long batch writes take, from when each was due (the
+// crash window is the period plus that, docs/CONTRACT.md S4): the longest
+// and a recent p99; and while a write is overdue (here the writer's batch
+// waits in its quiesce step for the test, as it would for a slow signal or
+// disk), the longest counts it as far as it got, so a crash then is inside
+// the window the Db reports (issue 26, item 12).
+TEST(WriteBehind, StatsReportHowLongBatchWritesTakeAnOverdueOneIncluded) {
+  TempDir dir;
+  Result<std::unique_ptr<Storage>> opened = Storage::open(dir.sub("db"), Storage::Config{});
+  ASSERT_OK(opened.status());
+  std::atomic<bool> hold{false}, held{false};
+  StateStore::Config config;
+  config.write_period = std::chrono::milliseconds(20);
+  StateStore store(opened->get(), config, [&] {
+    while (hold.load()) {
+      held.store(true);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return Status::OK();
+  });
+  ASSERT_OK(store.start());
+  EXPECT_EQ(store.stats().write_p99_ns, 0u);
+  store.add(store.begin_signal(), AggregateKind::Cohort, 1, 2, 5);
+  ASSERT_OK(store.flush());
+  const StateStoreStats first = store.stats();
+  EXPECT_GT(first.write_p99_ns, 0u);
+  EXPECT_GE(first.write_max_ns, first.write_p99_ns);
+
+  hold.store(true);
+  store.add(store.begin_signal(), AggregateKind::Cohort, 1, 3, 5);
+  while (!held.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // The batch was due before it reached its quiesce step, so before now.
+  const auto since = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto overdue = std::chrono::steady_clock::now() - since;
+  const StateStoreStats during = store.stats();
+  EXPECT_GE(std::chrono::nanoseconds(during.write_max_ns), overdue);
+  EXPECT_EQ(during.writes, first.writes);
+  hold.store(false);
+  while (store.stats().writes == first.writes) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const StateStoreStats after = store.stats();
+  EXPECT_GE(std::chrono::nanoseconds(after.write_max_ns), overdue);
+  EXPECT_GE(after.write_max_ns, after.write_p99_ns);
+  ASSERT_OK(store.stop());
+}
+
+// Bytes in the state engine's write-ahead logs (its epoch marks, trims, ...).
+std::uintmax_t state_wal_bytes(const std::string& db_path) {
+  std::uintmax_t bytes = 0;
+  for (const auto& e : std::filesystem::directory_iterator(state_engine_dir(db_path))) {
+    if (e.path().extension() == ".log") bytes += e.file_size();
+  }
+  return bytes;
+}
+
+// A batch is one fsynced ingestion: the synced state_epoch mark, which used
+// to come before every batch (two fsync rounds a batch), reserves epochs for
+// thousands of batches. Epochs stay unique across reopens: every reopen
+// starts above the reservation, and a ledger record that reused an epoch
+// would replace another, which verify() (I1) would find.
+TEST(WriteBehind, ABatchWritesNoEpochMarkWhileItsEpochIsReserved) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  for (int open = 0; open < 3; ++open) {
+    auto db = open_db(path, manual_writes());
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->signal_with_context({1, 2, 1.0}, {{3}}));
+    ASSERT_OK(db->flush());  // the first batch of an open reserves
+    const std::uintmax_t wal = state_wal_bytes(path);
+    for (int i = 0; i < 10; ++i) {
+      ASSERT_OK(db->signal_with_context({1, 2, 1.0}, {{3}}));
+      ASSERT_OK(db->flush());
+    }
+    EXPECT_EQ(state_wal_bytes(path), wal) << "open " << open << ": a batch wrote to the state engine's WAL";
+    EXPECT_EQ(value_of(db->cohort_score(3, 2)), 11.0 * (open + 1));
+    Result<VerifyReport> report = db->verify();
+    ASSERT_OK(report);
+    EXPECT_TRUE(report->ok()) << report->problems.front();
+    ASSERT_OK(db->close());
+  }
+}
+
 TEST(WriteBehind, ConcurrentSignalsPastTheBufferBoundWaitAndStayExact) {
   TempDir dir;
   Options options = manual_writes();

@@ -161,7 +161,8 @@ struct Options {
   // Default (empty): the system clock.
   std::function<std::uint64_t()> clock;
   // Longest a signal's aggregate updates wait in memory before the background
-  // writer stores them (the crash window). Default: 1 s.
+  // writer starts storing them: the crash window is this plus the time of
+  // one write, which Stats::aggregate_write_max_ns reports. Default: 1 s.
   std::chrono::milliseconds aggregate_write_period{1000};
   // Bound on the aggregate updates held in memory (two write buffers of half
   // of it each, at ~128 bytes a cell). The writer starts early when the
@@ -214,6 +215,13 @@ struct Stats {
   std::uint64_t aggregate_cells_written = 0;   // aggregate cells and ledger records stored
   std::uint64_t aggregate_cells_pending = 0;   // cells in memory now, not yet stored
   std::uint64_t backpressure_waits = 0;        // signals that waited for the writer (buffers full)
+  // How long a batch write takes, from the moment the batch was due (the
+  // writer's deadline, a period after the last batch started, or a call of
+  // flush) to the moment it is stored, waits for a late writer included. A
+  // signal acknowledged at t is stored by t + aggregate_write_period + its
+  // batch's write time: the crash window (docs/CONTRACT.md S4).
+  std::uint64_t aggregate_write_max_ns = 0;    // the longest since open; a write overdue now counts as far as it got
+  std::uint64_t aggregate_write_p99_ns = 0;    // p99 of the last 1,000 writes (0 before the first)
   // Admission (docs/CONTRACT.md "Admission"): while the state engine's
   // compactions are behind, each signal is slowed by a short pause that
   // grows with the debt, so that the writer never has to hold a batch back.

@@ -33,6 +33,8 @@ Stats Db::Impl::stats() const {
   out.aggregate_cells_written = st.cells_written;
   out.aggregate_cells_pending = st.pending_cells;
   out.backpressure_waits = st.backpressure_waits;
+  out.aggregate_write_max_ns = st.write_max_ns;
+  out.aggregate_write_p99_ns = st.write_p99_ns;
   out.admission_delayed_signals = st.admission_delayed_signals;
   out.admission_delay_ns = st.admission_delay_ns;
   out.admission_pause_ns = st.admission_pause_ns;
@@ -78,7 +80,9 @@ Status Db::Impl::trim_changes(std::uint64_t through_seq) {
     Call call(this, "trim_changes", /*write=*/true);
     if (!call.status().ok()) return call.status();
     if (Status s = check_feed("trim_changes"); !s.ok()) return s;
-    return feed_->trim(through_seq);
+    if (Status s = feed_->trim(through_seq); !s.ok()) return s;
+    state_->feed_trimmed();  // a batch the full feed held back goes now
+    return Status::OK();
   });
 }
 

@@ -36,6 +36,10 @@ constexpr auto kDebtLookPeriod = std::chrono::milliseconds(20);
 // The pause admit() gives each signal at the top of the debt range.
 constexpr std::uint64_t kMaxAdmissionPauseNs = 2'000'000;
 
+std::int64_t steady_ns(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 // Where `v` is in [start, full], 0 to 1.
 double share(std::uint64_t v, std::uint64_t start, std::uint64_t full) {
   if (v <= start) return 0;
@@ -79,6 +83,7 @@ Status StateStore::start() {
   // copied it only when present) still never reuses such an epoch, at the
   // cost of one read instead of a scan of the ledger.
   last_epoch_ = std::max(*stored, storage_->db(Storage::Engine::Users)->GetLatestSequenceNumber());
+  reserved_epoch_ = *stored;  // what a synced mark reserved; the first batch above it writes one
   writer_ = std::thread([this] { run_writer(); });
   return Status::OK();
 }
@@ -108,7 +113,17 @@ Status StateStore::stop() {
 void StateStore::wake_writer() {
   {
     std::lock_guard<std::mutex> lock(writer_mu_);
+    if (wake_) return;  // woken already (or failing, and waiting for its period)
     wake_ = true;
+  }
+  writer_cv_.notify_one();
+}
+
+void StateStore::feed_trimmed() {
+  {
+    std::lock_guard<std::mutex> lock(writer_mu_);
+    if (last_error_.ok()) return;
+    retry_ = true;
   }
   writer_cv_.notify_one();
 }
@@ -117,22 +132,34 @@ void StateStore::run_writer() {
   std::unique_lock<std::mutex> lock(writer_mu_);
   // Batches start write_period apart (start to start), or sooner when the
   // soft bound wakes the writer; between them the writer looks at the debt.
+  // After a failed batch only the period (or a trim of the feed) starts the
+  // next try: the soft bound, which every signal past it keeps reaching,
+  // would start one at once, again and again.
   auto next = std::chrono::steady_clock::now() + config_.write_period;
+  writer_due_ns_.store(steady_ns(next), std::memory_order_relaxed);
+  bool failing = false;
+  const auto woken = [&] { return retry_ || (wake_ && !failing); };
   while (!stop_) {
     const auto look = std::chrono::steady_clock::now() + kDebtLookPeriod;
-    writer_cv_.wait_until(lock, std::min(next, look), [this] { return stop_ || wake_; });
+    writer_cv_.wait_until(lock, std::min(next, look), [&] { return stop_ || woken(); });
     if (stop_) break;
     lock.unlock();
     look_at_debt();
     lock.lock();
     const auto now = std::chrono::steady_clock::now();
-    if (!wake_ && now < next) continue;
+    if (!woken() && now < next) continue;
     wake_ = false;
+    retry_ = false;
+    // Due at the deadline, or now when woken before it.
+    const auto due = std::min(now, next);
+    writer_due_ns_.store(steady_ns(due), std::memory_order_relaxed);
     next = now + config_.write_period;
     lock.unlock();
-    (void)flush();  // the outcome is kept in last_error_ and the counters
+    failing = !flush_due(due).ok();  // the outcome is kept in last_error_ and the counters
+    writer_due_ns_.store(steady_ns(next), std::memory_order_relaxed);
     lock.lock();
   }
+  writer_due_ns_.store(0, std::memory_order_relaxed);
 }
 
 void StateStore::look_at_debt() {
@@ -190,24 +217,38 @@ Status StateStore::admit(bool nested) {
   return Status::OK();
 }
 
-Status StateStore::flush() {
+Status StateStore::flush() { return flush_due(std::chrono::steady_clock::now()); }
+
+Status StateStore::flush_due(std::chrono::steady_clock::time_point due) {
   std::lock_guard<std::mutex> drain(drain_mu_);
-  Status s = drain_all_locked();
+  return drain_all_locked(due);
+}
+
+Status StateStore::drain_all_locked(std::chrono::steady_clock::time_point due) {
+  // A batch that failed earlier is still frozen: drain_locked() writes it
+  // first, and the active buffer takes a second drain. (frozen_live_ changes
+  // only under drain_mu_, which the caller holds.)
+  const std::uint64_t writes = writes_.load(std::memory_order_relaxed);
+  const bool retry = frozen_live_;
+  Status s = drain_locked();
+  if (s.ok() && retry) s = drain_locked();
+  if (s.ok() && writes_.load(std::memory_order_relaxed) != writes) {
+    const auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - due);
+    const auto ns = static_cast<std::uint64_t>(std::max<std::int64_t>(0, took.count()));
+    std::lock_guard<std::mutex> lock(write_times_mu_);
+    write_max_ns_ = std::max(write_max_ns_, ns);
+    if (recent_writes_.size() < kRecentWrites) {
+      recent_writes_.push_back(ns);
+    } else {
+      recent_writes_[recent_next_] = ns;
+      recent_next_ = (recent_next_ + 1) % kRecentWrites;
+    }
+  }
   {
     std::lock_guard<std::mutex> lock(writer_mu_);
     last_error_ = s;
   }
   drained_cv_.notify_all();
-  return s;
-}
-
-Status StateStore::drain_all_locked() {
-  // A batch that failed earlier is still frozen: drain_locked() writes it
-  // first, and the active buffer takes a second drain. (frozen_live_ changes
-  // only under drain_mu_, which the caller holds.)
-  const bool retry = frozen_live_;
-  Status s = drain_locked();
-  if (s.ok() && retry) s = drain_locked();
   return s;
 }
 
@@ -247,21 +288,45 @@ Status StateStore::write_frozen_locked(int frozen) {
     cells.assign(locked.begin(), locked.end());
   }
   const std::string what = "aggregate write of '" + storage_->path() + "'";
-  // The batch's epoch names its ledger records: above the last batch's
-  // (the synced meta record, taken first) and RocksDB's next sequence
-  // number. An ingestion need not take a sequence number of its own (a file
-  // that overlaps nothing goes in at 0; only because the frozen snapshot is
-  // held does RocksDB 7.8 give it one), so without the record two batches
-  // could share an epoch, and the second's ledger records would replace the
-  // first's; and a Db upgraded from format 2 has ledger records named by the
-  // old engine's sequence numbers, above the new one's. One fsync a batch.
+  // A batch with shared cells enters the change feed, which refuses it
+  // while full (F4): ask first, so that a batch that cannot be written
+  // costs no epoch mark (an fsync) and no files.
+  const auto shared = [](const auto& c) {
+    return c.first.kind == static_cast<std::uint8_t>(AggregateKind::Cohort) ||
+           c.first.kind == static_cast<std::uint8_t>(AggregateKind::Community);
+  };
+  if (feed_ != nullptr && std::any_of(cells.begin(), cells.end(), shared)) {
+    if (Status s = feed_->room(); !s.ok()) {
+      write_failures_.fetch_add(1, std::memory_order_relaxed);
+      return s;  // the frozen buffer stays live, as below
+    }
+  }
+  // The batch's epoch names its ledger records, so no two batches may share
+  // one, after a crash or an upgrade too: it is above the last batch's and
+  // RocksDB's next sequence number, and at most the reservation in the
+  // state_epoch record, which a synced mark raises (by epoch_lease) before
+  // any batch takes an epoch above it. A new StateStore starts above the
+  // stored record, so above every epoch a stored batch can have: those
+  // were all reserved, synced, before their batch was written. The
+  // ingestion alone would not do: it need not take a sequence number of its
+  // own (a file that overlaps nothing goes in at 0; only because the frozen
+  // snapshot is held does RocksDB 7.8 give it one), and a Db upgraded from
+  // format 2 has ledger records named by the old engine's sequence numbers,
+  // above the new one's. The mark used to be written, and fsynced, for
+  // every batch, besides the ingestion's own fsyncs; a reservation costs
+  // that fsync once every few thousand batches.
   rocksdb::DB* db = storage_->db(Storage::Engine::State);
   const std::uint64_t epoch = std::max(db->GetLatestSequenceNumber(), last_epoch_) + 1;
-  rocksdb::WriteBatch mark;
-  std::string epoch_value;
-  put_u64_be(&epoch_value, epoch);
-  mark.Put(storage_->state_meta(), kStateEpochKey, epoch_value);
-  Status s = storage_->write(Storage::Engine::State, &mark, Storage::WriteMode::Sync, what);
+  Status s;
+  if (epoch > reserved_epoch_) {
+    const std::uint64_t reserve = epoch + std::max<std::uint64_t>(epoch_lease, 1) - 1;
+    rocksdb::WriteBatch mark;
+    std::string value;
+    put_u64_be(&value, reserve);
+    mark.Put(storage_->state_meta(), kStateEpochKey, value);
+    s = storage_->write(Storage::Engine::State, &mark, Storage::WriteMode::Sync, what);
+    if (s.ok()) reserved_epoch_ = reserve;
+  }
   if (s.ok()) last_epoch_ = epoch;
   std::uint64_t keys = 0;
   if (s.ok()) s = write_batch_files(&cells, epoch, what, &keys);
@@ -378,6 +443,22 @@ StateStoreStats StateStore::stats() const {
   out.admission_pause_ns = pause_ns_.load(std::memory_order_relaxed);
   out.compaction_debt_bytes = debt_bytes_.load(std::memory_order_relaxed);
   out.compaction_debt_l0_files = debt_l0_files_.load(std::memory_order_relaxed);
+  std::vector<std::uint64_t> recent;
+  {
+    std::lock_guard<std::mutex> lock(write_times_mu_);
+    out.write_max_ns = write_max_ns_;
+    recent = recent_writes_;
+  }
+  if (!recent.empty()) {
+    const std::size_t rank = (recent.size() * 99 + 99) / 100 - 1;  // the smallest time >= 99 % of them
+    std::nth_element(recent.begin(), recent.begin() + static_cast<std::ptrdiff_t>(rank), recent.end());
+    out.write_p99_ns = recent[rank];
+  }
+  // A batch the writer has not stored by its deadline is a write already
+  // that long.
+  const std::int64_t due = writer_due_ns_.load(std::memory_order_relaxed);
+  const std::int64_t now = steady_ns(std::chrono::steady_clock::now());
+  if (due != 0 && now > due) out.write_max_ns = std::max(out.write_max_ns, static_cast<std::uint64_t>(now - due));
   return out;
 }
 
@@ -393,14 +474,9 @@ Status StateStore::verify(VerifyReport* report) const {
 }
 
 Status StateStore::exclusive(const std::function<Status()>& fn) {
+  const auto due = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> drain(drain_mu_);
-  Status s = drain_all_locked();
-  {
-    std::lock_guard<std::mutex> lock(writer_mu_);
-    last_error_ = s;
-  }
-  drained_cv_.notify_all();
-  if (!s.ok()) return s;
+  if (Status s = drain_all_locked(due); !s.ok()) return s;
   return fn();
 }
 

@@ -41,7 +41,10 @@
 //
 // Past the buffers' bound, admit() makes signals wait for the writer
 // (backpressure); while the writer is failing, they get its error instead of
-// waiting forever.
+// waiting forever. A failing writer retries once a period, not at every
+// wake of the soft bound (which at a full change feed made it retry, and
+// fsync, hundreds of times a second); a trim of the feed brings the retry
+// forward (feed_trimmed).
 #ifndef TIDAL_DB_STATE_STORE_H_
 #define TIDAL_DB_STATE_STORE_H_
 
@@ -53,6 +56,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <thread>
+#include <vector>
 
 #include "db/cuckoo.h"
 
@@ -75,6 +79,8 @@ struct StateStoreStats {
   std::uint64_t admission_pause_ns = 0;
   std::uint64_t compaction_debt_bytes = 0;
   std::uint64_t compaction_debt_l0_files = 0;
+  std::uint64_t write_max_ns = 0;      // the longest batch write (see write time below), one overdue now included
+  std::uint64_t write_p99_ns = 0;      // p99 of the last kRecentWrites
 };
 
 class StateStore {
@@ -98,6 +104,10 @@ class StateStore {
   // upgrade.
   static Result<std::uint64_t> stored_epoch(const Storage& storage);
 
+  // Epochs one synced state_epoch mark reserves for the batches that follow
+  // (write_frozen_locked). Tests set 1: a mark every batch.
+  static inline std::uint64_t epoch_lease = 4096;
+
   // Every batch also enters `feed` (null: no feed), in the same ingestion.
   // Before start().
   void set_feed(ChangeFeed* feed) { feed_ = feed; }
@@ -105,6 +115,9 @@ class StateStore {
   Status start();
   // Stops the writer and writes what is pending. Idempotent.
   Status stop();
+  // The change feed was trimmed: a writer whose last batch failed (perhaps
+  // for want of room in the feed) retries now rather than at its period.
+  void feed_trimmed();
 
   // Before a signal's read section: slows the signal a little past the soft
   // bound and waits while the buffers are full; the error of the failing
@@ -132,6 +145,17 @@ class StateStore {
   // Writes everything pending now. Concurrent calls each return once what was
   // pending when they were called is written.
   Status flush();
+
+  // A batch's *write time*, which stats() reports (the longest and a recent
+  // p99): from the moment the batch was due to the moment it is stored. For
+  // the writer, due is its period's deadline (or the wake of the soft bound,
+  // when earlier): a write that starts late (the last one overran the
+  // period, the writer waited for the drain lock or for a CPU) counts its
+  // lateness. For flush() and exclusive(), due is the call. So a signal
+  // acknowledged at t is stored by t + write_period + the write time of its
+  // batch (docs/CONTRACT.md S4). While the writer is past its deadline, the
+  // longest write counts that overdue write as far as it got.
+  static constexpr std::size_t kRecentWrites = 1000;
 
   StateStoreStats stats() const;
 
@@ -177,8 +201,12 @@ class StateStore {
   // Caller holds drain_mu_.
   Status drain_locked();
   // Drains until nothing acknowledged before the call is left in memory (a
-  // failed batch, then the active buffer). Caller holds drain_mu_.
-  Status drain_all_locked();
+  // failed batch, then the active buffer), keeps the outcome in last_error_
+  // and, when it stored a batch, its write time from `due`. Caller holds
+  // drain_mu_.
+  Status drain_all_locked(std::chrono::steady_clock::time_point due);
+  // flush(), for a drain that was due at `due`.
+  Status flush_due(std::chrono::steady_clock::time_point due);
   Status write_frozen_locked(int frozen);
   // Writes the frozen buffer's cells (sorting them into key order) as one
   // SST file per column family and ingests them together; counts the keys.
@@ -203,18 +231,31 @@ class StateStore {
   const rocksdb::Snapshot* frozen_snapshot_ = nullptr;  // storage without the frozen buffer
 
   std::mutex drain_mu_;  // one drain at a time
-  std::uint64_t last_epoch_ = 0;  // of the last batch's mark; guarded by drain_mu_ (and set before the writer starts)
+  // The last batch's epoch, and the highest the stored state_epoch record
+  // reserves (write_frozen_locked); guarded by drain_mu_ (and set before the
+  // writer starts).
+  std::uint64_t last_epoch_ = 0;
+  std::uint64_t reserved_epoch_ = 0;
 
   // Writer thread control and backpressure.
   std::mutex writer_mu_;
   std::condition_variable writer_cv_;    // wakes the writer
   std::condition_variable drained_cv_;   // wakes signals waiting in admit()
   bool stop_ = false;
-  bool wake_ = false;
+  bool wake_ = false;                    // the soft bound was reached
+  bool retry_ = false;                   // feed_trimmed(): retry a failed batch now
   Status last_error_;                    // of the last drain; OK once one succeeds
   std::thread writer_;
 
   std::atomic<std::uint64_t> writes_{0}, write_failures_{0}, cells_written_{0}, backpressure_waits_{0};
+  // Write times: the longest and the last kRecentWrites (a ring), in ns;
+  // and the steady-clock ns at which the writer's next batch is due (0: no
+  // writer), which stats() compares with the time now.
+  mutable std::mutex write_times_mu_;
+  std::uint64_t write_max_ns_ = 0;
+  std::vector<std::uint64_t> recent_writes_;
+  std::size_t recent_next_ = 0;
+  std::atomic<std::int64_t> writer_due_ns_{0};
   // Admission: the pause each signal takes now, and the debt it comes from.
   std::atomic<std::uint64_t> pause_ns_{0};
   std::atomic<std::uint64_t> debt_bytes_{0}, debt_l0_files_{0};

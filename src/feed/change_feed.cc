@@ -139,16 +139,10 @@ void ChangeFeed::Appender::on_payload(std::string payload) {
   if (bounded_ && next_.last_seq == first_seq_) {
     // Checked once a write, before its first payload: a write of any size
     // goes into a feed below the bound (so the bound is passed by at most
-    // one write), none into a feed at or above it.
-    std::lock_guard<std::mutex> lock(feed_->mu_);
-    const std::uint64_t pending = next_.end_offset - feed_->trimmed_offset_;
-    if (pending >= feed_->max_bytes_) {
-      error_ = Status::Busy("the change feed of shard " + std::to_string(feed_->shard_id_) + " in '" +
-                            feed_->storage_->path() + "' holds " + std::to_string(pending) +
-                            " bytes not yet trimmed, at or above Options::change_feed_max_bytes (" +
-                            std::to_string(feed_->max_bytes_) + "); its consumers must trim_changes() what they have");
-      return;
-    }
+    // one write), none into a feed at or above it. (Writers are serialized:
+    // the feed's end is still where this write began.)
+    error_ = feed_->room();
+    if (!error_.ok()) return;
   }
   std::string value = be64(end);
   value += payload;
@@ -171,6 +165,16 @@ void ChangeFeed::committed(const Appended& a) {
   if (a.last_seq <= last_seq_) return;
   last_seq_ = a.last_seq;
   end_offset_ = a.end_offset;
+}
+
+Status ChangeFeed::room() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const std::uint64_t pending = end_offset_ - trimmed_offset_;
+  if (pending < max_bytes_) return Status::OK();
+  return Status::Busy("the change feed of shard " + std::to_string(shard_id_) + " in '" + storage_->path() +
+                      "' holds " + std::to_string(pending) +
+                      " bytes not yet trimmed, at or above Options::change_feed_max_bytes (" +
+                      std::to_string(max_bytes_) + "); its consumers must trim_changes() what they have");
 }
 
 Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::size_t max_bytes) const {
@@ -243,6 +247,17 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
     trimmed_through_ = std::max(trimmed_through_, through_seq);
     trimmed_offset_ = std::max(trimmed_offset_, offset);
   }
+  // Feed keys only grow, so every ingested feed file lands at the bottom
+  // level, where no compaction by size ever reaches it, and the range
+  // deletion alone would keep every file for good (400 files after 400
+  // trimmed batches, issue 26 item 10). Drop the files that hold only
+  // trimmed seqs: the range deletion just written covers every key of
+  // them and ends past `through_seq`, so it is never among the files
+  // dropped, and it keeps covering what a file that also holds later seqs
+  // still has of the trimmed ones. Best effort: a failure leaves the files
+  // to the next trim (which covers seqs 1.. again), and the trim is done.
+  (void)storage_->drop_files_in_range(storage_->feed(), encode_feed_key(0), encode_feed_key(through_seq),
+                                      "dropping the trimmed files of the change feed of '" + storage_->path() + "'");
   Storage::test_step("trim changes", static_cast<int>(through_seq));
   return Status::OK();
 }

@@ -85,6 +85,11 @@ class ChangeFeed {
     Status error_;
   };
   void committed(const Appended& a);
+  // OK while the untrimmed batches hold less than max_bytes of payload, so
+  // that a write may enter the feed; Busy, naming the bound, once they hold
+  // it (what Appender::finish reports then). Writers ask before a write's
+  // costly steps: nothing but a trim makes room.
+  Status room() const;
 
   // Batches with seq > after_seq, oldest first, up to about max_bytes of
   // payload (at least one when there is one). NotFound when batches after

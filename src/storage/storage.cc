@@ -3,6 +3,7 @@
 #include "storage/state_format.h"
 
 #include <rocksdb/cache.h>
+#include <rocksdb/convenience.h>
 #include <rocksdb/filter_policy.h>
 #include <rocksdb/table.h>
 #include <rocksdb/threadpool.h>
@@ -693,6 +694,13 @@ Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*,
 }
 
 void Storage::delete_file(const std::string& file) const { (void)users_.db->GetEnv()->DeleteFile(file); }
+
+Status Storage::drop_files_in_range(rocksdb::ColumnFamilyHandle* cf, std::string_view begin, std::string_view end,
+                                    std::string_view what) {
+  if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
+  const rocksdb::Slice b(begin.data(), begin.size()), e(end.data(), end.size());
+  return from_rocksdb(rocksdb::DeleteFilesInRange(state_.db.get(), cf, &b, &e, /*include_end=*/true), what);
+}
 
 Status Storage::flush() {
   Status s = flush(Engine::Users);

@@ -157,6 +157,13 @@ class Storage {
   Status ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>>& files, std::string_view what);
   // Deletes a file (quietly; for files of ingest_dir()).
   void delete_file(const std::string& file) const;
+  // Drops from the state engine's `cf` every SST file below level 0 whose
+  // keys all lie in [begin, end] (RocksDB's DeleteFilesInRange: one
+  // MANIFEST edit, atomic and durable). Only for a range whose every key is
+  // already deleted by a range deletion that stays (its end lies past
+  // `end`): dropping a file then changes no read, before or after a crash.
+  Status drop_files_in_range(rocksdb::ColumnFamilyHandle* cf, std::string_view begin, std::string_view end,
+                             std::string_view what);
   // Flushes every memtable of both engines (or of one) to SST files and
   // waits, so the next open does not replay the WAL. It does not wait for
   // compactions first.
