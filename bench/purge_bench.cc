@@ -10,6 +10,9 @@
 //                                 over the whole key space (10 entries each)
 //   BM_Rematerialize              rematerialize_shared_aggregates(false) over
 //                                 the whole ledger; counter entries/s
+//   BM_LeavesDuringBulkPurge      leave latencies of other users while a bulk
+//                                 purge of 5,000 users runs
+//   BM_LeavesDuringRematerialize  the same during a re-materialization
 // The Db is built once, fast: the ledger records and the aggregates that
 // equal their sums (I1) are written as SST files with rocksdb::SstFileWriter
 // and ingested, then opened as a tidal Db.
@@ -301,6 +304,62 @@ void BM_BulkPurge(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_BulkPurge)->Arg(10'000)->Iterations(1)->Unit(benchmark::kSecond);
+
+// Leaves of other users (never seen before, in every lock stripe) made one
+// after another while `op` runs on another thread; their latencies go to
+// the counters leave_p50/p99/max_ms (issue 26, item 2: a leave never waits
+// for a purge or a scan; target p99 <= 20 ms, max <= 100 ms).
+template <class Op>
+void leaves_during(benchmark::State& state, std::uint64_t first_user, Op op) {
+  Fixture& f = fixture();
+  std::vector<double> leave_ms;
+  std::uint64_t next = first_user;
+  for (auto _ : state) {
+    std::atomic<bool> done{false};
+    Status op_status;
+    const auto start = std::chrono::steady_clock::now();
+    std::thread worker([&] {
+      op_status = op(f);
+      done.store(true);
+    });
+    while (!done.load()) {
+      const auto t = std::chrono::steady_clock::now();
+      if (!f.db->leave_community_layer(next++).ok()) std::abort();
+      if (!done.load()) leave_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count());
+    }
+    worker.join();
+    state.SetIterationTime(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (!op_status.ok()) state.SkipWithError(op_status.to_string().c_str());
+  }
+  std::sort(leave_ms.begin(), leave_ms.end());
+  const auto at = [&](double q) { return leave_ms.empty() ? 0 : leave_ms[static_cast<std::size_t>(q * static_cast<double>(leave_ms.size() - 1))]; };
+  state.counters["leaves"] = static_cast<double>(leave_ms.size());
+  state.counters["leave_p50_ms"] = at(0.5);
+  state.counters["leave_p99_ms"] = at(0.99);
+  state.counters["leave_max_ms"] = leave_ms.empty() ? 0 : leave_ms.back();
+}
+
+// A bulk purge of 5,000 Left users spread over the key space (every stripe).
+void BM_LeavesDuringBulkPurge(benchmark::State& state) {
+  const std::uint64_t users = background_users();
+  leaves_during(state, kSmallBase + (1ULL << 30), [users](Fixture& f) -> Status {
+    std::vector<std::uint64_t> ids;
+    for (std::uint64_t i = 0; i < 5'000; ++i) ids.push_back(i * (users / 5'000) + 5);
+    if (Status s = f.db->leave_community_layer(ids); !s.ok()) return s;
+    Result<std::vector<PurgeReceipt>> r = f.db->purge_community_contributions(ids);
+    return r.ok() ? Status::OK() : r.status();
+  });
+}
+BENCHMARK(BM_LeavesDuringBulkPurge)->UseManualTime()->Iterations(1)->Unit(benchmark::kSecond);
+
+// rematerialize_shared_aggregates(false) over the whole ledger.
+void BM_LeavesDuringRematerialize(benchmark::State& state) {
+  leaves_during(state, kSmallBase + (2ULL << 30), [](Fixture& f) -> Status {
+    Result<RematerializeReport> r = f.db->rematerialize_shared_aggregates(false);
+    return r.ok() ? Status::OK() : r.status();
+  });
+}
+BENCHMARK(BM_LeavesDuringRematerialize)->UseManualTime()->Iterations(1)->Unit(benchmark::kSecond);
 
 void BM_Rematerialize(benchmark::State& state) {
   Fixture& f = fixture();

@@ -20,6 +20,12 @@
 //     Meanwhile, every 5 ms, prints "W <write ns> <CLOCK_MONOTONIC ns>": the
 //     longest batch write the Db reports (Stats::aggregate_write_max_ns, a
 //     write overdue then counted as far as it got) and when it was read.
+//   tidal_crash_child signals <db-path> <period-ms> scans
+//     The same, while another thread runs, in turn, a re-materialization
+//     (no repair) and a bulk purge of 2,000 new users (ids from 1,000,000,
+//     each signalled once on item 1,000,000,000 + its id with cohort 99,
+//     then left in bulk), printing "M <n>" after the n-th of each pair
+//     (issue 26, item 3: neither may stop the writer).
 //   tidal_crash_child stamps <db-path> <speed>
 //     Opens the Db with a ContributionSink that prints "S <forwarded_at_ns>"
 //     for every contribution it is handed, and a clock running `speed` times
@@ -64,6 +70,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "storage/storage.h"
 #include "tidal/db.h"
@@ -125,7 +132,30 @@ void report_write_times(tidal::Db* db) {
   }).detach();
 }
 
-int run_signals(const std::string& path, std::uint64_t period_ms) {
+// Re-materializations and bulk purges of new users, in turn, forever (the
+// "scans" of signals mode); their signals touch no cell the parent checks.
+void run_scans(tidal::Db* db) {
+  std::thread([db] {
+    constexpr std::uint64_t kUsers = 2'000;
+    std::vector<std::uint64_t> users(kUsers);
+    for (std::uint64_t n = 1;; ++n) {
+      auto report = db->rematerialize_shared_aggregates(false);
+      if (!report.ok()) fail("rematerialize", report.status());
+      if (!report->mismatches.empty()) fail("rematerialize", tidal::Status::Corruption(report->mismatches.front()));
+      for (std::uint64_t k = 0; k < kUsers; ++k) {
+        users[k] = 1'000'000 + n * kUsers + k;
+        auto out = db->signal_with_context({users[k], 1'000'000'000 + users[k], 1.0}, tidal::SignalContext{{99}});
+        if (!out.ok()) fail("signal", out.status());
+      }
+      if (tidal::Status s = db->leave_community_layer(users); !s.ok()) fail("bulk leave", s);
+      auto purged = db->purge_community_contributions(users);
+      if (!purged.ok()) fail("bulk purge", purged.status());
+      say("M " + std::to_string(n));
+    }
+  }).detach();
+}
+
+int run_signals(const std::string& path, std::uint64_t period_ms, bool scans) {
   tidal::Options options;
   options.aggregate_write_period = std::chrono::milliseconds(period_ms);
   auto db = tidal::Db::open(path, options);
@@ -135,6 +165,7 @@ int run_signals(const std::string& path, std::uint64_t period_ms) {
   }
   say("R");
   report_write_times(db->get());
+  if (scans) run_scans(db->get());
   for (std::uint64_t i = 0;; ++i) {
     auto out = (*db)->signal_with_context({i % 64, i, 1.0}, tidal::SignalContext{{i % 8}});
     if (!out.ok()) fail("signal", out.status());
@@ -292,7 +323,9 @@ int main(int argc, char** argv) {
   if (mode == "stamps" && argc == 4) return run_stamps(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "open" && (argc == 3 || argc == 4)) return run_open(argv[2], argc == 4 ? std::atoi(argv[3]) : 0);
   if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
-  if (mode == "signals" && argc == 4) return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10));
+  if (mode == "signals" && (argc == 4 || (argc == 5 && std::string(argv[4]) == "scans"))) {
+    return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10), argc == 5);
+  }
   if (mode == "overload" && argc == 5) {
     return run_overload(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }

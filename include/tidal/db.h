@@ -1,7 +1,8 @@
 // tidal: an embeddable personalization database.
 //
 // #include <tidal/db.h> is all a host needs. A Db lives in one local
-// directory (a RocksDB database). Signals update the user's personal layer
+// directory (two RocksDB databases: the users engine there, the state engine
+// in its state/ subdirectory; docs/FORMAT.md). Signals update the user's personal layer
 // and fan out to shared cohort and community aggregates; a user can leave
 // the community layer, after which none of their signals reach a shared
 // aggregate until they rejoin (the "leave gate"). The guarantees G1-G8 cited
@@ -14,9 +15,9 @@
 // those of the last aggregate_write_period). Aggregate scores (personal, cohort, community)
 // are exact sums kept in RocksDB and written behind the signal path: a
 // background writer stores each signal's updates within
-// Options::aggregate_write_period (plus the time of one write, and up to 10 s
-// more while RocksDB's compactions are behind), so a crash loses at most the
-// signals of that last period. flush() writes them at once.
+// Options::aggregate_write_period plus the time of one write (the longest
+// one is Stats::aggregate_write_max_ns), so a crash loses at most the
+// signals of that window. flush() writes them at once.
 //
 // Thread safety: every Db method may be called from any number of threads.
 #ifndef TIDAL_DB_H_

@@ -5,8 +5,9 @@
 //   1. with the users registered as being purged (a rejoin of one of them
 //      waits; their stripes are held only to check that they are Left and
 //      register them, so leaves, joins and exits of any user never wait for
-//      the state engine), inside StateStore::exclusive: the
-//      pending aggregate updates are written first (a Left user's gate is
+//      the state engine), inside StateStore::exclusive, once per batch of
+//      kPurgeBatchUsers users (so a bulk purge holds the writer back for
+//      one batch at a time): the pending aggregate updates are written first (a Left user's gate is
 //      closed and leave waited out every signal that passed it, so none of
 //      the user's contributions is still in memory afterwards and none
 //      arrives), then the user's ledger is read and one atomic, fsynced
@@ -17,8 +18,9 @@
 //      files are built in passes of at most purge_pass_cells cells, so the
 //      memory does not grow with the ledger.
 //      Merge operands commute, so the writer's later batches (other users'
-//      cells) compose with it in any order; the drain lock only keeps
-//      re-materialization, which overwrites aggregates, from interleaving.
+//      cells) compose with it in any order; the drain lock keeps the
+//      writer's batches (and their change-feed seqs) from interleaving with
+//      the purge's ledger read and write.
 //   2. physical erasure, with no stripe and no drain lock held (a leave or
 //      rejoin of the user does not wait for it: a rejoined user's fresh
 //      ledger is above the range tombstone): every memtable is flushed
@@ -173,8 +175,12 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
   }
   std::vector<PurgeReceipt> receipts;
   receipts.reserve(users.size());
-  Status s = state_->exclusive([&]() -> Status {
-    for (std::size_t begin = 0; begin < users.size(); begin += kPurgeBatchUsers) {
+  // The drain lock is held for one batch of kPurgeBatchUsers at a time (its
+  // ledger reads and its write), and each batch begins by storing what is
+  // pending (exclusive() drains first): signals wait for one batch of a bulk
+  // purge, not for all of it (S4).
+  for (std::size_t begin = 0; begin < users.size(); begin += kPurgeBatchUsers) {
+    Status s = state_->exclusive([&]() -> Status {
       const std::size_t end = std::min(users.size(), begin + kPurgeBatchUsers);
       const std::span<const std::uint64_t> batch_users(users.data() + begin, end - begin);
       const std::string ids = batch_users.size() == 1 ? user_text(batch_users.front())
@@ -235,10 +241,10 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
       }
       to_erase->insert(to_erase->end(), erase.begin(), erase.end());
       receipts.insert(receipts.end(), pending.begin(), pending.end());
-    }
-    return Status::OK();
-  });
-  if (!s.ok()) return s;
+      return Status::OK();
+    });
+    if (!s.ok()) return s;
+  }
   return receipts;
 }
 
