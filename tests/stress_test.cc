@@ -52,7 +52,11 @@ TEST_P(SignalStress, ManyThreadsWithLeavesRejoinsAndFlushesStayExact) {
     std::uint64_t signals = 0;
   };
   std::vector<Tally> tallies(static_cast<std::size_t>(threads));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(3);
+  // Signals go on for 3 s and until the buffers were written 20 times (a
+  // sanitizer build writes fewer a second), or at most 120 s.
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::seconds(3), give_up = start + std::chrono::seconds(120);
+  std::atomic<std::uint64_t> writes{0};  // batches stored so far, as the reader last saw
   std::atomic<bool> stop{false};
   std::atomic<int> failures{0};
   std::vector<std::thread> workers;
@@ -61,8 +65,10 @@ TEST_P(SignalStress, ManyThreadsWithLeavesRejoinsAndFlushesStayExact) {
       std::mt19937_64 rng(static_cast<std::uint64_t>(t) * 7919 + 1);
       Tally& tally = tallies[static_cast<std::size_t>(t)];
       SignalContext context;
-      // At least 200 signals a thread, then until the deadline.
-      for (std::uint64_t i = 0; i < 200 || std::chrono::steady_clock::now() < deadline; ++i) {
+      // At least 200 signals a thread, then until the deadline and 20 writes.
+      for (std::uint64_t i = 0; i < 200 || std::chrono::steady_clock::now() < deadline ||
+                                (writes.load(std::memory_order_relaxed) < 20 && std::chrono::steady_clock::now() < give_up);
+           ++i) {
         const std::uint64_t user = rng() % kUsers, item = rng() % kItems;
         context.cohort_ids.clear();
         for (std::uint64_t c = 0; c < kCohorts; ++c) {
@@ -109,7 +115,7 @@ TEST_P(SignalStress, ManyThreadsWithLeavesRejoinsAndFlushesStayExact) {
     while (!stop.load()) {
       if (!db->cohort_score(rng() % kCohorts, rng() % kItems).ok()) ADD_FAILURE() << "cohort read failed";
       if (!db->community_score(100 + rng() % kCommunities, rng() % kItems).ok()) ADD_FAILURE() << "read failed";
-      (void)db->stats();
+      writes.store(db->stats().aggregate_writes, std::memory_order_relaxed);
     }
   });
   for (std::thread& w : workers) w.join();
