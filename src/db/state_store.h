@@ -166,7 +166,7 @@ class StateStore {
 
   // Writes everything pending (one drain, as flush()), then runs `fn` while
   // holding the drain lock: no batch of the writer lands between fn's reads
-  // and its writes (purge, re-materialization). Signals go on meanwhile,
+  // and its writes (a purge batch, a repair's write). Signals go on meanwhile,
   // into the buffers, up to their bound. The drain's error, fn not run,
   // when the drain fails.
   Status exclusive(const std::function<Status()>& fn);
