@@ -185,6 +185,11 @@ int run_overload(const std::string& path, std::uint64_t period_ms, std::uint64_t
   report_write_times(db->get());
   for (std::uint64_t i = first;; ++i) {
     auto out = (*db)->signal_with_context({i, 7, 1.0}, tidal::SignalContext{{i % 1000}});
+    // Busy: admission's hard stop (compactions far behind); retry, as a host would.
+    while (out.status().code() == tidal::StatusCode::Busy) {
+      ::usleep(10'000);
+      out = (*db)->signal_with_context({i, 7, 1.0}, tidal::SignalContext{{i % 1000}});
+    }
     if (!out.ok()) fail("signal", out.status());
     if (i % 4096 == 4095) {
       const tidal::Stats st = (*db)->stats();

@@ -224,11 +224,15 @@ struct Stats {
   std::uint64_t aggregate_write_max_ns = 0;    // the longest since open; a write overdue now counts as far as it got
   std::uint64_t aggregate_write_p99_ns = 0;    // p99 of the last 1,000 writes (0 before the first)
   // Admission (docs/CONTRACT.md "Admission"): while the state engine's
-  // compactions are behind, each signal is slowed by a short pause that
-  // grows with the debt, so that the writer never has to hold a batch back.
-  std::uint64_t admission_delayed_signals = 0;  // signals that were paused so
-  std::uint64_t admission_delay_ns = 0;         // their pauses, in total
-  std::uint64_t admission_pause_ns = 0;         // the pause a signal gets now (0: none)
+  // compactions are behind, signals from all threads together are held to
+  // a byte rate that falls as the debt grows; past the end of the debt
+  // range they are refused with Busy. The writer never holds a batch back.
+  std::uint64_t admission_delayed_signals = 0;   // signals that slept to keep to the rate
+  std::uint64_t admission_delay_ns = 0;          // their sleeps, in total
+  std::uint64_t admission_refused_signals = 0;   // signals refused with Busy at the hard stop
+  std::uint64_t admission_rate_bytes_per_s = 0;  // the rate in force now (0: no limit, or the stop)
+  std::uint64_t admission_signal_bytes = 0;      // the bytes a signal counts as against it
+  bool admission_stopped = false;                // at the hard stop now: signals get Busy
   std::uint64_t compaction_debt_bytes = 0;      // the debt at the last look: bytes RocksDB estimates its
                                                 //   compactions have to rewrite (aggregates and ledger)
   std::uint64_t compaction_debt_l0_files = 0;   //   and the most level-0 files of either
@@ -324,7 +328,11 @@ class Db {
   // finite or exceeds 1e12 in magnitude, and for a context of more than
   // kMaxCohortsPerSignal cohorts. When the write buffers are full it waits
   // for the writer (from inside a ContributionSink callback: Busy at once);
-  // if the writer is failing, it returns its error.
+  // if the writer is failing, it returns its error. While the state store's
+  // compactions are behind it may sleep to keep all threads' signals to the
+  // admission rate (never from inside a callback); far behind (the end of
+  // the debt range) it returns Busy at once, with nothing changed: retry
+  // later (docs/CONTRACT.md "Admission").
   // With a contribution_sink, the signal first takes the time its
   // contributions carry; when it cannot (an exhausted clock, or the clock's
   // floor, written about once a second, could not be stored) it fails with

@@ -13,6 +13,12 @@ CounterStripe& Db::Impl::counters() {
   return stripes_[index % stripes_.size()];
 }
 
+std::uint64_t Db::Impl::signals_accepted() const {
+  std::uint64_t n = 0;
+  for (const CounterStripe& c : stripes_) n += c.signals.load(std::memory_order_relaxed);
+  return n;
+}
+
 Stats Db::Impl::stats() const {
   Stats out;
   for (const CounterStripe& c : stripes_) {
@@ -37,7 +43,10 @@ Stats Db::Impl::stats() const {
   out.aggregate_write_p99_ns = st.write_p99_ns;
   out.admission_delayed_signals = st.admission_delayed_signals;
   out.admission_delay_ns = st.admission_delay_ns;
-  out.admission_pause_ns = st.admission_pause_ns;
+  out.admission_refused_signals = st.admission_refused_signals;
+  out.admission_rate_bytes_per_s = st.admission_rate_bytes_per_s;
+  out.admission_signal_bytes = st.admission_signal_bytes;
+  out.admission_stopped = st.admission_stopped;
   out.compaction_debt_bytes = st.compaction_debt_bytes;
   out.compaction_debt_l0_files = st.compaction_debt_l0_files;
   if (feed_) {

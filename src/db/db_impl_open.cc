@@ -114,7 +114,8 @@ Db::Impl::Impl(const Options& options, std::unique_ptr<Storage> storage)
       leave_status_(kInitialMapCapacity),
       held_back_(kInitialMapCapacity),
       state_(std::make_unique<StateStore>(storage_.get(),
-                                          StateStore::Config{options.aggregate_write_period, options.write_buffer_bytes},
+                                          StateStore::Config{options.aggregate_write_period, options.write_buffer_bytes,
+                                                             [this] { return signals_accepted(); }},
                                           [this] { return grace_.synchronize_all(); })) {
   LiveDbs& dbs = live_dbs();
   std::lock_guard<std::mutex> lock(dbs.mu);

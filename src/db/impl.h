@@ -166,6 +166,8 @@ class Db::Impl {
   // Appends the clock floor records of the stripes in `floors` (0 = untouched).
   void put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors);
   CounterStripe& counters();
+  // The signals accepted since open (the stripes' sum).
+  std::uint64_t signals_accepted() const;
   // db/purge.cc: `users` sorted, distinct, Left since `left_at` (same
   // order), registered in purging_. Writes the durable batches; adds to
   // `to_erase` every user whose ledger bytes may still be in a file
@@ -225,9 +227,9 @@ class Db::Impl {
   LeaveGate gate_;
   grace::Domain grace_;  // this Db's read sections: one per signal, tagged with its user
   std::unique_ptr<ChangeFeed> feed_;   // null without Options::change_feed
+  std::array<CounterStripe, 16> stripes_;  // before state_: its writer reads them (signals_accepted)
   std::unique_ptr<StateStore> state_;  // after grace_ and feed_: its writer waits out read sections and writes the feed
 
-  std::array<CounterStripe, 16> stripes_;
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};
 };
 

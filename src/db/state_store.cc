@@ -31,10 +31,20 @@ constexpr std::uint64_t kSoftBoundNum = 3, kSoftBoundDen = 4;
 // rest of it: 2.1 s at 1M users (bench/README.md, issue 21).
 constexpr std::uint64_t kMaxPauseMicros = 10'000;
 // How often the writer looks at the compaction debt (RocksDB properties,
-// each a lock of its mutex: too costly for every signal).
+// each a lock of its mutex: too costly for every signal) and sets the
+// admission rate.
 constexpr auto kDebtLookPeriod = std::chrono::milliseconds(20);
-// The pause admit() gives each signal at the top of the debt range.
-constexpr std::uint64_t kMaxAdmissionPauseNs = 2'000'000;
+// The window over which the writer measures the byte rate of its batches
+// (the base rate, when no limit was in force in it): several periods, so
+// that a batch more or less in it changes the rate little. A window with a
+// limit in force keeps the base rate as it was; one without sets it to
+// max(the rate measured, the old base rate faded by kBaseRateFade), so a
+// short lull does not drop it, a long idle time does (to kMinBaseRate).
+constexpr auto kRateWindow = std::chrono::seconds(5);
+constexpr double kBaseRateFade = 0.9;
+// The bytes a signal costs follow the batches, smoothed: new = old +
+// kSignalBytesWeight * (batch's - old).
+constexpr double kSignalBytesWeight = 0.25;
 
 std::int64_t steady_ns(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
@@ -55,7 +65,8 @@ StateStore::StateStore(Storage* storage, const Config& config, std::function<Sta
       quiesce_(std::move(quiesce)),
       soft_limit_(std::max<std::uint64_t>(1, config.buffer_bytes / 2 / kBytesPerCell * kSoftBoundNum / kSoftBoundDen)),
       hard_limit_(std::max<std::uint64_t>(soft_limit_ + 1, config.buffer_bytes / 2 / kBytesPerCell)),
-      buffers_{Buffer(kInitialBufferCapacity), Buffer(kInitialBufferCapacity)} {}
+      buffers_{Buffer(kInitialBufferCapacity), Buffer(kInitialBufferCapacity)},
+      window_start_(std::chrono::steady_clock::now()) {}
 
 StateStore::~StateStore() { (void)stop(); }
 
@@ -168,20 +179,85 @@ void StateStore::look_at_debt() {
   debt_l0_files_.store(debt.l0_files, std::memory_order_relaxed);
   const double x = std::max(share(debt.pending_bytes, Storage::kDebtStartBytes, Storage::kDebtFullBytes),
                             share(debt.l0_files, Storage::kDebtStartL0Files, Storage::kDebtFullL0Files));
-  pause_ns_.store(static_cast<std::uint64_t>(x * x * kMaxAdmissionPauseNs), std::memory_order_relaxed);
+  // The base rate: what the batches wrote over the last window, unless a
+  // limit held them back in it.
+  const auto now = std::chrono::steady_clock::now();
+  if (now - window_start_ >= kRateWindow) {
+    const std::uint64_t bytes = batch_bytes_.load(std::memory_order_relaxed);
+    const double seconds = std::chrono::duration<double>(now - window_start_).count();
+    if (!window_limited_) {
+      base_rate_ = std::max({static_cast<double>(bytes - window_bytes_) / seconds, base_rate_ * kBaseRateFade,
+                             kMinBaseRate});
+    }
+    window_start_ = now;
+    window_bytes_ = bytes;
+    window_limited_ = false;
+  }
+  if (x == 0) {
+    interval_ns_.store(0, std::memory_order_relaxed);
+    rate_bytes_.store(0, std::memory_order_relaxed);
+    return;
+  }
+  window_limited_ = true;
+  if (x >= 1) {
+    interval_ns_.store(kStopped, std::memory_order_relaxed);
+    rate_bytes_.store(0, std::memory_order_relaxed);
+    return;
+  }
+  const double rate = std::max(base_rate_ * (1 - x) * (1 - x), base_rate_ / kMinRateShare);
+  const double measured = signal_bytes_.load(std::memory_order_relaxed);
+  const double per_signal = measured > 0 ? measured : static_cast<double>(kDefaultSignalBytes);
+  rate_bytes_.store(static_cast<std::uint64_t>(rate), std::memory_order_relaxed);
+  interval_ns_.store(std::max<std::uint64_t>(1, static_cast<std::uint64_t>(per_signal * 1e9 / rate)),
+                     std::memory_order_relaxed);
+}
+
+void StateStore::pace(std::uint64_t interval_ns) {
+  // GCRA: each signal takes the next free slot, max(tat, now), and moves
+  // tat one interval past it; it sleeps until kAdmissionBurst before its
+  // slot. Slots are an interval apart and none lies before the call, so in
+  // any time T at most (T + kAdmissionBurst) / interval + 1 signals return,
+  // however many threads call. Relaxed: the slot is all a caller takes
+  // from tat_ns_, and the CAS orders the slots.
+  const std::int64_t now = steady_ns(std::chrono::steady_clock::now());
+  const auto interval = static_cast<std::int64_t>(interval_ns);
+  std::int64_t tat = tat_ns_.load(std::memory_order_relaxed);
+  std::int64_t slot;
+  do {
+    slot = std::max(tat, now);
+  } while (!tat_ns_.compare_exchange_weak(tat, slot + interval, std::memory_order_relaxed));
+  const std::int64_t wait = slot - now - std::chrono::nanoseconds(kAdmissionBurst).count();
+  if (wait <= 0) return;
+  delayed_signals_.fetch_add(1, std::memory_order_relaxed);
+  const auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::nanoseconds(wait));
+  delay_ns_.fetch_add(static_cast<std::uint64_t>(
+                          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+                              .count()),
+                      std::memory_order_relaxed);
+}
+
+Status StateStore::refused() const {
+  return Status::Busy(
+      "signal_with_context: refused by admission control: the state store's compactions are too far behind "
+      "(compaction debt " + std::to_string(debt_bytes_.load(std::memory_order_relaxed)) + " bytes, " +
+      std::to_string(debt_l0_files_.load(std::memory_order_relaxed)) +
+      " level-0 files; signals are refused from " + std::to_string(Storage::kDebtFullBytes) + " bytes or " +
+      std::to_string(Storage::kDebtFullL0Files) +
+      " files until the compactions catch up); the signal was not applied, retry it later");
 }
 
 Status StateStore::admit(bool nested) {
-  // The compaction debt's pause; never for a nested signal (it would hold
-  // up the sink's caller, whose read section the writer may be waiting out).
-  if (const std::uint64_t pause = pause_ns_.load(std::memory_order_relaxed); pause != 0 && !nested) {
-    delayed_signals_.fetch_add(1, std::memory_order_relaxed);
-    const auto start = std::chrono::steady_clock::now();
-    std::this_thread::sleep_for(std::chrono::nanoseconds(pause));
-    delay_ns_.fetch_add(static_cast<std::uint64_t>(
-                            std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-                                .count()),
-                        std::memory_order_relaxed);
+  // The admission rate, while the compactions are behind. A nested signal
+  // is never held to it (it would hold up the sink's caller, whose read
+  // section the writer may be waiting out); at the hard stop, where nothing
+  // waits, it is refused like any other.
+  if (const std::uint64_t interval = interval_ns_.load(std::memory_order_relaxed); interval != 0) {
+    if (interval == kStopped) {
+      refused_signals_.fetch_add(1, std::memory_order_relaxed);
+      return refused();
+    }
+    if (!nested) pace(interval);
   }
   const std::uint64_t fill = entries_[active_.load(std::memory_order_acquire)].load(std::memory_order_relaxed);
   if (fill < soft_limit_) return Status::OK();
@@ -265,6 +341,10 @@ Status StateStore::drain_locked() {
       frozen_snapshot_ = storage_->db(Storage::Engine::State)->GetSnapshot();
       frozen_live_ = true;
       active_.store(1 - frozen, std::memory_order_release);
+      // The signals counted so far: about those in the batch and before it
+      // (a signal is counted as it returns, so a few in flight go to the
+      // next batch's count; over batches it evens out).
+      if (config_.signals) frozen_signals_ = config_.signals();
     }
   }
   // Signals that read the old index may still be adding to the frozen buffer.
@@ -328,8 +408,8 @@ Status StateStore::write_frozen_locked(int frozen) {
     if (s.ok()) reserved_epoch_ = reserve;
   }
   if (s.ok()) last_epoch_ = epoch;
-  std::uint64_t keys = 0;
-  if (s.ok()) s = write_batch_files(&cells, epoch, what, &keys);
+  std::uint64_t keys = 0, bytes = 0;
+  if (s.ok()) s = write_batch_files(&cells, epoch, what, &keys, &bytes);
   if (!s.ok()) {
     write_failures_.fetch_add(1, std::memory_order_relaxed);
     return s;  // the frozen buffer stays live: readers still see it, the next drain retries it
@@ -344,11 +424,19 @@ Status StateStore::write_frozen_locked(int frozen) {
   entries_[frozen].store(0, std::memory_order_relaxed);
   writes_.fetch_add(1, std::memory_order_relaxed);
   cells_written_.fetch_add(keys, std::memory_order_relaxed);
+  batch_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  // The bytes a signal costs, from this batch.
+  if (frozen_signals_ > written_signals_) {
+    const double batch = static_cast<double>(bytes) / static_cast<double>(frozen_signals_ - written_signals_);
+    const double old = signal_bytes_.load(std::memory_order_relaxed);
+    signal_bytes_.store(old == 0 ? batch : old + kSignalBytesWeight * (batch - old), std::memory_order_relaxed);
+    written_signals_ = frozen_signals_;
+  }
   return Status::OK();
 }
 
 Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch,
-                                     const std::string& what, std::uint64_t* keys) const {
+                                     const std::string& what, std::uint64_t* keys, std::uint64_t* bytes) const {
   // An SST file takes its entries in key order. An aggregate key is
   // [kind][owner BE][item BE], so (kind, a, b) order is its byte order; the
   // aggregates (kind <= Community) come first. A ledger cell's key is
@@ -373,6 +461,7 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   }
   std::string key, units_value, record;  // record: the ledger entries of one user so far
   *keys = 0;
+  *bytes = 0;
   for (std::size_t i = 0; i < cells->size(); ++i) {
     const auto& [cell, units] = (*cells)[i];
     rocksdb::Status s;
@@ -382,12 +471,15 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
       units_value.clear();
       put_units(&units_value, units);
       s = files.merge(storage_->aggregates(), key, units_value);
+      *bytes += key.size() + units_value.size();
       if (feed && cell.kind != static_cast<std::uint8_t>(AggregateKind::Personal)) feed->add(key, units);
       ++*keys;
     } else {
       put_ledger_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
       if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
-        s = files.put(storage_->ledger(), encode_ledger_key(cell.a, epoch), record);
+        const std::string ledger_key = encode_ledger_key(cell.a, epoch);
+        s = files.put(storage_->ledger(), ledger_key, record);
+        *bytes += ledger_key.size() + record.size();
         record.clear();
         ++*keys;
       }
@@ -440,7 +532,11 @@ StateStoreStats StateStore::stats() const {
   out.pending_cells = entries_[0].load(std::memory_order_relaxed) + entries_[1].load(std::memory_order_relaxed);
   out.admission_delayed_signals = delayed_signals_.load(std::memory_order_relaxed);
   out.admission_delay_ns = delay_ns_.load(std::memory_order_relaxed);
-  out.admission_pause_ns = pause_ns_.load(std::memory_order_relaxed);
+  out.admission_refused_signals = refused_signals_.load(std::memory_order_relaxed);
+  out.admission_rate_bytes_per_s = rate_bytes_.load(std::memory_order_relaxed);
+  const double signal_bytes = signal_bytes_.load(std::memory_order_relaxed);
+  out.admission_signal_bytes = signal_bytes > 0 ? static_cast<std::uint64_t>(signal_bytes + 0.5) : kDefaultSignalBytes;
+  out.admission_stopped = interval_ns_.load(std::memory_order_relaxed) == kStopped;
   out.compaction_debt_bytes = debt_bytes_.load(std::memory_order_relaxed);
   out.compaction_debt_l0_files = debt_l0_files_.load(std::memory_order_relaxed);
   std::vector<std::uint64_t> recent;

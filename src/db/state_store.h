@@ -32,12 +32,27 @@
 // the state engine's compactions are doing: RocksDB's write stalls are off
 // there, so no batch is ever held back and the crash window stays
 // write_period plus one batch's write. Admission control keeps the
-// compactions from falling ever further behind instead: the writer looks at
-// the compaction debt (Storage::compaction_debt) every kDebtLookPeriod and
-// sets a pause that every signal then takes in admit(), zero below the
-// start of the debt range and growing with the square of the debt across it
-// (in the spirit of RocksDB's delayed write rate), so that throughput
-// settles where the disk keeps up and no signal call waits long.
+// compactions from falling ever further behind instead, as a rate limit over
+// the bytes the batches write (in the spirit of RocksDB's delayed write
+// rate), shared by every signalling thread, so that the debt stays bounded
+// whatever their number:
+//   - the writer looks at the compaction debt (Storage::compaction_debt)
+//     every kDebtLookPeriod; x is where the debt stands in its range (0 at
+//     its start, 1 at its end, the larger of the bytes' and the L0 files');
+//   - it measures, from the batches, the bytes a signal costs (batch bytes
+//     over the signals counted between swaps, Config::signals) and the byte
+//     rate admitted while no limit was in force (the base rate);
+//   - inside the range the allowed rate is base * (1 - x)^2, never below
+//     base / kMinRateShare, published as the interval between two signals;
+//     admit() spaces the signals of all threads together by that interval
+//     on one atomic (a virtual-time token bucket, GCRA), sleeping each
+//     signal that would run ahead by more than kAdmissionBurst;
+//   - at the end of the range (x >= 1) the hard stop: admit() returns Busy
+//     at once, nested or not, until the compactions bring the debt back.
+// Below the range a signal pays one relaxed atomic load. So over any time T
+// at most rate / bytes per signal * (T + kAdmissionBurst) + 1 signals pass,
+// and past the hard stop none: the debt stays under the end of its range
+// plus what the two buffers hold (docs/CONTRACT.md "Admission").
 //
 // Past the buffers' bound, admit() makes signals wait for the writer
 // (backpressure); while the writer is failing, they get its error instead of
@@ -74,9 +89,12 @@ struct StateStoreStats {
   std::uint64_t cells_written = 0;     // aggregate cells and ledger records written
   std::uint64_t backpressure_waits = 0;
   std::uint64_t pending_cells = 0;     // cells in memory now
-  std::uint64_t admission_delayed_signals = 0;
-  std::uint64_t admission_delay_ns = 0;
-  std::uint64_t admission_pause_ns = 0;
+  std::uint64_t admission_delayed_signals = 0;   // signals admit() slept (the rate limit)
+  std::uint64_t admission_delay_ns = 0;          // their sleeps, in total
+  std::uint64_t admission_refused_signals = 0;   // signals refused with Busy at the hard stop
+  std::uint64_t admission_rate_bytes_per_s = 0;  // the rate in force (0: no limit, or the hard stop)
+  std::uint64_t admission_signal_bytes = 0;      // the bytes a signal is counted as
+  bool admission_stopped = false;                // at the hard stop now
   std::uint64_t compaction_debt_bytes = 0;
   std::uint64_t compaction_debt_l0_files = 0;
   std::uint64_t write_max_ns = 0;      // the longest batch write (see write time below), one overdue now included
@@ -88,6 +106,10 @@ class StateStore {
   struct Config {
     std::chrono::milliseconds write_period{1000};
     std::size_t buffer_bytes = 64 << 20;  // both buffers together
+    // The signals accepted so far (the Db's counters, summed): the writer
+    // reads it at each swap to learn the bytes a signal costs. Null: every
+    // signal counts as kDefaultSignalBytes.
+    std::function<std::uint64_t()> signals;
   };
   // `quiesce` returns once every signal that read the active buffer index
   // before the call has finished (the Db's grace period), or an error when
@@ -119,13 +141,28 @@ class StateStore {
   // for want of room in the feed) retries now rather than at its period.
   void feed_trimmed();
 
-  // Before a signal's read section: slows the signal a little past the soft
-  // bound and waits while the buffers are full; the error of the failing
-  // writer when it cannot drain. A `nested` signal (made from inside a
-  // ContributionSink callback, so inside a read section the writer's grace
-  // period waits for) never sleeps or waits: past the hard bound it gets
-  // Busy at once instead of waiting for a writer that waits for it.
+  // Before a signal's read section: holds the signal to the admission rate
+  // while the compactions are behind, slows it a little past the buffers'
+  // soft bound and waits while they are full; the error of the failing
+  // writer when it cannot drain. Busy at admission's hard stop (nothing
+  // waits there). A `nested` signal (made from inside a ContributionSink
+  // callback, so inside a read section the writer's grace period waits for)
+  // never sleeps or waits: it is not held to the rate, and past the buffers'
+  // hard bound it gets Busy at once instead of waiting for a writer that
+  // waits for it; at admission's hard stop it is refused like any other.
   Status admit(bool nested);
+
+  // Admission (see the top of this file). A signal runs ahead of the rate
+  // by up to kAdmissionBurst before it sleeps.
+  static constexpr std::chrono::microseconds kAdmissionBurst{1000};
+  // The bytes a signal counts as before the writer has measured any.
+  static constexpr std::uint64_t kDefaultSignalBytes = 128;
+  // The base rate before one is measured (RocksDB's default delayed write
+  // rate), and the least it falls to.
+  static constexpr double kInitialBaseRate = 16 << 20;
+  static constexpr double kMinBaseRate = 1 << 20;
+  // The allowed rate never falls below base / kMinRateShare in the range.
+  static constexpr double kMinRateShare = 100;
 
   // Inside a signal's read section: the buffer every cell of the signal goes
   // to (read once per signal, so every batch holds whole signals).
@@ -195,8 +232,12 @@ class StateStore {
   }
   void wake_writer();
   void run_writer();
-  // Reads the compaction debt and sets the pause admit() gives each signal.
+  // Reads the compaction debt, measures the base rate and publishes the
+  // interval admit() spaces signals by (or the hard stop). Writer thread only.
   void look_at_debt();
+  // Holds a signal to the published interval (admit()).
+  void pace(std::uint64_t interval_ns);
+  Status refused() const;
   // One drain: swap (unless a failed batch is still frozen), quiesce, write.
   // Caller holds drain_mu_.
   Status drain_locked();
@@ -209,9 +250,10 @@ class StateStore {
   Status flush_due(std::chrono::steady_clock::time_point due);
   Status write_frozen_locked(int frozen);
   // Writes the frozen buffer's cells (sorting them into key order) as one
-  // SST file per column family and ingests them together; counts the keys.
+  // SST file per column family and ingests them together; counts the keys
+  // and the bytes (keys and values) of the aggregates and the ledger.
   Status write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch, const std::string& what,
-                           std::uint64_t* keys) const;
+                           std::uint64_t* keys, std::uint64_t* bytes) const;
 
   Storage* const storage_;
   ChangeFeed* feed_ = nullptr;
@@ -256,10 +298,27 @@ class StateStore {
   std::vector<std::uint64_t> recent_writes_;
   std::size_t recent_next_ = 0;
   std::atomic<std::int64_t> writer_due_ns_{0};
-  // Admission: the pause each signal takes now, and the debt it comes from.
-  std::atomic<std::uint64_t> pause_ns_{0};
+  // Admission. interval_ns_: the time between two admitted signals (0: no
+  // limit, kStopped: the hard stop), set by the writer; tat_ns_: the
+  // steady-clock ns at which the next signal may pass (the bucket).
+  static constexpr std::uint64_t kStopped = ~std::uint64_t{0};
+  std::atomic<std::uint64_t> interval_ns_{0};
+  alignas(64) std::atomic<std::int64_t> tat_ns_{0};
+  alignas(64) std::atomic<std::uint64_t> rate_bytes_{0};
   std::atomic<std::uint64_t> debt_bytes_{0}, debt_l0_files_{0};
-  std::atomic<std::uint64_t> delayed_signals_{0}, delay_ns_{0};
+  std::atomic<std::uint64_t> delayed_signals_{0}, delay_ns_{0}, refused_signals_{0};
+  // What the batches wrote (bytes, in total) and the bytes a signal costs
+  // (smoothed over batches; 0 until measured), set under drain_mu_.
+  std::atomic<std::uint64_t> batch_bytes_{0};
+  std::atomic<double> signal_bytes_{0};
+  std::uint64_t frozen_signals_ = 0;   // Config::signals at the frozen buffer's swap; under drain_mu_
+  std::uint64_t written_signals_ = 0;  // and at the last written batch's
+  // The writer's measure of the base rate: a window of kRateWindow, whether
+  // a limit was in force in it, and the rate (bytes/s).
+  std::chrono::steady_clock::time_point window_start_;
+  std::uint64_t window_bytes_ = 0;
+  bool window_limited_ = false;
+  double base_rate_ = kInitialBaseRate;
 };
 
 }  // namespace tidal

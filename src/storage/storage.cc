@@ -276,9 +276,9 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   }
   // No write stalls: RocksDB would delay or stop the writer's ingestions
   // and epoch marks, and a batch held back is a batch a crash may lose.
-  // Admission control slows signals instead (Storage::compaction_debt,
-  // StateStore::admit); these triggers are far past where it has them at
-  // a crawl.
+  // Admission control holds signals to a rate instead, and refuses them
+  // at its hard stop (Storage::compaction_debt, StateStore::admit); these
+  // triggers are far past that stop.
   options->level0_slowdown_writes_trigger = 1 << 16;
   options->level0_stop_writes_trigger = 1 << 16;
   options->soft_pending_compaction_bytes_limit = 0;

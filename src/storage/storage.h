@@ -173,8 +173,11 @@ class Storage {
   // How far the state engine's compactions are behind: what admission
   // control reads (StateStore). RocksDB's own write stalls are off in the
   // state engine (its writer must never meet a stop condition), so this is
-  // the only brake: signals are slowed as the debt grows past the start of
-  // its range (StateStore::admit), fully at its end.
+  // the only brake: past the start of its range signals from all threads
+  // together are held to a byte rate that falls with the square of the
+  // debt's place in the range, and at its end they are refused with Busy
+  // (StateStore::admit), so the debt stays below the end of the range plus
+  // what the write buffers hold.
   struct CompactionDebt {
     std::uint64_t l0_files = 0;        // the most level-0 files of the aggregates or the ledger
     std::uint64_t pending_bytes = 0;   // rocksdb.estimate-pending-compaction-bytes, summed
@@ -187,7 +190,8 @@ class Storage {
   // At 1M users and 20M signals the debt sat at ~1.2 GB for the last 40 %
   // of the run, steadily: from 512 MiB admission paused 38 % of the signals
   // and cut the throughput to 33k/s (bench/README.md, issue 21). RocksDB's
-  // own defaults start slowing at 64 GiB.
+  // own defaults start slowing at 64 GiB. The ends are the hard stop: 16 GiB
+  // or 400 level-0 files, where admit() returns Busy.
   static constexpr std::uint64_t kDebtStartBytes = std::uint64_t{2} << 30;
   static constexpr std::uint64_t kDebtFullBytes = std::uint64_t{16} << 30;
   static constexpr std::uint64_t kDebtStartL0Files = 100;
