@@ -287,11 +287,17 @@ TEST(Admission, TheRateHoldsAllThreadsTogetherWhateverTheirNumber) {
   EXPECT_NE(signal_bytes, StateStore::kDefaultSignalBytes);  // measured
   EXPECT_GT(signal_bytes, 0u);
 
-  // Then the debt, which no batch changes any more: a steady rate.
+  // Then the debt. Nothing compacts the aggregates' level-0 files now and
+  // no batch is written, so x never falls and the rate never rises: the
+  // rate reported once the writer has seen every file bounds the rate in
+  // force for the rest of the test.
   ASSERT_NO_FATAL_FAILURE(make_l0_files(storage, kDeepL0Files));
-  const StateStoreStats before = wait_for(store, [](const StateStoreStats& st) {
-    return st.compaction_debt_l0_files >= kDeepL0Files && st.admission_rate_bytes_per_s != 0;
+  const std::uint64_t files = storage.compaction_debt().l0_files;
+  ASSERT_GE(files, kDeepL0Files);
+  const StateStoreStats before = wait_for(store, [&](const StateStoreStats& st) {
+    return st.compaction_debt_l0_files == files && st.admission_rate_bytes_per_s != 0;
   });
+  ASSERT_EQ(before.compaction_debt_l0_files, files);
   ASSERT_GT(before.admission_rate_bytes_per_s, 0u);
   EXPECT_LT(before.admission_rate_bytes_per_s, StateStore::kInitialBaseRate);
   EXPECT_EQ(before.admission_signal_bytes, signal_bytes);
@@ -313,8 +319,7 @@ TEST(Admission, TheRateHoldsAllThreadsTogetherWhateverTheirNumber) {
   for (auto& t : threads) t.join();
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const StateStoreStats after = store.stats();
-  // Nothing changed the rate meanwhile.
-  EXPECT_EQ(after.admission_rate_bytes_per_s, before.admission_rate_bytes_per_s);
+  EXPECT_LE(after.admission_rate_bytes_per_s, before.admission_rate_bytes_per_s);
   EXPECT_EQ(after.admission_signal_bytes, before.admission_signal_bytes);
   // The bound, with 1 % for the rounding of the two reported figures.
   const double per_second =

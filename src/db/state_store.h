@@ -237,6 +237,7 @@ class StateStore {
   void look_at_debt();
   // Holds a signal to the published interval (admit()).
   void pace(std::uint64_t interval_ns);
+  // The hard stop's Busy, naming the debt and where the stop is.
   Status refused() const;
   // One drain: swap (unless a failed batch is still frozen), quiesce, write.
   // Caller holds drain_mu_.
