@@ -1,6 +1,7 @@
 // The upgrade of a format-2 Db (tidal 0.2: one RocksDB database) to format 3
 // (issue 26, item 9): its disk and its time at TIDAL_UPGRADE_BENCH_USERS
-// users (default 1M), and whether it holds up other opens in the process.
+// users (default 1M) with TIDAL_UPGRADE_BENCH_RECORDS ledger records each
+// (default 4), and whether it holds up other opens in the process.
 //   BM_UpgradeFormat2   one Db::open of a format-2 Db, which upgrades it.
 //     state_mib         the Db directory's disk before the open (blocks, each
 //                       inode once)
@@ -12,7 +13,7 @@
 //     other_open_alone_ms  the longest such open before it
 // The format-2 Db is written with RocksDB's API, as tidal 0.2 laid it out:
 // column families default (meta, state_format "2", state_epoch), users,
-// by_tag, aggregates and ledger; `records` ledger records per user (epochs
+// by_tag, aggregates and ledger; the ledger records of each user (epochs
 // 1, 3, 5, ...) of 3 entries over 100 cohorts and 1,000 communities x 1,000
 // items, and the aggregates that equal their sums (I1). Its users partition
 // is empty: the upgrade leaves it where it is.
@@ -42,12 +43,18 @@
 namespace tidal::bench {
 namespace {
 
-constexpr std::uint64_t kRecordsPerUser = 4, kEntriesPerRecord = 3;
+constexpr std::uint64_t kEntriesPerRecord = 3;
 constexpr std::uint64_t kCohorts = 100, kCommunities = 1000, kItems = 1000;
 
 std::uint64_t users() {
   const char* v = std::getenv("TIDAL_UPGRADE_BENCH_USERS");
   return v != nullptr ? std::strtoull(v, nullptr, 10) : 1'000'000;
+}
+
+// Ledger records per user (TIDAL_UPGRADE_BENCH_RECORDS, default 4).
+std::uint64_t records_per_user() {
+  const char* v = std::getenv("TIDAL_UPGRADE_BENCH_RECORDS");
+  return v != nullptr ? std::strtoull(v, nullptr, 10) : 4;
 }
 
 void check(const rocksdb::Status& s, const char* what) {
@@ -89,10 +96,11 @@ void write_format2(const std::string& path) {
   no_wal.disableWAL = true;
   std::map<std::string, Units> totals;
   const std::uint64_t n = users();
+  const std::uint64_t records = records_per_user();
   rocksdb::WriteBatch batch;
   std::string value;
   for (std::uint64_t u = 0; u < n; ++u) {
-    for (std::uint64_t r = 0; r < kRecordsPerUser; ++r) {
+    for (std::uint64_t r = 0; r < records; ++r) {
       value.clear();
       for (std::uint64_t e = 0; e < kEntriesPerRecord; ++e) {
         const std::uint64_t k = u * 31 + r * 7 + e;
@@ -120,7 +128,7 @@ void write_format2(const std::string& path) {
     }
   }
   value.clear();
-  put_u64_be(&value, 2 * kRecordsPerUser + 1);
+  put_u64_be(&value, 2 * records + 1);
   batch.Put(handles[0], kStateEpochKey, value);
   batch.Put(handles[0], kStateFormatKey, kStateFormat);
   check(db->Write(no_wal, &batch), "write meta");
