@@ -4,6 +4,7 @@
 // value it held reads back bit for bit, whatever step of the upgrade a
 // SIGKILL interrupts.
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <map>
 #include <set>
 #include <tuple>
@@ -24,6 +26,7 @@
 #include <gtest/gtest.h>
 
 #include "raw_db.h"
+#include "storage/storage.h"
 #include "test_util.h"
 #include "tidal/db.h"
 
@@ -720,6 +723,91 @@ TEST(MigrationTest, AnOpenRefusedForAnyReasonLeavesFormat2AsItWas) {
     }
     std::string format;
     EXPECT_TRUE(raw.db()->Get(rocksdb::ReadOptions(), raw.cf("default"), "db_format", &format).IsNotFound());
+  }
+}
+
+// ---- what the upgrade costs: disk, and other opens ----
+
+// The upgrade gives the state engine the format-2 database's SST files by
+// hard links (a RocksDB checkpoint), not copies: killed just before its
+// commit, every file of state/'s aggregates, ledger and change feed is the
+// same inode as a file of the format-2 database, so the upgrade wrote no
+// second copy of the state (issue 26, item 9: a copy needed up to 3x).
+TEST(MigrationTest, TheUpgradeLinksTheStateEnginesFilesInsteadOfCopyingThem) {
+  TempDir dir;
+  const std::string path = extract_fixture(dir.path());
+  std::set<std::pair<dev_t, ino_t>> format2_files;
+  for (const auto& entry : std::filesystem::directory_iterator(path)) {
+    struct stat st {};
+    if (entry.path().extension() == ".sst" && ::stat(entry.path().c_str(), &st) == 0) {
+      format2_files.insert({st.st_dev, st.st_ino});
+    }
+  }
+  ASSERT_FALSE(format2_files.empty());
+  ASSERT_TRUE(killed_at_step(path, 4)) << "the upgrade never reached step 4";
+  std::vector<rocksdb::LiveFileMetaData> files;
+  {
+    RawReader state(state_engine_dir(path));
+    ASSERT_NE(state.db(), nullptr);
+    state.db()->GetLiveFilesMetaData(&files);
+  }
+  int linked = 0;
+  std::map<std::string, int> per_family;
+  for (const rocksdb::LiveFileMetaData& f : files) {
+    if (f.column_family_name != "aggregates" && f.column_family_name != "ledger" && f.column_family_name != "feed") {
+      continue;
+    }
+    ++per_family[f.column_family_name];
+    const std::string file = state_engine_dir(path) + f.name;
+    struct stat st {};
+    ASSERT_EQ(::stat(file.c_str(), &st), 0) << file;
+    EXPECT_TRUE(format2_files.count({st.st_dev, st.st_ino}) == 1)
+        << f.column_family_name << " file " << file << " (" << f.size << " bytes) is a copy, not a link to the "
+        << "format-2 database's file (links: " << st.st_nlink << ")";
+    linked += format2_files.count({st.st_dev, st.st_ino}) == 1 ? 1 : 0;
+  }
+  EXPECT_EQ(per_family.size(), 3u) << "state/ lacks the aggregates, the ledger or the feed";
+  EXPECT_GT(linked, 0);
+  // And the next open finishes the upgrade from scratch, every value intact.
+  expect_all_values(path, expected_lines(), "after a SIGKILL before the commit of a linked upgrade");
+}
+
+// The upgrade runs outside the process-wide lock of opens: while one Db is
+// being upgraded (held at step 3), a Db in another directory opens. Both
+// through Db::open (which upgrades after its checks) and a plain
+// Storage::open (which upgrades at once).
+TEST(MigrationTest, AnUpgradeHoldsUpNoOtherOpenInTheProcess) {
+  for (bool through_db : {true, false}) {
+    SCOPED_TRACE(through_db ? "Db::open" : "Storage::open");
+    TempDir dir;
+    const std::string path = extract_fixture(dir.path());
+    std::promise<Status> other;
+    std::future<Status> other_done = other.get_future();
+    bool waited = false;
+    std::thread opener;
+    Storage::step_for_testing = [&](std::string_view task, int step) {
+      if (task != "migrate" || step != 3 || waited) return;
+      waited = true;
+      opener = std::thread([&] {
+        Result<std::unique_ptr<Db>> db = Db::open(dir.sub("other"), Options{});
+        other.set_value(db.status());
+      });
+      // Generous: an open takes milliseconds; a held lock never ends.
+      if (other_done.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+        ADD_FAILURE() << "another Db's open did not finish while this Db was being upgraded";
+      }
+    };
+    if (through_db) {
+      Result<std::unique_ptr<Db>> db = Db::open(path, feed_options());
+      EXPECT_OK(db.status());
+    } else {
+      Result<std::unique_ptr<Storage>> storage = Storage::open(path, Storage::Config{});
+      EXPECT_OK(storage.status());
+    }
+    Storage::step_for_testing = nullptr;
+    if (opener.joinable()) opener.join();
+    EXPECT_TRUE(waited) << "the upgrade never reached step 3";
+    if (other_done.wait_for(std::chrono::seconds(0)) == std::future_status::ready) EXPECT_OK(other_done.get());
   }
 }
 

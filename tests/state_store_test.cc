@@ -1,5 +1,7 @@
 // The state store: exact sums, write-behind, backpressure, invariant I1 and
 // how malformed stored values and failed writes are reported.
+#include <sys/stat.h>
+
 #include <atomic>
 #include <cstring>
 #include <filesystem>
@@ -469,6 +471,40 @@ TEST(WriteBehind, ABatchWritesNoEpochMarkWhileItsEpochIsReserved) {
     EXPECT_TRUE(report->ok()) << report->problems.front();
     ASSERT_OK(db->close());
   }
+}
+
+// A batch's file moves into the state engine by a hard link: its data is
+// written and fsynced once, by SstFileWriter::Finish, where ingestion used to
+// copy it and fsync the copy (issue 26, item 9).
+TEST(WriteBehind, IngestedFilesAreLinkedIntoTheStateEngineNotCopied) {
+  TempDir dir;
+  Result<std::unique_ptr<Storage>> opened = Storage::open(dir.sub("db"), Storage::Config{});
+  ASSERT_OK(opened.status());
+  Storage& storage = **opened;
+  const std::string file = storage.ingest_dir() + "/link-test.aggregates.sst";
+  {
+    std::unique_ptr<rocksdb::SstFileWriter> writer = storage.sst_writer(storage.aggregates());
+    ASSERT_TRUE(writer->Open(file).ok());
+    std::string units;
+    put_units(&units, 5);
+    ASSERT_TRUE(writer->Merge(encode_aggregate_key(AggregateKind::Cohort, 1, 2), units).ok());
+    ASSERT_TRUE(writer->Finish().ok());
+  }
+  struct stat built {};
+  ASSERT_EQ(::stat(file.c_str(), &built), 0);
+  ASSERT_OK(storage.ingest({{storage.aggregates(), file}}, "test ingestion"));
+  EXPECT_FALSE(std::filesystem::exists(file)) << "the built file is still in ingest/";
+  std::vector<rocksdb::LiveFileMetaData> live;
+  storage.db(Storage::Engine::State)->GetLiveFilesMetaData(&live);
+  int same_inode = 0;
+  for (const rocksdb::LiveFileMetaData& f : live) {
+    struct stat st {};
+    if (f.column_family_name == "aggregates" && ::stat((state_engine_dir(dir.sub("db")) + f.name).c_str(), &st) == 0 &&
+        st.st_dev == built.st_dev && st.st_ino == built.st_ino) {
+      ++same_inode;
+    }
+  }
+  EXPECT_EQ(same_inode, 1) << "the ingested file is a copy of the built one, written a second time";
 }
 
 TEST(WriteBehind, ConcurrentSignalsPastTheBufferBoundWaitAndStayExact) {

@@ -8,6 +8,7 @@
 // 2 bad usage (nothing was opened, created or changed).
 #include <tidal/db.h>
 #include <tidal/global_view.h>
+#include <tidal/metrics.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -78,6 +79,8 @@ host service holds it; nothing is created or written):
 Options:
   --db PATH        the Db directory (required; never created)
   --json           machine output: one JSON object (list-left: one per line)
+  --prometheus     with stats or view PATH applied: the Prometheus text format
+                   (tidal_db_* / tidal_view_*, labelled db="PATH" or view="PATH")
   --from FILE      bulk input for leave/rejoin/purge
   --repair         with rematerialize: rewrite the mismatching aggregates
   -h, --help       this help
@@ -106,6 +109,7 @@ struct Args {
   std::optional<std::string> db;
   std::optional<std::string> from;
   bool json = false;
+  bool prometheus = false;
   bool help = false;
   bool repair = false;
   std::vector<std::string> positional;  // command, then its operands
@@ -138,6 +142,8 @@ std::optional<std::string> parse_args(int argc, char** argv, Args* args) {
       args->help = true;
     } else if (arg == "--json") {
       args->json = true;
+    } else if (arg == "--prometheus") {
+      args->prometheus = true;
     } else if (arg == "--repair") {
       args->repair = true;
     } else if (is("--db")) {
@@ -267,7 +273,18 @@ int cmd_changes(tidal::Db& db, bool json) {
   return kExitOk;
 }
 
-int cmd_stats(tidal::Db& db, bool json) {
+// `text` (or its error) to stdout.
+int print_metrics(const tidal::Result<std::string>& text) {
+  if (!text.ok()) {
+    std::fprintf(stderr, "tidalctl: %s\n", text.status().to_string().c_str());
+    return kExitFailed;
+  }
+  std::fputs(text->c_str(), stdout);
+  return kExitOk;
+}
+
+int cmd_stats(tidal::Db& db, bool json, bool prometheus, const std::string& path) {
+  if (prometheus) return print_metrics(tidal::prometheus_text(db.stats(), {{"db", path}}));
   const tidal::Stats st = db.stats();
   const std::pair<const char*, std::uint64_t> rows[] = {
       {"signals", st.signals},
@@ -632,6 +649,7 @@ int cmd_view(const Args& args) {
   if (args.db) return usage_error("view takes the view's directory as its first operand (view PATH ...), not --db");
   if (args.from) return usage_error("--from applies to leave, rejoin and purge only, not view");
   if (args.repair) return usage_error("--repair applies to rematerialize only, not view");
+  if (args.prometheus && args.json) return usage_error("--prometheus and --json are two output formats: give one");
   const std::vector<std::string> operands(args.positional.begin() + 1, args.positional.end());
   const std::string forms = "view PATH applied, view PATH cohort ID ITEM or view PATH community ID ITEM";
   if (operands.size() < 2) return usage_error("view needs a PATH and what to show: " + forms);
@@ -658,6 +676,9 @@ int cmd_view(const Args& args) {
   } else {
     return usage_error("unknown view command '" + what + "': " + forms);
   }
+  if (args.prometheus && what != "applied") {
+    return usage_error("--prometheus applies to stats and view PATH applied only, not view PATH " + what);
+  }
 
   tidal::GlobalViewOptions options;
   options.read_only = true;
@@ -670,7 +691,14 @@ int cmd_view(const Args& args) {
     return bad_path ? kExitUsage : kExitFailed;
   }
   tidal::GlobalView& view = **opened;
-  const int rc = what == "applied" ? view_applied(view, args.json) : view_score(view, what, id, item, args.json);
+  int rc = kExitOk;
+  if (args.prometheus) {
+    tidal::Result<std::vector<tidal::ShardProgress>> shards = view.applied_shards();
+    rc = shards.ok() ? print_metrics(tidal::prometheus_text(*shards, {{"view", path}}))
+                     : print_metrics(shards.status());
+  } else {
+    rc = what == "applied" ? view_applied(view, args.json) : view_score(view, what, id, item, args.json);
+  }
   if (tidal::Status s = view.close(); !s.ok()) {
     std::fprintf(stderr, "tidalctl: close of the global view at '%s' failed: %s\n", path.c_str(), s.to_string().c_str());
     return kExitFailed;
@@ -695,6 +723,10 @@ int run(int argc, char** argv) {
   if (command == nullptr) return usage_error("unknown command '" + name + "'");
   if (name == "view") return cmd_view(args);
   if (!args.db) return usage_error("missing --db PATH (the Db directory " + name + " should use)");
+  if (args.prometheus && name != "stats") {
+    return usage_error("--prometheus applies to stats and view PATH applied only, not " + name);
+  }
+  if (args.prometheus && args.json) return usage_error("--prometheus and --json are two output formats: give one");
 
   // Operands, all checked before anything is opened.
   const std::vector<std::string> operands(args.positional.begin() + 1, args.positional.end());
@@ -764,7 +796,7 @@ int run(int argc, char** argv) {
   if (name == "status") rc = cmd_status(db, *user, args.json);
   else if (name == "history") rc = cmd_history(db, *user, args.json);
   else if (name == "list-left") rc = cmd_list_left(db, args.json);
-  else if (name == "stats") rc = cmd_stats(db, args.json);
+  else if (name == "stats") rc = cmd_stats(db, args.json, args.prometheus, path);
   else if (name == "changes") rc = cmd_changes(db, args.json);
   else if (name == "verify") rc = cmd_verify(db, args.json);
   else if (name == "receipts") rc = cmd_receipts(db, *user, args.json);

@@ -215,6 +215,7 @@ std::uint64_t ChangeFeed::last_seq() const {
 }
 
 Status ChangeFeed::trim(std::uint64_t through_seq) {
+  std::lock_guard<std::mutex> one_trim(trim_mu_);
   std::uint64_t last = 0, trimmed = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);

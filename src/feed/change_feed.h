@@ -107,6 +107,11 @@ class ChangeFeed {
   Storage* const storage_;
   const std::uint64_t shard_id_;
   const std::uint64_t max_bytes_;
+  // Serializes trim() from its check of the trim point to its write of the
+  // trim record, so the record never goes backwards (two trims racing wrote
+  // "through 6" after "through 10" had deleted 7..10). Not mu_, which the
+  // writer's appends take: a trim's synced write would hold them up.
+  std::mutex trim_mu_;
   mutable std::mutex mu_;
   std::uint64_t last_seq_ = 0;
   std::uint64_t end_offset_ = 0;       // payload bytes ever appended, through last_seq_

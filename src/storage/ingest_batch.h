@@ -23,7 +23,7 @@ class IngestBatch {
   // Files are named <ingest_dir>/<name>.<column family>.sst; `name` must be
   // unique among batches built at the same time.
   IngestBatch(Storage* storage, std::string name) : storage_(storage), name_(std::move(name)) {}
-  ~IngestBatch();  // deletes the files (ingest copies them)
+  ~IngestBatch();  // deletes what is left of the files (ingest moves them into the engine)
   IngestBatch(const IngestBatch&) = delete;
   IngestBatch& operator=(const IngestBatch&) = delete;
 

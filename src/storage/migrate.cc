@@ -4,19 +4,33 @@
 //
 // Crash-safe by a single commit point, the users engine's "db_format"
 // record:
-//   1. delete whatever state/ holds (what an earlier attempt left);
-//   2. create the state engine and copy into it, in one atomic ingestion,
-//      the aggregates, the ledger, the change feed, the purge receipts
-//      (from the users partition) and the state store's meta records, with
-//      a state_epoch at or above every epoch the copied ledger names;
+//   1. delete whatever state/ (and RocksDB's state.tmp/) holds: what an
+//      earlier attempt left;
+//   2. make state/ a checkpoint of the format-2 database: RocksDB flushes
+//      its memtables and hard-links every SST file into state/ (the
+//      aggregates, the ledger and the change feed keep their files, levels
+//      and sequence numbers as they are); drop the users partition's column
+//      families and the users engine's meta records from that copy
+//      (checkpoint_as_state), open it as the state engine, and ingest, in
+//      one atomic step, a state_epoch at or above every epoch the ledger
+//      names and the purge receipts (from the users partition);
 //   3. fsync the Db directory (state/'s own entry), then write, synced, in
 //      one batch of the users engine: db_format = 3, the deletion of the
-//      copied receipts and meta records, and a state_format that tidal 0.2
+//      moved receipts and meta records, and a state_format that tidal 0.2
 //      refuses (kUsersStateFormatMark) (the commit point);
-//   4. drop the format-2 column families.
+//   4. drop the format-2 column families (their files live on as the state
+//      engine's).
 // A crash before 3 leaves the format-2 Db whole (the next open starts over
-// at 1); a crash after it leaves a format-3 Db whose next open finishes 4.
-// A new Db takes the same path with nothing to copy.
+// at 1): RocksDB never writes an SST file in place, so the two databases
+// share files safely. A crash after it leaves a format-3 Db whose next open
+// finishes 4. A new Db takes the same path with nothing to link.
+//
+// So the upgrade writes no second copy of the state: only the memtables'
+// flush, the MANIFEST and the receipts and meta records. The copy it
+// replaced needed up to 3x the state's disk (its build files, then
+// ingestion's copy of them) and made each column family one giant file
+// (bench/README.md "Upgrade"). On a file system without hard links
+// RocksDB's checkpoint copies the files, and the upgrade needs 2x.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -25,6 +39,8 @@
 #include <cstring>
 #include <filesystem>
 #include <system_error>
+
+#include <rocksdb/utilities/checkpoint.h>
 
 #include "storage/ingest_batch.h"
 #include "storage/storage.h"
@@ -55,16 +71,66 @@ Status fsync_dir(const std::string& dir) {
 
 }  // namespace
 
+Status Storage::checkpoint_as_state(const rocksdb::Options& base) {
+  const std::string what = "upgrade of tidal Db '" + path_ + "' to format 3";
+  const std::string dir = state_path();
+  {
+    rocksdb::Checkpoint* raw = nullptr;
+    if (Status s = from_rocksdb(rocksdb::Checkpoint::Create(users_.db.get(), &raw), what); !s.ok()) return s;
+    std::unique_ptr<rocksdb::Checkpoint> checkpoint(raw);
+    // log_size_for_flush 0: every memtable is flushed first, so the copy
+    // needs no WAL of its own.
+    if (Status s = from_rocksdb(checkpoint->CreateCheckpoint(dir, /*log_size_for_flush=*/0),
+                                what + ": linking the format-2 database into '" + dir + "'");
+        !s.ok()) {
+      return s;
+    }
+  }
+  // The copy holds every column family of format 2; the users partition's
+  // and the users engine's own meta records are not the state engine's.
+  std::vector<std::string> names;
+  if (Status s = from_rocksdb(rocksdb::DB::ListColumnFamilies(base, dir, &names), what); !s.ok()) return s;
+  std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
+  for (const std::string& name : names) {
+    rocksdb::ColumnFamilyOptions options = state_cf_options(base, name);
+    options.disable_auto_compactions = true;  // open only to be pruned
+    descriptors.emplace_back(name, options);
+  }
+  rocksdb::Options options(base);
+  options.create_if_missing = false;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  if (Status s = from_rocksdb(rocksdb::DB::Open(options, dir, descriptors, &handles, &raw), what); !s.ok()) return s;
+  std::unique_ptr<rocksdb::DB> db(raw);
+  Status result;
+  rocksdb::WriteBatch prune;
+  for (rocksdb::ColumnFamilyHandle* h : handles) {
+    if (h->GetName() == "users" || h->GetName() == "by_tag") {
+      if (result.ok()) result = from_rocksdb(db->DropColumnFamily(h), what);
+    } else if (h->GetName() == rocksdb::kDefaultColumnFamilyName && result.ok()) {
+      std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), h));
+      for (it->SeekToFirst(); it->Valid(); it->Next()) {
+        if (!copied_to_state(view(it->key()))) prune.Delete(h, it->key());
+      }
+      result = from_rocksdb(it->status(), what);
+    }
+  }
+  if (result.ok()) {
+    rocksdb::WriteOptions sync;
+    sync.sync = true;
+    result = from_rocksdb(db->Write(sync, &prune), what);
+  }
+  for (rocksdb::ColumnFamilyHandle* h : handles) (void)db->DestroyColumnFamilyHandle(h);
+  if (Status s = from_rocksdb(db->Close(), what); !s.ok() && result.ok()) result = s;
+  return result;
+}
+
 Status Storage::migrate_to_format3(const rocksdb::Options& base,
                                    const std::vector<rocksdb::ColumnFamilyHandle*>& legacy) {
   const auto step = [](int n) { test_step("migrate", n); };
-  rocksdb::ColumnFamilyHandle* old_aggregates = nullptr;
   rocksdb::ColumnFamilyHandle* old_ledger = nullptr;
-  rocksdb::ColumnFamilyHandle* old_feed = nullptr;
   for (auto* h : legacy) {
-    if (h->GetName() == "aggregates") old_aggregates = h;
     if (h->GetName() == "ledger") old_ledger = h;
-    if (h->GetName() == "feed") old_feed = h;
   }
   const std::string what = "upgrade of tidal Db '" + path_ + "' to format 3";
   // A refusal leaves the format-2 Db as it was, and no state/.
@@ -72,42 +138,40 @@ Status Storage::migrate_to_format3(const rocksdb::Options& base,
     if (state_.db != nullptr) (void)close_instance(&state_, state_path());
     std::error_code ec;
     std::filesystem::remove_all(state_path(), ec);
+    std::filesystem::remove_all(checkpoint_tmp_dir(), ec);
     return s;
   };
 
   step(1);
   std::error_code ec;
-  std::filesystem::remove_all(state_path(), ec);
-  if (ec) return refuse(Status::IOError(what + ": removing '" + state_path() + "' failed: " + ec.message()));
+  for (const std::string& dir : {state_path(), checkpoint_tmp_dir()}) {
+    std::filesystem::remove_all(dir, ec);
+    if (ec) return refuse(Status::IOError(what + ": removing '" + dir + "' failed: " + ec.message()));
+  }
   step(2);
-  if (Status s = open_state(base, /*create=*/true); !s.ok()) return refuse(s);
-  if (old_feed != nullptr) {
-    if (Status s = create_feed(); !s.ok()) return refuse(s);
+  // The largest epoch a ledger key names (its last 8 bytes); only read.
+  std::uint64_t ledger_epoch = 0;
+  if (old_ledger != nullptr) {
+    auto it = iterator(old_ledger, /*bulk=*/true);
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (const std::optional<LedgerKey> k = decode_ledger_key(view(it->key()))) {
+        ledger_epoch = std::max(ledger_epoch, k->epoch);
+      }
+    }
+    if (Status s = from_rocksdb(it->status(), what); !s.ok()) return refuse(s);
+  }
+  if (legacy.empty()) {
+    if (Status s = open_state(base, /*create=*/true); !s.ok()) return refuse(s);
+  } else {
+    if (Status s = checkpoint_as_state(base); !s.ok()) return refuse(s);
+    if (Status s = open_state(base, /*create=*/false); !s.ok()) return refuse(s);
   }
 
-  // One file per column family, each in key order; one atomic ingestion.
+  // The state_epoch and the receipts, in one file per column family, each
+  // in key order; one atomic ingestion.
+  // The rest, in one file per column family, each in key order; one atomic ingestion.
   IngestBatch copy(this, "migrate");
   std::vector<std::string> moved;  // users-engine keys the commit deletes: meta, then receipts
-  // The largest epoch a copied ledger key names (its last 8 bytes).
-  std::uint64_t ledger_epoch = 0;
-  const auto copy_all = [&](rocksdb::ColumnFamilyHandle* from, rocksdb::ColumnFamilyHandle* to) -> Status {
-    auto it = iterator(from, /*bulk=*/true);
-    for (it->SeekToFirst(); it->Valid(); it->Next()) {
-      if (to == ledger()) {
-        if (const std::optional<LedgerKey> k = decode_ledger_key(view(it->key()))) {
-          ledger_epoch = std::max(ledger_epoch, k->epoch);
-        }
-      }
-      if (rocksdb::Status s = copy.put(to, view(it->key()), view(it->value())); !s.ok()) return from_rocksdb(s, what);
-    }
-    return from_rocksdb(it->status(), what);
-  };
-  if (old_aggregates != nullptr) {
-    if (Status s = copy_all(old_aggregates, aggregates()); !s.ok()) return refuse(s);
-  }
-  if (old_ledger != nullptr) {
-    if (Status s = copy_all(old_ledger, ledger()); !s.ok()) return refuse(s);
-  }
   // The state store names each batch's ledger records by an epoch above the
   // stored state_epoch (StateStore), and the new engine's sequence numbers
   // restart near 0: without a state_epoch at or above every copied epoch,
@@ -165,16 +229,16 @@ Status Storage::migrate_to_format3(const rocksdb::Options& base,
     }
     if (Status s = from_rocksdb(it->status(), what); !s.ok()) return refuse(s);
   }
-  if (old_feed != nullptr) {
-    if (Status s = copy_all(old_feed, feed()); !s.ok()) return refuse(s);
-  }
   if (!copy.empty()) {
     if (Status s = copy.ingest(what); !s.ok()) return refuse(s);
   }
   step(3);
   // Aggregates of tidal 0.1, or of a newer state format: refused, nothing changed.
   if (Status s = check_state_format(); !s.ok()) return refuse(s);
-  if (Status s = fsync_dir(path_); !s.ok()) return refuse(s);
+  // The imports' links and the state engine's own entry, durable before the commit.
+  for (const std::string& dir : {state_path(), path_}) {
+    if (Status s = fsync_dir(dir); !s.ok()) return refuse(s);
+  }
   step(4);
 
   rocksdb::WriteBatch commit;

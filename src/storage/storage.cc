@@ -473,18 +473,19 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   if (rocksdb::Status cs = env->CreateDirIfMissing(storage->ingest_dir()); !cs.ok()) {
     return from_rocksdb(cs, "cannot open tidal Db at '" + path + "': creating " + storage->ingest_dir() + " failed");
   }
+  bool upgrade_now = false;
   if (!f.ok()) {
     // Format 2, a new Db, or either of them cut short by a crash. Deferred
-    // only for a format-2 state store (a new Db has nothing to check).
+    // only for a format-2 state store (a new Db has nothing to check); not
+    // under g_open_mu either way (below).
     storage->options_ = options;
     storage->upgrade_pending_ = true;
-    if (!config.defer_upgrade || storage->legacy("aggregates") == nullptr) {
-      if (Status m = storage->finish_upgrade(); !m.ok()) return m;
-    }
+    upgrade_now = !config.defer_upgrade || storage->legacy("aggregates") == nullptr;
   } else {
     // A migration that a crash cut short after its commit point.
     if (Status d = storage->drop_legacy(storage->legacy_); !d.ok()) return d;
     storage->release_legacy();
+
     if (Status o = storage->open_state(options, /*create=*/false); !o.ok()) return o;
     // A format-3 Db upgraded or created before the users engine carried the
     // mark that tidal 0.2 refuses (format.h, kUsersStateFormatMark).
@@ -505,6 +506,14 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   if (config.users_wal_sync_period.count() > 0) {
     Storage* self = storage.get();
     storage->wal_syncer_ = std::thread([self, period = config.users_wal_sync_period] { self->run_wal_syncer(period); });
+  }
+  // Registered: another open of this directory is refused from here on, so
+  // the upgrade, which takes as long as reading the ledger, runs without
+  // holding up opens of other Dbs. (A failure destroys `storage`, whose
+  // close() takes g_open_mu to unregister it.)
+  registry.unlock();
+  if (upgrade_now) {
+    if (Status m = storage->finish_upgrade(); !m.ok()) return m;
   }
   return storage;
 }
@@ -528,16 +537,20 @@ Status Storage::open_state(const rocksdb::Options& base, bool create) {
   if (listed && contains(existing, kFeedColumnFamily)) {
     descriptors.emplace_back(kFeedColumnFamily, rocksdb::ColumnFamilyOptions(options));
   }
-  for (auto& d : descriptors) {
-    set_table_options(block_cache_, &d.options);
-    set_state_cf_options(d.name, &d.options);
-  }
+  for (auto& d : descriptors) d.options = state_cf_options(options, d.name);
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = read_only_ ? rocksdb::DB::OpenForReadOnly(options, dir, descriptors, &state_.handles, &raw)
                                  : rocksdb::DB::Open(options, dir, descriptors, &state_.handles, &raw);
   if (!s.ok()) return from_rocksdb(s, "cannot open the state engine of tidal Db '" + path_ + "' (" + dir + ")");
   state_.db.reset(raw);
   return Status::OK();
+}
+
+rocksdb::ColumnFamilyOptions Storage::state_cf_options(const rocksdb::Options& base, const std::string& name) const {
+  rocksdb::ColumnFamilyOptions options(base);
+  set_table_options(block_cache_, &options);
+  set_state_cf_options(name, &options);
+  return options;
 }
 
 Status Storage::finish_upgrade() {
@@ -669,7 +682,7 @@ std::uint64_t Storage::estimate_keys(rocksdb::ColumnFamilyHandle* cf) const {
 
 std::unique_ptr<rocksdb::SstFileWriter> Storage::sst_writer(rocksdb::ColumnFamilyHandle* cf) const {
   const rocksdb::Options options = db_of(cf)->GetOptions(cf);
-  // Keep the file's pages cached: ingest() copies it right away.
+  // Keep the file's pages cached: its first reads come right after ingest().
   return std::make_unique<rocksdb::SstFileWriter>(rocksdb::EnvOptions(options), options, cf,
                                                   /*invalidate_page_cache=*/false);
 }
@@ -683,9 +696,12 @@ Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*,
     rocksdb::IngestExternalFileArg& arg = args.emplace_back();
     arg.column_family = cf;
     arg.external_files.push_back(file);
-    // Copied, not linked: a copy is written and fsynced through the Db's
-    // file system like every other file of the Db.
-    arg.options.move_files = false;
+    // Linked, not copied: the file was written and fsynced once, by
+    // SstFileWriter::Finish (RocksDB fsyncs the link again, which finds
+    // nothing left to write). A copy, written and fsynced a second time,
+    // only where the file system has no hard links.
+    arg.options.move_files = true;
+    arg.options.failed_move_fall_back_to_copy = true;
     // The file's sequence number lives in the MANIFEST only: no rewrite of
     // the file after it is copied.
     arg.options.write_global_seqno = false;

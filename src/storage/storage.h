@@ -153,7 +153,10 @@ class Storage {
   // Adds finished SST files, at most one per column family of the state
   // engine, to it in one atomic step: after a crash or power loss either all
   // of them are there or none. Durable (fsynced, MANIFEST included) when it
-  // returns. The files are copied, so the caller deletes them.
+  // returns. The files move into the engine by a hard link (a copy where the
+  // file system has none), so their data is written and fsynced once
+  // (SstFileWriter::Finish); a file left in ingest_dir() is the caller's to
+  // delete.
   Status ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>>& files, std::string_view what);
   // Deletes a file (quietly; for files of ingest_dir()).
   void delete_file(const std::string& file) const;
@@ -228,6 +231,15 @@ class Storage {
   // Opens the state engine (creating it when `create`), with the feed's
   // column family when it exists.
   Status open_state(const rocksdb::Options& base, bool create);
+  // The options of the state engine's column family `name`, as open_state
+  // opens it (the upgrade imports with them too).
+  rocksdb::ColumnFamilyOptions state_cf_options(const rocksdb::Options& base, const std::string& name) const;
+  // storage/migrate.cc: makes state_path() a checkpoint of the format-2
+  // database (hard links to its SST files) without the users engine's
+  // column families and meta records: the state engine's files.
+  Status checkpoint_as_state(const rocksdb::Options& base);
+  // Where RocksDB's checkpoint builds state_path() before renaming it.
+  std::string checkpoint_tmp_dir() const { return state_path() + ".tmp"; }
   // storage/migrate.cc: makes a users engine opened with the format-2
   // column families `legacy` (aggregates, ledger, feed; some may be absent)
   // a format-3 Db, with its state engine open.

@@ -116,6 +116,11 @@ t --db "$DB" --json list-left; rc_is 0; json 'len(lines) == 1 and d["user_id"] =
 
 t --db "$DB" stats; rc_is 0; out_has '^users_left +1$'; out_has 'fresh read-only open'
 t --db "$DB" --json stats; rc_is 0; json 'd["users_left"] == 1 and d["signals"] == 0 and len(d) == 10'
+t --db "$DB" --prometheus stats; rc_is 0
+out_has '^# TYPE tidal_db_users_left gauge$'; out_has "^tidal_db_users_left\\{db=\"$DB\"\\} 1$"
+out_has '^# TYPE tidal_db_signals_total counter$'
+t --db "$DB" --prometheus --json stats; rc_is 2; err_has 'two output formats'
+t --db "$DB" --prometheus list-left; rc_is 2; err_has 'applies to stats and view PATH applied only'
 
 t --db "$DB" verify; rc_is 0; out_has '^verify: [0-9]+ records checked, 0 problems$'
 t --db "$DB" --json verify; rc_is 0; json 'd["ok"] is True and d["records_checked"] > 0 and d["problems"] == []'
@@ -227,6 +232,9 @@ t view "$VIEW" applied; rc_is 0; out_has '^1 +1$'; out_has '^3 +2$'; out_has '^\
 t --json view "$VIEW" applied; rc_is 0
 json 'd == {"shards": [{"shard_id": 1, "applied_seq": 1}, {"shard_id": 3, "applied_seq": 2}]}'
 t view "$VIEW" cohort 7 9; rc_is 0; out_has '^score +0\.4$'   # 0.3 + 0.1, exact
+t --prometheus view "$VIEW" applied; rc_is 0; out_has "^tidal_view_shards\\{view=\"$VIEW\"\\} 2$"
+out_has "^tidal_view_applied_seq\\{view=\"$VIEW\",shard=\"3\"\\} 2$"
+t --prometheus view "$VIEW" cohort 7 9; rc_is 2; err_has 'applies to stats and view PATH applied only'
 t --json view "$VIEW" community 5 6; rc_is 0; json 'd["community_id"] == 5 and d["item_id"] == 6 and d["score"] == -2.5'
 t --json view "$VIEW" cohort 5 6; rc_is 0; json 'd["score"] == 0'
 # usage errors (exit 2, nothing opened)
