@@ -143,7 +143,7 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   ASSERT_OK(text.status());
   const std::vector<Sample> samples = parse(*text);
   ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
-  EXPECT_EQ(samples.size(), 26u);
+  EXPECT_EQ(samples.size(), 29u);
   for (const Sample& s : samples) {
     EXPECT_EQ(s.labels, (MetricLabels{{"shard", "7"}, {"db", odd}})) << s.name;
   }
@@ -157,6 +157,11 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   EXPECT_EQ(one(samples, "tidal_db_aggregate_writes_total").value, st.aggregate_writes);
   EXPECT_GE(st.aggregate_writes, 1u);
   EXPECT_EQ(one(samples, "tidal_db_aggregate_write_max_nanoseconds").value, st.aggregate_write_max_ns);
+  EXPECT_EQ(one(samples, "tidal_db_admission_rate_bytes_per_second").value, st.admission_rate_bytes_per_s);
+  EXPECT_EQ(one(samples, "tidal_db_admission_signal_bytes").value, st.admission_signal_bytes);
+  EXPECT_GT(st.admission_signal_bytes, 0u);
+  EXPECT_EQ(one(samples, "tidal_db_admission_stopped").value, 0u);
+  EXPECT_EQ(one(samples, "tidal_db_admission_refused_signals_total").value, st.admission_refused_signals);
   EXPECT_EQ(one(samples, "tidal_db_change_feed").value, 1u);
   EXPECT_EQ(one(samples, "tidal_db_change_feed_last_seq").value, st.change_feed_last_seq);
   EXPECT_GE(st.change_feed_last_seq, 1u);
