@@ -42,11 +42,30 @@ struct Config {
   // Shard s publishes on <subject_prefix>.<s>; the stream's subjects must
   // include <subject_prefix>.* . Default: tidal.changes.
   std::string subject_prefix = "tidal.changes";
-  // Replicas of the stream when the Publisher creates it (1 to 5; 3 for a
-  // stream that survives the loss of a server). Default: 1.
-  int replicas = 1;
+  // Replicas of the stream when the Publisher creates it (1 to 5), and the
+  // fewest an existing stream may have: a Publisher refuses a stream with
+  // fewer. 3 survive the loss of a server (a cluster of fewer than 3 servers
+  // needs replicas set to its size). Default: 3.
+  int replicas = 3;
 
   // -- Beyond the pinned fields --
+  // The stream the Publisher creates: limits retention, file storage,
+  // discard-new (a full stream refuses a publish, the Publisher retries and
+  // the Db keeps the batch; it never drops a stored one), no per-subject
+  // limit, and these limits (docs/SCALE.md, "Stream settings"):
+  // JetStream's de-duplication window for message ids (at most
+  // stream_max_age when that is set). Default: 2 min.
+  std::chrono::milliseconds duplicate_window{120000};
+  // Bytes the stream may hold; 0 = unlimited. A full stream refuses new
+  // batches until older ones expire or an operator raises the limit.
+  // Default: 0.
+  std::int64_t stream_max_bytes = 0;
+  // Age after which the stream deletes a batch (whatever the discard
+  // policy: a view further behind than this finds a gap, reported, and
+  // joins from a newer checkpoint); 0 = never. An existing stream with a
+  // max_age below this (or any max_age when this is 0) is refused.
+  // Default: 0.
+  std::chrono::seconds stream_max_age{0};
   // Longest wait for one request to the cluster (a publish's ack, a stream
   // lookup, a connect); also the bound of stop(). Default: 5 s.
   std::chrono::milliseconds request_timeout{5000};
@@ -115,12 +134,18 @@ class Publisher {
   // Checks the config and the Db, then starts the thread. InvalidArgument
   // for a null Db, a Db without a change feed, empty servers/stream/prefix,
   // replicas outside 1..5, a non-positive timeout or bound. It makes one
-  // first attempt before returning (at most request_timeout): when the
-  // cluster answers and the stream exists with subjects that do not include
-  // <subject_prefix>.*, another storage than file, or work-queue retention,
-  // or holds more of this shard than the Db ever wrote, it returns
-  // InvalidArgument naming the server and the stream. An unreachable
-  // cluster is not an error: the thread keeps trying (stats().last_error).
+  // first attempt before returning (at most request_timeout). A missing
+  // stream is created (limits retention, file storage, discard-new,
+  // Config::replicas, duplicate_window, stream_max_bytes, stream_max_age,
+  // no per-subject limit). An existing stream is checked on every
+  // connection: when its subjects do not include <subject_prefix>.*, or it
+  // could drop a batch it acknowledged (memory storage, interest or
+  // work-queue retention, discard-old with any of max_msgs, max_bytes,
+  // max_age, max_msgs_per_subject, a max_msgs_per_subject, a max_age the
+  // config does not allow, fewer replicas than Config::replicas), or holds
+  // more of this shard than the Db ever wrote, it returns InvalidArgument
+  // naming the server, the stream and the setting. An unreachable cluster
+  // is not an error: the thread keeps trying (stats().last_error).
   // `db` must outlive the Publisher.
   static Result<std::unique_ptr<Publisher>> start(Db* db, const Config& config);
 

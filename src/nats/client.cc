@@ -65,6 +65,17 @@ Status check_config(const Config& config) {
         "tidal::nats::Config: request_timeout, min_backoff, poll_interval and ack_wait must be positive and "
         "max_backoff >= min_backoff");
   }
+  if (config.duplicate_window.count() <= 0 || config.stream_max_bytes < 0 || config.stream_max_age.count() < 0) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: duplicate_window must be positive, stream_max_bytes and stream_max_age not negative "
+        "(0 = unlimited)");
+  }
+  if (config.stream_max_age.count() > 0 && config.duplicate_window > config.stream_max_age) {
+    return Status::InvalidArgument("tidal::nats::Config::duplicate_window (" +
+                                   std::to_string(config.duplicate_window.count()) +
+                                   " ms) is longer than stream_max_age (" +
+                                   std::to_string(config.stream_max_age.count()) + " s): JetStream refuses it");
+  }
   if (config.read_max_bytes == 0 || config.fetch_batch < 1 ||
       config.fetch_max_bytes < static_cast<std::int64_t>(kMaxChangePayloadBytes) + (64 << 10)) {
     return Status::InvalidArgument(

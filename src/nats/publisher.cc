@@ -1,5 +1,6 @@
 // Publisher: Db change feed -> JetStream -> trim_changes (include/tidal/nats.h).
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -137,6 +138,14 @@ class Publisher::Impl {
       sc.Storage = js_FileStorage;
       sc.Retention = js_LimitsPolicy;
       sc.Replicas = config_.replicas;
+      // Never drop a stored batch to make room: a full stream refuses the
+      // publish (the Db keeps the batch); no per-subject limit.
+      sc.Discard = js_DiscardNew;
+      sc.MaxMsgs = -1;
+      sc.MaxMsgsPerSubject = -1;
+      sc.MaxBytes = config_.stream_max_bytes > 0 ? config_.stream_max_bytes : -1;
+      sc.MaxAge = std::chrono::duration_cast<std::chrono::nanoseconds>(config_.stream_max_age).count();
+      sc.Duplicates = std::chrono::duration_cast<std::chrono::nanoseconds>(config_.duplicate_window).count();
       jerr = static_cast<jsErrCode>(0);
       ns = js_AddStream(&si, conn.js(), &sc, nullptr, &jerr);
       if (si != nullptr) jsStreamInfo_Destroy(si);
@@ -145,6 +154,11 @@ class Publisher::Impl {
       if (jerr == 10065 /* subjects overlap */) {
         return Status::InvalidArgument(where(conn) + ": cannot create the stream: its subjects " + wildcard +
                                        " overlap another stream's: " + why);
+      }
+      if (jerr == 10074 /* replicas > 1 not supported in non-clustered mode */) {
+        return Status::InvalidArgument(where(conn) + ": cannot create the stream with " +
+                                       std::to_string(config_.replicas) +
+                                       " replicas (Config::replicas) on a server that is not clustered: " + why);
       }
       return Status::IOError(where(conn) + ": cannot create the stream (" + std::to_string(config_.replicas) +
                              " replicas, file storage, subjects " + wildcard + "): " + why);
@@ -158,6 +172,9 @@ class Publisher::Impl {
     return s;
   }
 
+  // InvalidArgument for an existing stream that does not carry this
+  // shard's subject or could drop a batch it acknowledged (which the Db
+  // then trims): every setting that could, named, with what to do.
   Status check_stream(const Connection& conn, const jsStreamConfig& sc) const {
     const std::string star = config_.subject_prefix + ".*";
     const std::string gt = config_.subject_prefix + ".>";
@@ -173,15 +190,48 @@ class Publisher::Impl {
                                      "] do not include " + star + " (Config::subject_prefix '" +
                                      config_.subject_prefix + "'): use another stream name or prefix");
     }
+    auto refuse = [&](const std::string& why) {
+      return Status::InvalidArgument(where(conn) + ": the existing stream " + why +
+                                     ": tidal refuses a stream that could drop a batch it acknowledged (the Db "
+                                     "trims it); fix the stream's settings or use another stream");
+    };
     if (sc.Storage != js_FileStorage) {
-      return Status::InvalidArgument(where(conn) +
-                                     ": the existing stream keeps messages in memory, not in files: a server "
-                                     "restart would lose batches already trimmed from the Db");
+      return refuse("has memory storage (a server restart loses its messages)");
     }
     if (sc.Retention == js_WorkQueuePolicy) {
-      return Status::InvalidArgument(where(conn) +
-                                     ": the existing stream has work-queue retention: one view's ack would remove "
-                                     "a batch every other view still needs");
+      return refuse("has work-queue retention (one view's ack removes a batch every other view still needs)");
+    }
+    if (sc.Retention == js_InterestPolicy) {
+      return refuse("has interest retention (a batch no consumer is interested in yet is removed at once)");
+    }
+    if (sc.Discard == js_DiscardOld) {
+      std::string limits;
+      auto add = [&](const char* name, std::int64_t v) {
+        if (v > 0) limits += std::string(limits.empty() ? "" : ", ") + name + " " + std::to_string(v);
+      };
+      add("max_msgs", sc.MaxMsgs);
+      add("max_bytes", sc.MaxBytes);
+      add("max_age (ns)", sc.MaxAge);
+      add("max_msgs_per_subject", sc.MaxMsgsPerSubject);
+      if (!limits.empty()) {
+        return refuse("has discard policy old with " + limits +
+                      " (at the limit it deletes the oldest batches, unread by a view behind)");
+      }
+    }
+    if (sc.MaxMsgsPerSubject > 0 && !sc.DiscardNewPerSubject) {
+      return refuse("has max_msgs_per_subject " + std::to_string(sc.MaxMsgsPerSubject) +
+                    " (it deletes a shard's oldest batches)");
+    }
+    const std::int64_t allowed_age =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(config_.stream_max_age).count();
+    if (sc.MaxAge > 0 && (allowed_age == 0 || sc.MaxAge < allowed_age)) {
+      return refuse("has max_age " + std::to_string(sc.MaxAge / 1000000000) + " s (Config::stream_max_age is " +
+                    std::to_string(config_.stream_max_age.count()) +
+                    " s: a batch older than the stream's max_age is deleted, read or not)");
+    }
+    if (sc.Replicas < config_.replicas) {
+      return refuse("has " + std::to_string(sc.Replicas) + " replicas, fewer than Config::replicas (" +
+                    std::to_string(config_.replicas) + ")");
     }
     if (sc.MaxMsgSize > 0 && sc.MaxMsgSize < static_cast<std::int32_t>(kMaxChangePayloadBytes + 4096)) {
       return Status::InvalidArgument(where(conn) + ": the existing stream's max_msg_size " +

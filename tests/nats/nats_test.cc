@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -254,6 +255,169 @@ TEST(NatsStream, AStreamWhoseSubjectsDoNotMatchIsInvalidArgumentNamingServerAndS
   ASSERT_TRUE(good.ok()) << good.status().to_string();
   EXPECT_TRUE(eventually([&] { return (*good)->stats().connected; }, 10s)) << (*good)->stats().last_error;
   EXPECT_OK((*good)->stop());
+}
+
+// ---- Streams that cannot drop an acknowledged batch ----
+
+// A connection to `cluster` and its JetStream context, for a test's own requests.
+class Js {
+ public:
+  explicit Js(const NatsCluster& cluster) {
+    ok_ = natsConnection_ConnectTo(&nc_, cluster.servers().c_str()) == NATS_OK &&
+          natsConnection_JetStream(&js_, nc_, nullptr) == NATS_OK;
+  }
+  ~Js() {
+    if (js_ != nullptr) jsCtx_Destroy(js_);
+    if (nc_ != nullptr) natsConnection_Destroy(nc_);
+  }
+  Js(const Js&) = delete;
+  Js& operator=(const Js&) = delete;
+  bool ok() const { return ok_; }
+  jsCtx* js() const { return js_; }
+
+  // Creates `name` on tidal.<name>.* with 3 replicas, file storage, limits
+  // retention and discard-new unless `edit` changes them; "" or the error.
+  template <class Edit>
+  std::string add_stream(const std::string& name, Edit&& edit) {
+    const std::string wildcard = "tidal." + name + ".*";
+    const char* subjects[] = {wildcard.c_str()};
+    jsStreamConfig sc;
+    jsStreamConfig_Init(&sc);
+    sc.Name = name.c_str();
+    sc.Subjects = subjects;
+    sc.SubjectsLen = 1;
+    sc.Replicas = 3;
+    sc.Discard = js_DiscardNew;
+    edit(sc);
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    natsStatus s = js_AddStream(nullptr, js_, &sc, nullptr, &jerr);
+    return s == NATS_OK ? "" : std::string(natsStatus_GetText(s)) + " " + std::to_string(jerr);
+  }
+
+  // The stream's config and state, or null.
+  jsStreamInfo* info(const std::string& name) {
+    jsStreamInfo* si = nullptr;
+    return js_GetStreamInfo(&si, js_, name.c_str(), nullptr, nullptr) == NATS_OK ? si : nullptr;
+  }
+
+ private:
+  natsConnection* nc_ = nullptr;
+  jsCtx* js_ = nullptr;
+  bool ok_ = false;
+};
+
+TEST(NatsStream, ATidalStreamHasLimitsRetentionDiscardNewTheConfiguredReplicasWindowAndLimits) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 1);
+  ASSERT_NE(db, nullptr);
+  Config c = test_config(cluster, "MADE", 3);
+  c.duplicate_window = 90s;
+  c.stream_max_bytes = std::int64_t{1} << 30;
+  c.stream_max_age = std::chrono::hours(24 * 7);
+  auto p = start_publisher(db.get(), c);
+  ASSERT_NE(p, nullptr);
+  ASSERT_TRUE(eventually([&] { return p->stats().connected; }, 20s)) << p->stats().last_error;
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  jsStreamInfo* si = js.info("MADE");
+  ASSERT_NE(si, nullptr);
+  const jsStreamConfig& sc = *si->Config;
+  EXPECT_EQ(sc.Retention, js_LimitsPolicy);
+  EXPECT_EQ(sc.Storage, js_FileStorage);
+  EXPECT_EQ(sc.Discard, js_DiscardNew);
+  EXPECT_EQ(sc.Replicas, 3);
+  EXPECT_EQ(sc.Duplicates, std::chrono::nanoseconds(90s).count());
+  EXPECT_EQ(sc.MaxBytes, std::int64_t{1} << 30);
+  EXPECT_EQ(sc.MaxAge, std::chrono::nanoseconds(std::chrono::hours(24 * 7)).count());
+  EXPECT_EQ(sc.MaxMsgsPerSubject, -1);
+  EXPECT_EQ(sc.MaxMsgs, -1);
+  jsStreamInfo_Destroy(si);
+  EXPECT_OK(p->stop());
+
+  // The defaults: 3 replicas, a 2 min window, no size or age limit.
+  EXPECT_EQ(Config{}.replicas, 3);
+  Config d = test_config(cluster, "DEFAULTS", Config{}.replicas);
+  auto q = start_publisher(db.get(), d);
+  ASSERT_NE(q, nullptr);
+  ASSERT_TRUE(eventually([&] { return q->stats().connected; }, 20s)) << q->stats().last_error;
+  si = js.info("DEFAULTS");
+  ASSERT_NE(si, nullptr);
+  EXPECT_EQ(si->Config->Replicas, 3);
+  EXPECT_EQ(si->Config->Discard, js_DiscardNew);
+  EXPECT_EQ(si->Config->Duplicates, std::chrono::nanoseconds(2min).count());
+  EXPECT_LE(si->Config->MaxBytes, 0);
+  EXPECT_EQ(si->Config->MaxAge, 0);
+  jsStreamInfo_Destroy(si);
+  EXPECT_OK(q->stop());
+
+  // A window longer than the max age: refused before any request.
+  Config bad = c;
+  bad.stream = "LONGWINDOW";
+  bad.stream_max_age = 60s;
+  bad.duplicate_window = 120s;
+  auto r = Publisher::start(db.get(), bad);
+  EXPECT_EQ(r.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(r.status().message().find("duplicate_window"), std::string::npos) << r.status().to_string();
+}
+
+TEST(NatsStream, AStreamThatCouldDropAnAcknowledgedBatchIsRefusedNamingServerStreamAndSetting) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 1);
+  ASSERT_NE(db, nullptr);
+  ASSERT_TRUE(db->signal_with_context({1, 1, 1.0}, {{1}}).ok());
+  ASSERT_OK(db->flush());
+  ASSERT_EQ(*db->last_change_seq(), 1u);
+  struct Case {
+    std::string stream;
+    std::function<void(jsStreamConfig&)> edit;
+    std::string setting;  // a word the error must hold
+  };
+  const std::int64_t hour = std::chrono::nanoseconds(std::chrono::hours(1)).count();
+  const std::vector<Case> cases = {
+      {"INTEREST", [](jsStreamConfig& sc) { sc.Retention = js_InterestPolicy; }, "interest retention"},
+      {"WORKQ", [](jsStreamConfig& sc) { sc.Retention = js_WorkQueuePolicy; }, "work-queue retention"},
+      {"OLDBYTES", [](jsStreamConfig& sc) { sc.Discard = js_DiscardOld; sc.MaxBytes = 1 << 30; }, "max_bytes"},
+      {"OLDAGE", [&](jsStreamConfig& sc) { sc.Discard = js_DiscardOld; sc.MaxAge = hour; }, "max_age"},
+      {"OLDMSGS", [](jsStreamConfig& sc) { sc.Discard = js_DiscardOld; sc.MaxMsgs = 1000000; }, "max_msgs"},
+      {"OLDPERSUBJ", [](jsStreamConfig& sc) { sc.Discard = js_DiscardOld; sc.MaxMsgsPerSubject = 1000; },
+       "max_msgs_per_subject"},
+      {"NEWPERSUBJ", [](jsStreamConfig& sc) { sc.MaxMsgsPerSubject = 1000; }, "max_msgs_per_subject"},
+      {"NEWAGE", [&](jsStreamConfig& sc) { sc.MaxAge = hour; }, "max_age"},
+      {"MEMORY", [](jsStreamConfig& sc) { sc.Storage = js_MemoryStorage; }, "memory storage"},
+      {"ONEREPLICA", [](jsStreamConfig& sc) { sc.Replicas = 1; }, "1 replicas, fewer than Config::replicas (3)"},
+  };
+  for (const Case& k : cases) {
+    ASSERT_EQ(js.add_stream(k.stream, k.edit), "") << k.stream;
+    auto p = Publisher::start(db.get(), test_config(cluster, k.stream, 3));
+    if (p.ok()) {
+      ADD_FAILURE() << k.stream << " was accepted";
+      (void)(*p)->stop();
+      continue;
+    }
+    const std::string m = p.status().message();
+    EXPECT_EQ(p.status().code(), StatusCode::InvalidArgument) << m;
+    EXPECT_NE(m.find("stream " + k.stream), std::string::npos) << m;
+    EXPECT_NE(m.find("NATS server nats://127.0.0.1:"), std::string::npos) << m;
+    EXPECT_NE(m.find(k.setting), std::string::npos) << m;
+    EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u) << k.stream;
+  }
+
+  // What can drop nothing is accepted: discard-new with a size limit, and a
+  // max_age the config allows.
+  ASSERT_EQ(js.add_stream("NEWLIMITS", [&](jsStreamConfig& sc) { sc.MaxBytes = 1 << 30; sc.MaxAge = 48 * hour; }), "");
+  Config ok = test_config(cluster, "NEWLIMITS", 3);
+  ok.stream_max_age = std::chrono::hours(24);
+  auto p = start_publisher(db.get(), ok);
+  ASSERT_NE(p, nullptr);
+  EXPECT_TRUE(eventually([&] { return p->stats().published_seq == 1; }, 20s)) << p->stats().last_error;
+  EXPECT_OK(p->stop());
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 1u);
 }
 
 // ---- Convergence through the cluster, with a server SIGKILLed and a publisher stopped abruptly ----
