@@ -10,10 +10,13 @@
 // the batch's payload, unchanged (docs/FORMAT.md, "The change feed"); its
 // headers carry the shard and the seq, and its JetStream message id is
 // "<shard>-<seq>" (docs/SCALE.md, "Messages"). Publishing is at least once
-// (JetStream de-duplicates within the stream's duplicate window), applying is
-// exactly once (the view skips a seq it has applied), a gap is reported and
-// never skipped. The guarantees and their tests: docs/CONTRACT.md
-// ("NATS JetStream").
+// (JetStream de-duplicates within the stream's duplicate window) and fenced:
+// each publish expects the shard subject's last message to be the one this
+// Publisher knows of, so a second writer for a shard (a twin Db with the
+// same shard_id, a Db restored from an older copy) stops with an error
+// instead of interleaving. Applying is exactly once (the view skips a seq it
+// has applied), a gap is reported and never skipped. The guarantees and
+// their tests: docs/CONTRACT.md ("NATS JetStream").
 //
 // Thread safety: start, stop and stats may be called from any thread; each
 // Publisher and Follower runs one background thread of its own.
@@ -101,6 +104,7 @@ struct PublisherStats {
   std::uint64_t errors = 0;             // failed attempts (connect, stream check, publish, trim), each retried
   std::uint64_t connects = 0;           // connections made
   bool connected = false;               // connected now, with the stream checked
+  bool halted = false;                  // stopped for good by a fence (last_error and stop() say why)
   std::string last_error;               // the most recent failure, naming the server and the stream; empty if none
 };
 
@@ -129,6 +133,21 @@ struct FollowerStats {
 // server, lost connection, leader change, timeout) it waits (bounded
 // backoff) and resumes from the first batch not acknowledged; the Db keeps
 // every batch meanwhile (up to Options::change_feed_max_bytes).
+//
+// Fencing (docs/SCALE.md, "Fencing"): on every connection the Publisher
+// reads the last message of the shard's subject; each publish carries
+// Nats-Expected-Last-Subject-Sequence (that message's stream sequence, then
+// each ack's) and the message id. It stops for good (stats().halted,
+// last_error, stop() returns the error), never trimming, when the stream
+// and the Db disagree about the shard:
+//  - the stream holds a seq of this shard the Db never wrote
+//    (InvalidArgument), or its batch of the last seq differs from the Db's
+//    (Corruption): a Db restored from an older copy, or a twin;
+//  - a publish is refused because another writer published on the subject
+//    since (Corruption), unless the subject's last message is this very
+//    batch (a publish whose ack was lost);
+//  - a Duplicate ack names a stored message that is not this batch (same
+//    subject, shard, seq and payload): Corruption.
 class Publisher {
  public:
   // Checks the config and the Db, then starts the thread. InvalidArgument
@@ -144,16 +163,18 @@ class Publisher {
   // max_age, max_msgs_per_subject, a max_msgs_per_subject, a max_age the
   // config does not allow, fewer replicas than Config::replicas), or holds
   // more of this shard than the Db ever wrote, it returns InvalidArgument
-  // naming the server, the stream and the setting. An unreachable cluster
-  // is not an error: the thread keeps trying (stats().last_error).
+  // naming the server, the stream and the setting; a fence found at that
+  // first attempt (below) is returned too. An unreachable cluster is not an
+  // error: the thread keeps trying (stats().last_error).
   // `db` must outlive the Publisher.
   static Result<std::unique_ptr<Publisher>> start(Db* db, const Config& config);
 
   // Stops the thread: returns within about request_timeout (at once when
   // idle; a publish in flight is abandoned by closing the connection, and
   // is sent again by the next Publisher, which JetStream de-duplicates).
-  // Idempotent. Returns the last error when the publisher stopped while
-  // failing, OK otherwise; the Db is left open.
+  // Idempotent. Returns the error that halted the publisher (a fence, see
+  // above), OK otherwise (transient failures are in stats().last_error);
+  // the Db is left open.
   Status stop();
 
   PublisherStats stats() const;

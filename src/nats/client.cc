@@ -190,7 +190,7 @@ Status Worker::start(const Config& config, std::function<Status(Backoff&)> sessi
     cv_.wait_for(lock, config.request_timeout + std::chrono::seconds(1), [&] { return first_.has_value(); });
     first = first_;
   }
-  if (first && first->code() == StatusCode::InvalidArgument) {
+  if (first && (first->code() == StatusCode::InvalidArgument || halted())) {
     stop();
     return *first;
   }
@@ -209,6 +209,7 @@ void Worker::run(const Config& config, const std::function<Status(Backoff&)>& se
     cv_.notify_all();
     if (stopping()) break;
     failed(s);
+    if (halted()) break;
     if (!wait_for(backoff.next())) break;
   }
 }
@@ -219,6 +220,16 @@ void Worker::ready() {
     if (!first_) first_ = Status::OK();
   }
   cv_.notify_all();
+}
+
+void Worker::halt() {
+  std::lock_guard<std::mutex> lock(mu_);
+  halted_ = true;
+}
+
+bool Worker::halted() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return halted_;
 }
 
 void Worker::stop() {

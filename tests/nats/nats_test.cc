@@ -420,6 +420,225 @@ TEST(NatsStream, AStreamThatCouldDropAnAcknowledgedBatchIsRefusedNamingServerStr
   EXPECT_EQ(db->stats().change_feed_trimmed_seq, 1u);
 }
 
+// ---- Fenced publishing: a twin, a restored Db, a reused message id ----
+
+// Waits until `db` published everything it wrote (after a flush).
+::testing::AssertionResult all_published(Db* db, const Publisher& p, std::chrono::milliseconds timeout = 30s) {
+  if (Status s = db->flush(); !s.ok()) return ::testing::AssertionFailure() << "flush: " << s.to_string();
+  if (eventually([&] { return p.stats().published_seq == *db->last_change_seq(); }, timeout)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "published " << p.stats().published_seq << " of "
+                                       << *db->last_change_seq() << "; last_error: " << p.stats().last_error;
+}
+
+// Every batch the Db's feed holds after `after`, concatenated with its seq.
+std::string feed_after(Db* db, std::uint64_t after) {
+  auto batches = db->read_changes(after, std::size_t{1} << 30);
+  if (!batches.ok()) return "error: " + batches.status().to_string();
+  std::string out;
+  for (const ChangeBatch& b : *batches) out += std::to_string(b.seq) + ":" + b.payload + "|";
+  return out;
+}
+
+void copy_dir(const std::string& from, const std::string& to) {
+  std::filesystem::copy(from, to, std::filesystem::copy_options::recursive);
+}
+
+TEST(NatsFence, AMessageIdStoredWithOtherContentIsCorruptionAndNothingIsTrimmed) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("DUPID", [](jsStreamConfig&) {}), "");
+  // Another writer publishes id 9-1 (shard 9's first batch) with other content.
+  natsMsg* m = nullptr;
+  ASSERT_EQ(natsMsg_Create(&m, "tidal.DUPID.elsewhere", nullptr, "not the Db's batch", 18), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", "1"), NATS_OK);
+  jsPubOptions po;
+  jsPubOptions_Init(&po);
+  po.MsgId = "9-1";
+  ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, &po, nullptr), NATS_OK);
+  natsMsg_Destroy(m);
+
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  ASSERT_TRUE(db->signal_with_context({1, 1, 2.5}, {{3}}).ok());
+  ASSERT_OK(db->flush());
+  const std::string before = feed_after(db.get(), 0);
+  ASSERT_NE(before, "");
+  auto p = Publisher::start(db.get(), test_config(cluster, "DUPID", 3));
+  Status stopped;
+  if (p.ok()) {  // the fence is found at the first publish, after start returned
+    ASSERT_TRUE(eventually([&] { return (*p)->stats().halted; }, 20s)) << (*p)->stats().last_error;
+    PublisherStats st = (*p)->stats();
+    EXPECT_EQ(st.published_seq, 0u);
+    EXPECT_EQ(st.duplicates, 1u);
+    stopped = (*p)->stop();
+  } else {
+    stopped = p.status();
+  }
+  EXPECT_EQ(stopped.code(), StatusCode::Corruption) << stopped.to_string();
+  for (const char* word : {"shard 9", "stream DUPID", "seq 1", "id 9-1", "duplicate", "nothing trimmed"}) {
+    EXPECT_NE(stopped.message().find(word), std::string::npos) << word << ": " << stopped.to_string();
+  }
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u);
+  EXPECT_EQ(feed_after(db.get(), 0), before);
+}
+
+TEST(NatsFence, ATwinWithTheSameShardIdStopsAndNoBatchOfEitherIsLost) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "TWIN", 3);
+  // A short de-duplication window, so that only the fence can tell the twin's
+  // batches from the first Db's (their ids are the same).
+  config.duplicate_window = 1s;
+  auto a = open_shard(dir.sub("a"), 7);
+  ASSERT_NE(a, nullptr);
+  Workload wa(51, 40);
+  ASSERT_EQ(wa.setup({a.get()}, nullptr), "");
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(wa.step({a.get()}, nullptr), "");
+  {
+    auto pa = start_publisher(a.get(), config);
+    ASSERT_NE(pa, nullptr);
+    ASSERT_TRUE(all_published(a.get(), *pa));
+    EXPECT_OK(pa->stop());
+  }
+  // The twin: a copy of the Db, opened beside it with the same shard id.
+  ASSERT_OK(a->close());
+  a.reset();
+  copy_dir(dir.sub("a"), dir.sub("b"));
+  a = open_shard(dir.sub("a"), 7);
+  auto b = open_shard(dir.sub("b"), 7);
+  ASSERT_TRUE(a && b);
+  const std::uint64_t shared = *a->last_change_seq();
+  ASSERT_EQ(a->stats().change_feed_trimmed_seq, shared);
+  ASSERT_EQ(b->stats().change_feed_trimmed_seq, shared);
+  // Both connect while the stream ends where both Dbs agree.
+  auto pa = start_publisher(a.get(), config);
+  auto pb = start_publisher(b.get(), config);
+  ASSERT_TRUE(pa && pb);
+  ASSERT_TRUE(eventually([&] { return pa->stats().connected && pb->stats().connected; }, 20s));
+  // A goes on and publishes; then, once the window forgot A's ids, B writes other batches.
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(wa.step({a.get()}, nullptr), "");
+  ASSERT_TRUE(all_published(a.get(), *pa));
+  std::this_thread::sleep_for(3s);
+  Workload wb(52, 40);
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(wb.step({b.get()}, nullptr), "");
+  ASSERT_OK(b->flush());
+  ASSERT_GT(*b->last_change_seq(), shared);
+  ASSERT_TRUE(eventually([&] { return pb->stats().halted; }, 20s)) << pb->stats().last_error;
+  Status sb = pb->stop();
+  EXPECT_EQ(sb.code(), StatusCode::Corruption) << sb.to_string();
+  for (const std::string& word : std::vector<std::string>{"shard 7", "stream TWIN", "seq " + std::to_string(shared + 1), "another writer",
+                                 "nothing trimmed"}) {
+    EXPECT_NE(sb.message().find(word), std::string::npos) << word << ": " << sb.to_string();
+  }
+  // Nothing of B's trimmed: its feed holds every batch after what both share.
+  EXPECT_EQ(b->stats().change_feed_trimmed_seq, shared);
+  EXPECT_EQ(b->read_changes(shared, std::size_t{1} << 30)->size(), *b->last_change_seq() - shared);
+  EXPECT_EQ(pb->stats().published_seq, shared);
+  // A keeps publishing, and a view of the stream is A, bit for bit: no batch
+  // of B's in it (it would be a batch of A's seq, skipped or mixed in).
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(wa.step({a.get()}, nullptr), "");
+  ASSERT_TRUE(all_published(a.get(), *pa));
+  EXPECT_FALSE(pa->stats().halted) << pa->stats().last_error;
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  ASSERT_TRUE(converge({a.get()}, *view, *f));
+  EXPECT_EQ(compare(*view, *a), "");
+  EXPECT_EQ(stream_messages(cluster, config.stream), *a->last_change_seq());
+  EXPECT_OK(pa->stop());
+}
+
+TEST(NatsFence, ARestoredDbStopsWhereTheStreamIsNoLongerAheadAndNeverTrims) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "RESTORE", 3);
+  auto db = open_shard(dir.sub("db"), 3);
+  ASSERT_NE(db, nullptr);
+  Workload w(61, 40);
+  ASSERT_EQ(w.setup({db.get()}, nullptr), "");
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(w.step({db.get()}, nullptr), "");
+  {
+    auto p = start_publisher(db.get(), config);
+    ASSERT_NE(p, nullptr);
+    ASSERT_TRUE(all_published(db.get(), *p));
+    EXPECT_OK(p->stop());
+  }
+  // The backup: a copy of the closed Db.
+  ASSERT_OK(db->close());
+  db.reset();
+  copy_dir(dir.sub("db"), dir.sub("backup"));
+  db = open_shard(dir.sub("db"), 3);
+  ASSERT_NE(db, nullptr);
+  for (int i = 0; i < 600; ++i) ASSERT_EQ(w.step({db.get()}, nullptr), "");
+  std::uint64_t stream_last = 0;
+  {
+    auto p = start_publisher(db.get(), config);
+    ASSERT_NE(p, nullptr);
+    ASSERT_TRUE(all_published(db.get(), *p));
+    EXPECT_OK(p->stop());
+    stream_last = *db->last_change_seq();
+  }
+  ASSERT_OK(db->close());
+  db.reset();
+
+  // The shard is restored from the backup: the stream is ahead of it.
+  auto restored = open_shard(dir.sub("backup"), 3);
+  ASSERT_NE(restored, nullptr);
+  const std::uint64_t trimmed = restored->stats().change_feed_trimmed_seq;
+  ASSERT_LT(*restored->last_change_seq(), stream_last);
+  auto refused = Publisher::start(restored.get(), config);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::InvalidArgument) << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("up to seq " + std::to_string(stream_last)), std::string::npos)
+      << refused.status().to_string();
+
+  // A Publisher started while the cluster is down, so that its refusal
+  // comes at a later attempt: meanwhile the restored Db takes new writes,
+  // a purge among them, until it has passed the stream's last seq.
+  cluster.kill_all();
+  auto p = start_publisher(restored.get(), config);
+  ASSERT_NE(p, nullptr);
+  Workload w2(62, 40);
+  for (int i = 0; *restored->last_change_seq() <= stream_last + 2; ++i) {
+    ASSERT_EQ(w2.step({restored.get()}, nullptr), "");
+    if (i == 100) {
+      (void)restored->leave_community_layer(5);  // left already: fine
+      auto receipt = restored->purge_community_contributions(5);
+      ASSERT_TRUE(receipt.ok()) << receipt.status().to_string();
+    }
+    if (i % 50 == 0) ASSERT_OK(restored->flush());
+  }
+  ASSERT_OK(restored->flush());
+  const std::string feed = feed_after(restored.get(), trimmed);
+  EXPECT_GT(p->stats().errors, 0u);
+  EXPECT_FALSE(p->stats().halted);
+  ASSERT_TRUE(cluster.start_all(60s)) << cluster.log_tail(0);
+  ASSERT_TRUE(eventually([&] { return p->stats().halted; }, 30s)) << p->stats().last_error;
+  Status st = p->stop();
+  EXPECT_EQ(st.code(), StatusCode::Corruption) << st.to_string();
+  for (const std::string& word : std::vector<std::string>{"shard 3", "stream RESTORE", "batch of seq " + std::to_string(stream_last),
+                                 "differs", "nothing trimmed"}) {
+    EXPECT_NE(st.message().find(word), std::string::npos) << word << ": " << st.to_string();
+  }
+  EXPECT_EQ(restored->stats().change_feed_trimmed_seq, trimmed);
+  EXPECT_EQ(feed_after(restored.get(), trimmed), feed);
+  // Started again later: the same refusal at once, still nothing trimmed.
+  auto again = Publisher::start(restored.get(), config);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::Corruption) << again.status().to_string();
+  EXPECT_EQ(restored->stats().change_feed_trimmed_seq, trimmed);
+  // The stream still holds the original shard's batches only.
+  EXPECT_EQ(stream_messages(cluster, config.stream), stream_last);
+}
+
 // ---- Convergence through the cluster, with a server SIGKILLed and a publisher stopped abruptly ----
 
 TEST(NatsCluster, ViewsConvergeBitForBitThroughServerKillAndPublisherRestart) {
