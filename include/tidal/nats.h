@@ -8,7 +8,8 @@
 // One stream (Config::stream) holds every shard's batches, one message per
 // ChangeBatch on subject "<subject_prefix>.<shard_id>". The message's data is
 // the batch's payload, unchanged (docs/FORMAT.md, "The change feed"); its
-// headers carry the shard and the seq, and its JetStream message id is
+// headers carry the shard, the seq and the feed's incarnation
+// (ChangeBatch::incarnation), and its JetStream message id is
 // "<shard>-<seq>" (docs/SCALE.md, "Messages"). Publishing is at least once
 // (JetStream de-duplicates within the stream's duplicate window) and fenced:
 // each publish expects the shard subject's last message to be the one this
@@ -147,7 +148,9 @@ struct FollowerStats {
 //    since (Corruption), unless the subject's last message is this very
 //    batch (a publish whose ack was lost);
 //  - a Duplicate ack names a stored message that is not this batch (same
-//    subject, shard, seq and payload): Corruption.
+//    subject, shard, seq, incarnation and payload): Corruption;
+//  - the stream's last batch of the shard is of another incarnation than
+//    the Db's feed (a Db re-created for the shard): Corruption.
 class Publisher {
  public:
   // Checks the config and the Db, then starts the thread. InvalidArgument

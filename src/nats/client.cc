@@ -110,6 +110,10 @@ Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config) {
                               config.stream + " says shard " + std::to_string(batch.shard_id) +
                               ", which publishes on " + subject_of(config, batch.shard_id));
   }
+  const char* incarnation = nullptr;
+  if (natsMsgHeader_Get(msg, kIncarnationHeader, &incarnation) == NATS_OK && incarnation != nullptr) {
+    batch.incarnation = incarnation;
+  }
   const int len = natsMsg_GetDataLength(msg);
   if (len > 0) batch.payload.assign(natsMsg_GetData(msg), static_cast<std::size_t>(len));
   return batch;

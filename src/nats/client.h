@@ -25,6 +25,8 @@ namespace tidal::nats::internal {
 // Message headers carrying a batch's shard and seq (docs/SCALE.md, "Messages").
 inline constexpr const char* kShardHeader = "Tidal-Shard";
 inline constexpr const char* kSeqHeader = "Tidal-Seq";
+// The feed's incarnation (ChangeBatch::incarnation); absent when unknown.
+inline constexpr const char* kIncarnationHeader = "Tidal-Incarnation";
 
 // InvalidArgument naming the field for a config no cluster could serve.
 Status check_config(const Config& config);
@@ -33,8 +35,9 @@ Status check_config(const Config& config);
 std::string subject_of(const Config& config, std::uint64_t shard);
 std::string msg_id_of(std::uint64_t shard, std::uint64_t seq);
 
-// A message's batch: shard and seq from its headers (checked against the
-// subject), the payload from its data. Corruption saying why otherwise.
+// A message's batch: shard, seq and incarnation (if any) from its headers
+// (checked against the subject), the payload from its data. Corruption
+// saying why otherwise.
 Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config);
 
 // "<status text>: <the client's last error>" for the calling thread.

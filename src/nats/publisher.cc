@@ -307,6 +307,16 @@ class Publisher::Impl {
           " (another Db with the same shard_id, or a Db restored from an older copy): views would skip its new "
           "batches as already applied; publisher stopped, nothing trimmed"));
     }
+    if (stored && !stored->incarnation.empty() && !st.change_feed_incarnation.empty() &&
+        stored->incarnation != st.change_feed_incarnation) {
+      return halt(Status::Corruption(
+          where(conn) + ": the stream's last batch of this shard (seq " + std::to_string(in_stream) + ", stream seq " +
+          std::to_string(at.subject_seq) + ") is of incarnation " + stored->incarnation +
+          ", the Db's feed is incarnation " + st.change_feed_incarnation +
+          " (seq " + std::to_string(st.change_feed_last_seq) +
+          "): another Db published this shard (a Db re-created or restored for it, or a twin); views would refuse "
+          "or skip this Db's batches: publisher stopped, nothing trimmed"));
+    }
     if (in_stream > st.change_feed_trimmed_seq) {
       // The Db still holds the batch the stream has last: they must be the same.
       Result<std::vector<ChangeBatch>> mine = db_->read_changes(in_stream - 1, 1);
@@ -348,6 +358,9 @@ class Publisher::Impl {
     const std::string id = internal::msg_id_of(b.shard_id, b.seq);
     if (ns == NATS_OK) ns = natsMsgHeader_Set(msg, internal::kShardHeader, shard.c_str());
     if (ns == NATS_OK) ns = natsMsgHeader_Set(msg, internal::kSeqHeader, seq.c_str());
+    if (ns == NATS_OK && !b.incarnation.empty()) {
+      ns = natsMsgHeader_Set(msg, internal::kIncarnationHeader, b.incarnation.c_str());
+    }
     jsPubOptions po;
     jsPubOptions_Init(&po);
     po.MsgId = id.c_str();
@@ -411,7 +424,7 @@ class Publisher::Impl {
     Result<ChangeBatch> stored = stored_batch(conn, at, &subject);
     if (!stored.ok() && stored.status().code() == StatusCode::IOError) return stored.status();
     if (stored.ok() && subject == subject_ && stored->shard_id == b.shard_id && stored->seq == b.seq &&
-        stored->payload == b.payload) {
+        stored->incarnation == b.incarnation && stored->payload == b.payload) {
       return Status::OK();
     }
     return halt(Status::Corruption(
@@ -440,7 +453,8 @@ class Publisher::Impl {
     const std::uint64_t last_at = natsMsg_GetSequence(m);
     Result<ChangeBatch> last = internal::batch_of(m, config_);
     natsMsg_Destroy(m);
-    if (last.ok() && last->seq == b.seq && last->payload == b.payload && last_at > *subject_seq) {
+    if (last.ok() && last->seq == b.seq && last->incarnation == b.incarnation && last->payload == b.payload &&
+        last_at > *subject_seq) {
       *subject_seq = last_at;
       return Status::OK();
     }

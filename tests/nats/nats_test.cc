@@ -639,6 +639,73 @@ TEST(NatsFence, ARestoredDbStopsWhereTheStreamIsNoLongerAheadAndNeverTrims) {
   EXPECT_EQ(stream_messages(cluster, config.stream), stream_last);
 }
 
+// A batch of another incarnation of shard 9 (a Db re-created for it) in the
+// stream: the view refuses it, naming both incarnations, and the shard's
+// own Publisher stops at its next connection.
+TEST(NatsFence, ABatchOfAnotherIncarnationIsRefusedByTheViewAndStopsThePublisher) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "INCARN", 1);
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  const std::string mine = db->stats().change_feed_incarnation;
+  ASSERT_EQ(mine.size(), 32u);
+  for (std::uint64_t k = 1; k <= 3; ++k) {
+    ASSERT_OK(db->join_community(k, 1));
+    ASSERT_TRUE(db->signal_with_context({k, k, 1.5}, {{2}}).ok());
+    ASSERT_OK(db->flush());
+  }
+  auto batches = db->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok());
+  const ChangeBatch last = batches->back();
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  {
+    auto p = start_publisher(db.get(), config);
+    ASSERT_NE(p, nullptr);
+    ASSERT_TRUE(all_published(db.get(), *p));
+    EXPECT_OK(p->stop());
+  }
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == last.seq; }, 20s)) << f->stats().last_error;
+  // Every message carries the feed's incarnation.
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  natsMsg* m = nullptr;
+  ASSERT_EQ(js_GetLastMsg(&m, js.js(), "INCARN", "tidal.INCARN.9", nullptr, nullptr), NATS_OK);
+  const char* header = nullptr;
+  ASSERT_EQ(natsMsgHeader_Get(m, "Tidal-Incarnation", &header), NATS_OK);
+  EXPECT_EQ(std::string(header), mine);
+  natsMsg_Destroy(m);
+  // Another Db's batch seq last + 1 of shard 9 (payload of a real batch).
+  const std::string theirs(32, 'e');
+  ASSERT_EQ(natsMsg_Create(&m, "tidal.INCARN.9", nullptr, last.payload.data(), static_cast<int>(last.payload.size())),
+            NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(last.seq + 1).c_str()), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation", theirs.c_str()), NATS_OK);
+  ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, nullptr, nullptr), NATS_OK);
+  natsMsg_Destroy(m);
+  ASSERT_TRUE(eventually([&] { return f->stats().gaps >= 1; }, 20s)) << f->stats().last_error;
+  const std::string why = f->stats().last_error;
+  for (const std::string& word : {std::string("incarnation"), mine, theirs, std::string("shard 9")}) {
+    EXPECT_NE(why.find(word), std::string::npos) << word << ": " << why;
+  }
+  EXPECT_EQ(*view->applied_seq(9), last.seq);
+  EXPECT_EQ(compare(*view, *db), "");
+  // The shard's own Publisher, started again, finds the other incarnation last.
+  ASSERT_TRUE(db->signal_with_context({1, 4, 1.0}, {{2}}).ok());
+  ASSERT_OK(db->flush());
+  const std::uint64_t trimmed = db->stats().change_feed_trimmed_seq;
+  auto p = Publisher::start(db.get(), config);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::Corruption) << p.status().to_string();
+  EXPECT_NE(p.status().message().find("incarnation " + theirs), std::string::npos) << p.status().to_string();
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, trimmed);
+  EXPECT_OK(f->stop());
+}
+
 // ---- Convergence through the cluster, with a server SIGKILLed and a publisher stopped abruptly ----
 
 TEST(NatsCluster, ViewsConvergeBitForBitThroughServerKillAndPublisherRestart) {
