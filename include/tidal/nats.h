@@ -114,13 +114,14 @@ struct FollowerStats {
   std::vector<ShardProgress> applied;    // the view's applied seq of every shard it has seen
   std::uint64_t applied_batches = 0;     // messages applied since start
   std::uint64_t redeliveries_skipped = 0;  // messages the view had applied already (acked, nothing changed)
-  std::uint64_t gaps = 0;                // messages refused as a gap (not acked, delivered again later)
+  std::uint64_t gaps = 0;                // messages refused (a gap, another incarnation, undecodable): not acked, delivered again later
   std::uint64_t errors = 0;              // failed attempts (connect, consumer, fetch, apply), each retried
   std::uint64_t lag_messages = 0;        // stream messages not yet delivered to this consumer
   std::uint64_t connects = 0;            // connections made
   bool connected = false;                // connected now, with the consumer bound
   bool stalled_on_gap = false;           // the last message seen was a gap: the view waits for the missing batch
-  std::string last_error;                // the most recent failure (a gap names the shard and both seqs); empty if none
+  std::string last_error;                // the most recent failure (a gap names the shard and both seqs, another
+                                         // incarnation both incarnations too); empty if none
   // Where a follower's time goes (cumulative since start):
   std::uint64_t view_writes = 0;         // GlobalView::apply calls: one fsynced write each, for a run of messages
   std::uint64_t apply_micros = 0;        // time spent in those calls
@@ -198,7 +199,8 @@ class Publisher {
 // waits for one message, then takes whatever else is ready (up to
 // fetch_batch) and applies the run in one GlobalView::apply of a span (one
 // fsynced write), acking each message once that write returned. A
-// message the view applied already is acked (exactly once); a gap is not
+// message the view applied already is acked (exactly once); a gap (or a
+// batch of another incarnation than the view applied for its shard) is not
 // acked, is reported (stats) and is delivered again later: never skipped.
 // The consumer, created when missing, delivers the whole stream from its
 // start with explicit acks, so a new view (empty, or opened from another
