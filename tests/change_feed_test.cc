@@ -22,6 +22,7 @@
 #include "feed_util.h"
 #include "raw_db.h"
 #include "storage/feed_format.h"
+#include "storage/format.h"
 #include "storage/state_format.h"
 #include "test_util.h"
 #include "tidal/db.h"
@@ -213,6 +214,90 @@ TEST(ChangeFeed, TheShardIdIsFixedAndAFeedDbMustBeOpenedWithTheFeed) {
   EXPECT_EQ(plain->read_changes(0, 10).status().code(), StatusCode::InvalidArgument);
   EXPECT_EQ(plain->last_change_seq().status().code(), StatusCode::InvalidArgument);
   EXPECT_EQ(plain->trim_changes(1).code(), StatusCode::InvalidArgument);
+}
+
+// Deletes the feed's incarnation record from the (closed) Db at `path`: a
+// feed made before incarnations.
+void drop_incarnation(const std::string& path) {
+  const std::string dir = state_engine_dir(path);
+  std::vector<std::string> names;
+  ASSERT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), dir, &names).ok());
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+  for (const std::string& name : names) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::DBOptions o;
+  rocksdb::Options opts(o, rocksdb::ColumnFamilyOptions());
+  opts.disable_auto_compactions = true;
+  opts.avoid_flush_during_shutdown = true;
+  rocksdb::Status s = rocksdb::DB::Open(rocksdb::DBOptions(opts), dir, cfs, &handles, &raw);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  std::unique_ptr<rocksdb::DB> db(raw);
+  std::string value;
+  ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), handles[0], kFeedIncarnationKey, &value).ok());
+  EXPECT_EQ(value.size(), 16u);
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  ASSERT_TRUE(db->Delete(wo, handles[0], kFeedIncarnationKey).ok());
+  for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
+}
+
+// Issue 27: every feed has a random 128-bit incarnation, fixed when it is
+// created, carried by every batch; a feed made before incarnations gets one
+// at its next writable open.
+TEST(ChangeFeed, EveryFeedHasItsOwnIncarnationFixedAtCreationAndCarriedByEveryBatch) {
+  TempDir dir, other_dir;
+  std::string incarnation;
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    incarnation = db->stats().change_feed_incarnation;
+    ASSERT_EQ(incarnation.size(), 32u);
+    EXPECT_EQ(incarnation.find_first_not_of("0123456789abcdef"), std::string::npos) << incarnation;
+    ASSERT_OK(db->signal_with_context({1, 1, 1.0}, {{2}}));
+    ASSERT_OK(db->flush());
+    Result<std::vector<ChangeBatch>> batches = db->read_changes(0, 1 << 20);
+    ASSERT_TRUE(batches.ok());
+    ASSERT_FALSE(batches->empty());
+    for (const ChangeBatch& b : *batches) EXPECT_EQ(b.incarnation, incarnation) << b.seq;
+    ASSERT_OK(db->close());
+  }
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    EXPECT_EQ(db->stats().change_feed_incarnation, incarnation);  // fixed
+    ASSERT_OK(db->close());
+  }
+  {
+    auto other = open_db(other_dir.path(), feed_options(4));  // a Db re-created for the same shard
+    ASSERT_NE(other, nullptr);
+    EXPECT_EQ(other->stats().change_feed_incarnation.size(), 32u);
+    EXPECT_NE(other->stats().change_feed_incarnation, incarnation);
+  }
+  // A feed without one (made before incarnations): unknown read-only, a new
+  // one at the next writable open, kept from then on.
+  drop_incarnation(dir.path());
+  {
+    Options ro;
+    ro.read_only = true;
+    auto reader = open_db(dir.path(), ro);
+    ASSERT_NE(reader, nullptr);
+    EXPECT_EQ(reader->stats().change_feed_incarnation, "");
+    EXPECT_EQ(reader->read_changes(0, 1 << 20)->front().incarnation, "");
+  }
+  std::string given;
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    given = db->stats().change_feed_incarnation;
+    EXPECT_EQ(given.size(), 32u);
+    EXPECT_NE(given, incarnation);
+    EXPECT_EQ(db->read_changes(0, 1 << 20)->front().incarnation, given);
+    ASSERT_OK(db->close());
+  }
+  auto db = open_db(dir.path(), feed_options(4));
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(db->stats().change_feed_incarnation, given);
 }
 
 TEST(ChangeFeed, TurningTheFeedOnSeedsItWithTheSharedAggregatesSoAViewFromSeqOneIsComplete) {

@@ -72,7 +72,7 @@ std::string payload_of(const std::vector<Delta>& deltas, FeedOrigin origin = Fee
 
 ChangeBatch batch(std::uint64_t shard, std::uint64_t seq, const std::vector<Delta>& deltas,
                   FeedOrigin origin = FeedOrigin::Writer) {
-  return {shard, seq, payload_of(deltas, origin)};
+  return {shard, seq, payload_of(deltas, origin), {}};
 }
 
 std::unique_ptr<GlobalView> open_view(const std::string& path, const GlobalViewOptions& options = {}) {
@@ -328,7 +328,7 @@ TEST(GlobalView, ARefusalInTheMiddleOfARunAppliesTheBatchesBeforeItAndNoneAfter)
   const std::vector<Case> cases = {
       {"a gap", batch(1, 4, {cohort(1, 1, weight(100.0))}), StatusCode::Corruption,
        "gap: shard 1 has applied through 2; batch seq 4"},
-      {"an undecodable payload", {1, 3, "not a payload"}, StatusCode::Corruption, "does not decode"},
+      {"an undecodable payload", {1, 3, "not a payload", {}}, StatusCode::Corruption, "does not decode"},
       {"seq 0", batch(2, 0, {cohort(1, 1, weight(100.0))}), StatusCode::InvalidArgument, "seqs start at 1"},
   };
   for (const Case& c : cases) {
@@ -420,7 +420,7 @@ TEST(GlobalView, AnUndecodablePayloadIsCorruptionWithNothingChanged) {
     // Refused at the next seq, and at an applied one too: the payload is
     // checked before the seq.
     for (std::uint64_t seq : {2u, 1u}) {
-      Result<bool> r = view->apply({1, seq, payload});
+      Result<bool> r = view->apply({1, seq, payload, {}});
       ASSERT_FALSE(r.ok());
       EXPECT_EQ(r.status().code(), StatusCode::Corruption);
       expect_has(r.status(), "shard 1 seq " + std::to_string(seq));
@@ -431,11 +431,11 @@ TEST(GlobalView, AnUndecodablePayloadIsCorruptionWithNothingChanged) {
     EXPECT_EQ(value_of(view->cohort_score(1, 2)), 0.0);
   }
   // The decoder's own words name the fault.
-  Result<bool> r = view->apply({1, 2, bad_version});
+  Result<bool> r = view->apply({1, 2, bad_version, {}});
   expect_has(r.status(), "payload version 2, expected 1");
-  r = view->apply({1, 2, payload_of({cohort(1, 2, weight(3.0)), cohort(1, 1, weight(2.0))})});
+  r = view->apply({1, 2, payload_of({cohort(1, 2, weight(3.0)), cohort(1, 1, weight(2.0))}), {}});
   expect_has(r.status(), "is not above the entry before it");
-  EXPECT_TRUE(applied(*view, {1, 2, good}));
+  EXPECT_TRUE(applied(*view, {1, 2, good, {}}));
   EXPECT_EQ(value_of(view->cohort_score(1, 1)), 3.0);
   EXPECT_EQ(value_of(view->cohort_score(1, 2)), 3.0);
 }
@@ -761,18 +761,18 @@ TEST(GlobalViewFormat, AViewOfAnotherFormatOrWithoutItsMarkIsRefused) {
     ASSERT_NE(view, nullptr);
     ASSERT_OK(view->close());
     RawView raw(dir.sub("v2"));
-    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), kViewFormatKey, "2").ok());
+    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), kViewFormatKey, "3").ok());
   }
   Result<std::unique_ptr<GlobalView>> v = GlobalView::open(dir.sub("v2"));
   ASSERT_FALSE(v.ok());
   EXPECT_EQ(v.status().code(), StatusCode::InvalidArgument);
-  expect_has(v.status(), "view_format is '2'");
+  expect_has(v.status(), "view_format is '3'");
   expect_has(v.status(), dir.sub("v2"));
 
   // The view's column families and records, but no mark: not written by tidal.
   {
     RawView raw(dir.sub("unmarked"));
-    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), encode_applied_key(1), encode_applied_seq(1)).ok());
+    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), encode_applied_key(1), encode_applied({1, ""})).ok());
   }
   v = GlobalView::open(dir.sub("unmarked"));
   ASSERT_FALSE(v.ok());
@@ -788,7 +788,84 @@ TEST(GlobalViewFormat, AViewOfAnotherFormatOrWithoutItsMarkIsRefused) {
   RawView raw(dir.sub("cut-short"));
   std::string mark;
   ASSERT_TRUE(raw.db->Get(rocksdb::ReadOptions(), raw.meta(), kViewFormatKey, &mark).ok());
-  EXPECT_EQ(mark, "1");
+  EXPECT_EQ(mark, "2");
+}
+
+// Issue 27: a view stores the incarnation of each shard's feed beside its
+// applied seq and refuses a batch of another incarnation, at any seq (one
+// at an applied seq would otherwise be skipped as a redelivery).
+TEST(GlobalView, ABatchOfAnotherIncarnationIsCorruptionNamingShardIncarnationsAndSeqs) {
+  TempDir dir;
+  const std::string a(32, 'a'), b = "0123456789abcdef0123456789abcdef";
+  auto with = [](ChangeBatch x, const std::string& inc) {
+    x.incarnation = inc;
+    return x;
+  };
+  {
+    auto view = open_view(dir.path());
+    ASSERT_NE(view, nullptr);
+    ASSERT_TRUE(applied(*view, with(batch(3, 1, {cohort(1, 1, weight(1.0))}), a)));
+    ASSERT_TRUE(applied(*view, with(batch(3, 2, {cohort(1, 1, weight(2.0))}), a)));
+    ASSERT_TRUE(applied(*view, batch(4, 1, {cohort(1, 1, weight(4.0))})));  // no incarnation: not checked
+    ASSERT_OK(view->close());
+  }
+  auto view = open_view(dir.path());  // stored with the seq
+  ASSERT_NE(view, nullptr);
+  for (std::uint64_t seq : {1u, 2u, 3u}) {
+    Result<bool> r = view->apply(with(batch(3, seq, {cohort(1, 1, weight(8.0))}), b));
+    ASSERT_FALSE(r.ok()) << "seq " << seq;
+    EXPECT_EQ(r.status().code(), StatusCode::Corruption);
+    for (const std::string& word : {std::string("shard 3"), a, b, std::string("through seq 2"),
+                                    "batch seq " + std::to_string(seq)}) {
+      expect_has(r.status(), word);
+    }
+  }
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 7.0);
+  EXPECT_EQ(*view->applied_seq(3), 2u);
+  // In a run: the batches before it applied, it and those after it not.
+  std::vector<ChangeBatch> run = {with(batch(3, 3, {cohort(1, 1, weight(16.0))}), a),
+                                  with(batch(3, 4, {cohort(1, 1, weight(32.0))}), b),
+                                  with(batch(3, 4, {cohort(1, 1, weight(64.0))}), a)};
+  Result<ApplyOutcome> out = view->apply(std::span<const ChangeBatch>(run));
+  ASSERT_TRUE(out.ok());
+  EXPECT_EQ(out->taken, 1u);
+  EXPECT_EQ(out->refused.code(), StatusCode::Corruption);
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 23.0);
+  // A batch without an incarnation is taken; a shard first applied without
+  // one keeps the first incarnation it sees.
+  EXPECT_TRUE(applied(*view, batch(3, 4, {cohort(1, 1, weight(1.0))})));
+  EXPECT_TRUE(applied(*view, with(batch(4, 2, {cohort(1, 1, weight(1.0))}), b)));
+  EXPECT_FALSE(view->apply(with(batch(4, 3, {cohort(1, 1, weight(1.0))}), a)).ok());
+  auto shards = view->applied_shards();
+  ASSERT_TRUE(shards.ok());
+  ASSERT_EQ(shards->size(), 2u);
+  EXPECT_EQ((*shards)[0].incarnation, a);
+  EXPECT_EQ((*shards)[1].incarnation, b);
+  // Not 32 lowercase hex digits: refused.
+  EXPECT_EQ(view->apply(with(batch(5, 1, {cohort(1, 1, weight(1.0))}), "xyz")).status().code(),
+            StatusCode::Corruption);
+}
+
+TEST(GlobalViewFormat, AViewOfFormatOneOpensAndIsMarkedTwo) {
+  TempDir dir;
+  {
+    auto view = open_view(dir.path());
+    ASSERT_NE(view, nullptr);
+    ASSERT_TRUE(applied(*view, batch(1, 1, {cohort(1, 1, weight(1.0))})));
+    ASSERT_OK(view->close());
+    RawView raw(dir.path());
+    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), kViewFormatKey, "1").ok());
+  }
+  {
+    auto view = open_view(dir.path());
+    ASSERT_NE(view, nullptr);
+    EXPECT_EQ(*view->applied_seq(1), 1u);
+    ASSERT_OK(view->close());
+  }
+  RawView raw(dir.path());
+  std::string mark;
+  ASSERT_TRUE(raw.db->Get(rocksdb::ReadOptions(), raw.meta(), kViewFormatKey, &mark).ok());
+  EXPECT_EQ(mark, "2");
 }
 
 // The converse: a writable Db::open on a view's directory would add tidal's

@@ -17,6 +17,11 @@ struct ChangeBatch {
   std::uint64_t shard_id = 0;
   std::uint64_t seq = 0;  // 1, 2, 3, ... per shard: never a gap, never reused
   std::string payload;    // at most kMaxChangePayloadBytes
+  // The feed's incarnation: 32 lowercase hex digits (128 random bits), fixed
+  // when the Db's feed was created; a Db re-created for a shard has another.
+  // A GlobalView refuses a batch of another incarnation than the one it
+  // applied for the shard. Empty: unknown (a batch of an older writer).
+  std::string incarnation;
 };
 
 // The largest payload of one batch: a larger write becomes several

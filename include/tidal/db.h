@@ -242,6 +242,7 @@ struct Stats {
   std::uint64_t change_feed_last_seq = 0;       // the last batch written
   std::uint64_t change_feed_trimmed_seq = 0;    // trimmed through this seq
   std::uint64_t change_feed_pending_bytes = 0;  // payload bytes of the untrimmed batches
+  std::string change_feed_incarnation;          // 32 hex digits, fixed when the feed was created
 };
 
 // What the gate held back for one user since their last leave (in memory only).

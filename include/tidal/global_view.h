@@ -56,6 +56,7 @@ struct GlobalViewOptions {
 struct ShardProgress {
   std::uint64_t shard_id = 0;
   std::uint64_t applied_seq = 0;  // the seq of the last batch applied
+  std::string incarnation;        // the incarnation of the shard's feed it came from (empty: not known)
 };
 
 // What GlobalView::apply(std::span<const ChangeBatch>) did with a run of
@@ -68,8 +69,9 @@ struct ApplyOutcome {
   // How many of the `taken` batches were applied (the others were skipped).
   std::size_t applied = 0;
   // OK when taken == the span's size. Otherwise why batches[taken] was
-  // refused, exactly as apply(batch) refuses it: Corruption for a gap or a
-  // payload that does not decode, InvalidArgument for seq 0.
+  // refused, exactly as apply(batch) refuses it: Corruption for a gap, a
+  // payload that does not decode or another incarnation, InvalidArgument
+  // for seq 0.
   Status refused;
 };
 
@@ -108,6 +110,12 @@ class GlobalView {
   //     payload that does not decode (the message names the shard, the seq
   //     and why), checked before the seq is compared (so also at a seq
   //     already applied);
+  //   - Corruption, nothing changed: batch.incarnation is not the one the
+  //     view applied for the shard (both known, the shard applied at least
+  //     once; the message names the shard, both incarnations and both seqs),
+  //     also at a seq already applied: another Db published the shard, which
+  //     must be re-seeded. A batch with an empty incarnation is not checked;
+  //     the first known one is stored with the shard's applied seq;
   //   - InvalidArgument, nothing changed: batch.seq == 0, or a read-only view;
   //   - another error of the write: the batch may or may not be stored (a
   //     failed fsync may still have reached the disk); applied_seq tells,

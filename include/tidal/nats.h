@@ -8,12 +8,16 @@
 // One stream (Config::stream) holds every shard's batches, one message per
 // ChangeBatch on subject "<subject_prefix>.<shard_id>". The message's data is
 // the batch's payload, unchanged (docs/FORMAT.md, "The change feed"); its
-// headers carry the shard and the seq, and its JetStream message id is
+// headers carry the shard, the seq and the feed's incarnation
+// (ChangeBatch::incarnation), and its JetStream message id is
 // "<shard>-<seq>" (docs/SCALE.md, "Messages"). Publishing is at least once
-// (JetStream de-duplicates within the stream's duplicate window), applying is
-// exactly once (the view skips a seq it has applied), a gap is reported and
-// never skipped. The guarantees and their tests: docs/CONTRACT.md
-// ("NATS JetStream").
+// (JetStream de-duplicates within the stream's duplicate window) and fenced:
+// each publish expects the shard subject's last message to be the one this
+// Publisher knows of, so a second writer for a shard (a twin Db with the
+// same shard_id, a Db restored from an older copy) stops with an error
+// instead of interleaving. Applying is exactly once (the view skips a seq it
+// has applied), a gap is reported and never skipped. The guarantees and
+// their tests: docs/CONTRACT.md ("NATS JetStream").
 //
 // Thread safety: start, stop and stats may be called from any thread; each
 // Publisher and Follower runs one background thread of its own.
@@ -42,11 +46,30 @@ struct Config {
   // Shard s publishes on <subject_prefix>.<s>; the stream's subjects must
   // include <subject_prefix>.* . Default: tidal.changes.
   std::string subject_prefix = "tidal.changes";
-  // Replicas of the stream when the Publisher creates it (1 to 5; 3 for a
-  // stream that survives the loss of a server). Default: 1.
-  int replicas = 1;
+  // Replicas of the stream when the Publisher creates it (1 to 5), and the
+  // fewest an existing stream may have: a Publisher refuses a stream with
+  // fewer. 3 survive the loss of a server (a cluster of fewer than 3 servers
+  // needs replicas set to its size). Default: 3.
+  int replicas = 3;
 
   // -- Beyond the pinned fields --
+  // The stream the Publisher creates: limits retention, file storage,
+  // discard-new (a full stream refuses a publish, the Publisher retries and
+  // the Db keeps the batch; it never drops a stored one), no per-subject
+  // limit, and these limits (docs/SCALE.md, "Stream settings"):
+  // JetStream's de-duplication window for message ids (at most
+  // stream_max_age when that is set). Default: 2 min.
+  std::chrono::milliseconds duplicate_window{120000};
+  // Bytes the stream may hold; 0 = unlimited. A full stream refuses new
+  // batches until older ones expire or an operator raises the limit.
+  // Default: 0.
+  std::int64_t stream_max_bytes = 0;
+  // Age after which the stream deletes a batch (whatever the discard
+  // policy: a view further behind than this finds a gap, reported, and
+  // joins from a newer checkpoint); 0 = never. An existing stream with a
+  // max_age below this (or any max_age when this is 0) is refused.
+  // Default: 0.
+  std::chrono::seconds stream_max_age{0};
   // Longest wait for one request to the cluster (a publish's ack, a stream
   // lookup, a connect); also the bound of stop(). Default: 5 s.
   std::chrono::milliseconds request_timeout{5000};
@@ -82,6 +105,7 @@ struct PublisherStats {
   std::uint64_t errors = 0;             // failed attempts (connect, stream check, publish, trim), each retried
   std::uint64_t connects = 0;           // connections made
   bool connected = false;               // connected now, with the stream checked
+  bool halted = false;                  // stopped for good by a fence (last_error and stop() say why)
   std::string last_error;               // the most recent failure, naming the server and the stream; empty if none
 };
 
@@ -90,13 +114,14 @@ struct FollowerStats {
   std::vector<ShardProgress> applied;    // the view's applied seq of every shard it has seen
   std::uint64_t applied_batches = 0;     // messages applied since start
   std::uint64_t redeliveries_skipped = 0;  // messages the view had applied already (acked, nothing changed)
-  std::uint64_t gaps = 0;                // messages refused as a gap (not acked, delivered again later)
+  std::uint64_t gaps = 0;                // messages refused (a gap, another incarnation, undecodable): not acked, delivered again later
   std::uint64_t errors = 0;              // failed attempts (connect, consumer, fetch, apply), each retried
   std::uint64_t lag_messages = 0;        // stream messages not yet delivered to this consumer
   std::uint64_t connects = 0;            // connections made
   bool connected = false;                // connected now, with the consumer bound
   bool stalled_on_gap = false;           // the last message seen was a gap: the view waits for the missing batch
-  std::string last_error;                // the most recent failure (a gap names the shard and both seqs); empty if none
+  std::string last_error;                // the most recent failure (a gap names the shard and both seqs, another
+                                         // incarnation both incarnations too); empty if none
   // Where a follower's time goes (cumulative since start):
   std::uint64_t view_writes = 0;         // GlobalView::apply calls: one fsynced write each, for a run of messages
   std::uint64_t apply_micros = 0;        // time spent in those calls
@@ -110,25 +135,50 @@ struct FollowerStats {
 // server, lost connection, leader change, timeout) it waits (bounded
 // backoff) and resumes from the first batch not acknowledged; the Db keeps
 // every batch meanwhile (up to Options::change_feed_max_bytes).
+//
+// Fencing (docs/SCALE.md, "Fencing"): on every connection the Publisher
+// reads the last message of the shard's subject; each publish carries
+// Nats-Expected-Last-Subject-Sequence (that message's stream sequence, then
+// each ack's) and the message id. It stops for good (stats().halted,
+// last_error, stop() returns the error), never trimming, when the stream
+// and the Db disagree about the shard:
+//  - the stream holds a seq of this shard the Db never wrote
+//    (InvalidArgument), or its batch of the last seq differs from the Db's
+//    (Corruption): a Db restored from an older copy, or a twin;
+//  - a publish is refused because another writer published on the subject
+//    since (Corruption), unless the subject's last message is this very
+//    batch (a publish whose ack was lost);
+//  - a Duplicate ack names a stored message that is not this batch (same
+//    subject, shard, seq, incarnation and payload): Corruption;
+//  - the stream's last batch of the shard is of another incarnation than
+//    the Db's feed (a Db re-created for the shard): Corruption.
 class Publisher {
  public:
   // Checks the config and the Db, then starts the thread. InvalidArgument
   // for a null Db, a Db without a change feed, empty servers/stream/prefix,
   // replicas outside 1..5, a non-positive timeout or bound. It makes one
-  // first attempt before returning (at most request_timeout): when the
-  // cluster answers and the stream exists with subjects that do not include
-  // <subject_prefix>.*, another storage than file, or work-queue retention,
-  // or holds more of this shard than the Db ever wrote, it returns
-  // InvalidArgument naming the server and the stream. An unreachable
-  // cluster is not an error: the thread keeps trying (stats().last_error).
+  // first attempt before returning (at most request_timeout). A missing
+  // stream is created (limits retention, file storage, discard-new,
+  // Config::replicas, duplicate_window, stream_max_bytes, stream_max_age,
+  // no per-subject limit). An existing stream is checked on every
+  // connection: when its subjects do not include <subject_prefix>.*, or it
+  // could drop a batch it acknowledged (memory storage, interest or
+  // work-queue retention, discard-old with any of max_msgs, max_bytes,
+  // max_age, max_msgs_per_subject, a max_msgs_per_subject, a max_age the
+  // config does not allow, fewer replicas than Config::replicas), or holds
+  // more of this shard than the Db ever wrote, it returns InvalidArgument
+  // naming the server, the stream and the setting; a fence found at that
+  // first attempt (below) is returned too. An unreachable cluster is not an
+  // error: the thread keeps trying (stats().last_error).
   // `db` must outlive the Publisher.
   static Result<std::unique_ptr<Publisher>> start(Db* db, const Config& config);
 
   // Stops the thread: returns within about request_timeout (at once when
   // idle; a publish in flight is abandoned by closing the connection, and
   // is sent again by the next Publisher, which JetStream de-duplicates).
-  // Idempotent. Returns the last error when the publisher stopped while
-  // failing, OK otherwise; the Db is left open.
+  // Idempotent. Returns the error that halted the publisher (a fence, see
+  // above), OK otherwise (transient failures are in stats().last_error);
+  // the Db is left open.
   Status stop();
 
   PublisherStats stats() const;
@@ -149,7 +199,8 @@ class Publisher {
 // waits for one message, then takes whatever else is ready (up to
 // fetch_batch) and applies the run in one GlobalView::apply of a span (one
 // fsynced write), acking each message once that write returned. A
-// message the view applied already is acked (exactly once); a gap is not
+// message the view applied already is acked (exactly once); a gap (or a
+// batch of another incarnation than the view applied for its shard) is not
 // acked, is reported (stats) and is delivered again later: never skipped.
 // The consumer, created when missing, delivers the whole stream from its
 // start with explicit acks, so a new view (empty, or opened from another

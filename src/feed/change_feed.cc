@@ -1,8 +1,37 @@
 #include "feed/change_feed.h"
 
 #include <algorithm>
+#include <random>
+#include <string_view>
 
 namespace tidal {
+
+namespace {
+
+// 16 random bytes from the OS's random source.
+std::string new_incarnation() {
+  std::random_device rd;
+  std::string out;
+  while (out.size() < kIncarnationBytes) {
+    const std::uint32_t r = rd();
+    for (int i = 0; i < 4 && out.size() < kIncarnationBytes; ++i) out.push_back(static_cast<char>((r >> (8 * i)) & 0xff));
+  }
+  return out;
+}
+
+// Lowercase hex of raw bytes.
+std::string hex_digits(std::string_view bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  for (char ch : bytes) {
+    const auto c = static_cast<unsigned char>(ch);
+    out.push_back(kDigits[c >> 4]);
+    out.push_back(kDigits[c & 15]);
+  }
+  return out;
+}
+
+}  // namespace
 namespace {
 
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
@@ -60,6 +89,7 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   std::unique_ptr<ChangeFeed> feed(new ChangeFeed(storage, shard_id, max_bytes));
   if (*stored) {
     if (Status s = feed->load(); !s.ok()) return s;
+    if (Status s = feed->load_incarnation(); !s.ok()) return s;
     return feed;
   }
   // First open with the feed: create it and seed it with every shared
@@ -86,10 +116,39 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   it.reset();
   Result<Appended> appended = seed.finish();
   if (!appended.ok()) return appended.status();
+  // In key order (an ingested file's): "feed_incarnation" < "feed_shard_id".
+  const std::string incarnation = new_incarnation();
+  if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
+    return s;
+  }
   if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedShardKey, be64(shard_id)), what); !s.ok()) return s;
   if (Status s = batch.ingest(what); !s.ok()) return s;
+  feed->incarnation_ = hex_digits(incarnation);
   feed->committed(*appended);
   return feed;
+}
+
+Status ChangeFeed::load_incarnation() {
+  std::string value;
+  Status s = storage_->get(storage_->state_meta(), kFeedIncarnationKey, &value);
+  if (s.ok()) {
+    if (value.size() != kIncarnationBytes) {
+      return Status::Corruption("the change feed's incarnation record of '" + storage_->path() + "' has " +
+                                std::to_string(value.size()) + " bytes; expected 16");
+    }
+    incarnation_ = hex_digits(value);
+    return Status::OK();
+  }
+  if (s.code() != StatusCode::NotFound) return s;
+  if (storage_->read_only()) return Status::OK();  // unknown until the next writable open
+  value = new_incarnation();
+  rocksdb::WriteBatch batch;
+  batch.Put(storage_->state_meta(), kFeedIncarnationKey, value);
+  s = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync,
+                      "writing the change feed's incarnation of '" + storage_->path() + "'");
+  if (!s.ok()) return s;
+  incarnation_ = hex_digits(value);
+  return Status::OK();
 }
 
 Status ChangeFeed::load() {
@@ -202,6 +261,7 @@ Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::
     ChangeBatch& b = out.emplace_back();
     b.shard_id = shard_id_;
     b.seq = *seq;
+    b.incarnation = incarnation_;
     b.payload.assign(it->value().data() + kOffsetSize, it->value().size() - kOffsetSize);
     bytes += b.payload.size();
   }
@@ -265,7 +325,7 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
 
 ChangeFeed::Stats ChangeFeed::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return {shard_id_, last_seq_, trimmed_through_, end_offset_ - trimmed_offset_};
+  return {shard_id_, last_seq_, trimmed_through_, end_offset_ - trimmed_offset_, incarnation_};
 }
 
 }  // namespace tidal

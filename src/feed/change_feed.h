@@ -43,13 +43,15 @@ class ChangeFeed {
     std::uint64_t last_seq = 0;
     std::uint64_t trimmed_through = 0;
     std::uint64_t pending_bytes = 0;  // payload bytes of the untrimmed batches
+    std::string incarnation;          // 32 hex digits (ChangeBatch::incarnation)
   };
 
   // The feed of a Db opened with Options::change_feed: checks the stored
   // shard id (InvalidArgument, nothing changed, when it differs), or at the
   // first such open creates the feed and seeds it (see FORMAT.md) with the
-  // Db's current shared aggregates. `storage` is writable and its state
-  // store's writer is not running yet.
+  // Db's current shared aggregates and a new random incarnation (a feed
+  // without one, made by an older version, gets one here). `storage` is
+  // writable and its state store's writer is not running yet.
   static Result<std::unique_ptr<ChangeFeed>> open(Storage* storage, std::uint64_t shard_id, std::uint64_t max_bytes);
   // The shard id stored in a Db, if it keeps a feed.
   static Result<std::optional<std::uint64_t>> stored_shard(const Storage& storage);
@@ -103,10 +105,14 @@ class ChangeFeed {
   ChangeFeed(Storage* storage, std::uint64_t shard_id, std::uint64_t max_bytes)
       : storage_(storage), shard_id_(shard_id), max_bytes_(max_bytes) {}
   Status load();  // last seq, trim point and offsets, from disk
+  // The stored incarnation, or a new one written (a feed made before
+  // incarnations; left unknown, empty, on a read-only open).
+  Status load_incarnation();
 
   Storage* const storage_;
   const std::uint64_t shard_id_;
   const std::uint64_t max_bytes_;
+  std::string incarnation_;            // hex (empty: unknown); set by open(), then constant
   // Serializes trim() from its check of the trim point to its write of the
   // trim record, so the record never goes backwards (two trims racing wrote
   // "through 6" after "through 10" had deleted 7..10). Not mu_, which the

@@ -65,6 +65,17 @@ Status check_config(const Config& config) {
         "tidal::nats::Config: request_timeout, min_backoff, poll_interval and ack_wait must be positive and "
         "max_backoff >= min_backoff");
   }
+  if (config.duplicate_window.count() <= 0 || config.stream_max_bytes < 0 || config.stream_max_age.count() < 0) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: duplicate_window must be positive, stream_max_bytes and stream_max_age not negative "
+        "(0 = unlimited)");
+  }
+  if (config.stream_max_age.count() > 0 && config.duplicate_window > config.stream_max_age) {
+    return Status::InvalidArgument("tidal::nats::Config::duplicate_window (" +
+                                   std::to_string(config.duplicate_window.count()) +
+                                   " ms) is longer than stream_max_age (" +
+                                   std::to_string(config.stream_max_age.count()) + " s): JetStream refuses it");
+  }
   if (config.read_max_bytes == 0 || config.fetch_batch < 1 ||
       config.fetch_max_bytes < static_cast<std::int64_t>(kMaxChangePayloadBytes) + (64 << 10)) {
     return Status::InvalidArgument(
@@ -98,6 +109,10 @@ Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config) {
     return Status::Corruption(std::string("message on ") + (subject ? subject : "?") + " in stream " +
                               config.stream + " says shard " + std::to_string(batch.shard_id) +
                               ", which publishes on " + subject_of(config, batch.shard_id));
+  }
+  const char* incarnation = nullptr;
+  if (natsMsgHeader_Get(msg, kIncarnationHeader, &incarnation) == NATS_OK && incarnation != nullptr) {
+    batch.incarnation = incarnation;
   }
   const int len = natsMsg_GetDataLength(msg);
   if (len > 0) batch.payload.assign(natsMsg_GetData(msg), static_cast<std::size_t>(len));
@@ -179,7 +194,7 @@ Status Worker::start(const Config& config, std::function<Status(Backoff&)> sessi
     cv_.wait_for(lock, config.request_timeout + std::chrono::seconds(1), [&] { return first_.has_value(); });
     first = first_;
   }
-  if (first && first->code() == StatusCode::InvalidArgument) {
+  if (first && (first->code() == StatusCode::InvalidArgument || halted())) {
     stop();
     return *first;
   }
@@ -198,6 +213,7 @@ void Worker::run(const Config& config, const std::function<Status(Backoff&)>& se
     cv_.notify_all();
     if (stopping()) break;
     failed(s);
+    if (halted()) break;
     if (!wait_for(backoff.next())) break;
   }
 }
@@ -208,6 +224,16 @@ void Worker::ready() {
     if (!first_) first_ = Status::OK();
   }
   cv_.notify_all();
+}
+
+void Worker::halt() {
+  std::lock_guard<std::mutex> lock(mu_);
+  halted_ = true;
+}
+
+bool Worker::halted() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return halted_;
 }
 
 void Worker::stop() {

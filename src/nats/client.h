@@ -25,6 +25,8 @@ namespace tidal::nats::internal {
 // Message headers carrying a batch's shard and seq (docs/SCALE.md, "Messages").
 inline constexpr const char* kShardHeader = "Tidal-Shard";
 inline constexpr const char* kSeqHeader = "Tidal-Seq";
+// The feed's incarnation (ChangeBatch::incarnation); absent when unknown.
+inline constexpr const char* kIncarnationHeader = "Tidal-Incarnation";
 
 // InvalidArgument naming the field for a config no cluster could serve.
 Status check_config(const Config& config);
@@ -33,8 +35,9 @@ Status check_config(const Config& config);
 std::string subject_of(const Config& config, std::uint64_t shard);
 std::string msg_id_of(std::uint64_t shard, std::uint64_t seq);
 
-// A message's batch: shard and seq from its headers (checked against the
-// subject), the payload from its data. Corruption saying why otherwise.
+// A message's batch: shard, seq and incarnation (if any) from its headers
+// (checked against the subject), the payload from its data. Corruption
+// saying why otherwise.
 Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config);
 
 // "<status text>: <the client's last error>" for the calling thread.
@@ -105,12 +108,19 @@ class Worker {
   // (config.min_backoff doubling to config.max_backoff, reset by the
   // session) and runs it again. Waits up to config.request_timeout + 1 s
   // for the first session to call ready() or return: an InvalidArgument
-  // from it (a config no cluster could serve) stops the thread and is
-  // returned. Anything else is OK, and the thread keeps retrying.
+  // from it (a config no cluster could serve), or any status of a session
+  // that called halt(), stops the thread and is returned. Anything else is
+  // OK, and the thread keeps retrying.
   Status start(const Config& config, std::function<Status(Backoff&)> session,
                std::function<void(const Status&)> failed);
   // Called by a session that is connected and working: start() returns OK.
   void ready();
+  // Called by a session that found an error no retry can fix (the stream
+  // and the Db disagree): the thread ends once that session returns, after
+  // handing its status to `failed`; start() returns it when it is the first
+  // session's.
+  void halt();
+  bool halted() const;
   // Interrupts the attached connection, wakes wait_for() and joins the
   // thread. Bounded by how long a session takes to notice (at most one
   // request_timeout). Idempotent.
@@ -141,6 +151,7 @@ class Worker {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;               // guarded by mu_
+  bool halted_ = false;                 // guarded by mu_
   std::optional<Status> first_;         // the first session's outcome; guarded by mu_
   Connection* live_ = nullptr;          // the connection stop() interrupts; guarded by mu_
   std::mutex stop_mu_;                  // one stop() joins at a time

@@ -1,8 +1,10 @@
 // Publisher: Db change feed -> JetStream -> trim_changes (include/tidal/nats.h).
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,9 +30,11 @@ class Publisher::Impl {
                          [this](const Status& s) { internal::note_failure(stats_mu_, &stats_, s); });
   }
 
+  // OK, or the error that stopped the publisher for good (a fence).
   Status stop() {
     worker_.stop();
-    return Status::OK();
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return halt_status_;
   }
 
   PublisherStats stats() const {
@@ -58,9 +62,10 @@ class Publisher::Impl {
     }
     s = ensure_stream(conn);
     if (!s.ok()) return s;
-    Result<std::uint64_t> resume = resume_point(conn);
+    Result<Position> resume = resume_point(conn);
     if (!resume.ok()) return resume.status();
-    std::uint64_t published = *resume;
+    std::uint64_t published = resume->seq;
+    std::uint64_t subject_seq = resume->subject_seq;
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
       stats_.connected = true;
@@ -91,9 +96,11 @@ class Publisher::Impl {
           return Status::Corruption(where(conn) + ": the Db's feed skips from seq " + std::to_string(published) +
                                     " to " + std::to_string(b.seq));
         }
-        s = publish(conn, b);
+        s = publish(conn, b, &subject_seq);
         if (!s.ok()) {
-          (void)trim(published);  // what was acknowledged; a failure is retried next session
+          // What was acknowledged; a failure is retried next session. After
+          // a fence nothing is trimmed: the next start checks it again.
+          if (!worker_.halted()) (void)trim(published);
           return s;
         }
         published = b.seq;
@@ -137,6 +144,14 @@ class Publisher::Impl {
       sc.Storage = js_FileStorage;
       sc.Retention = js_LimitsPolicy;
       sc.Replicas = config_.replicas;
+      // Never drop a stored batch to make room: a full stream refuses the
+      // publish (the Db keeps the batch); no per-subject limit.
+      sc.Discard = js_DiscardNew;
+      sc.MaxMsgs = -1;
+      sc.MaxMsgsPerSubject = -1;
+      sc.MaxBytes = config_.stream_max_bytes > 0 ? config_.stream_max_bytes : -1;
+      sc.MaxAge = std::chrono::duration_cast<std::chrono::nanoseconds>(config_.stream_max_age).count();
+      sc.Duplicates = std::chrono::duration_cast<std::chrono::nanoseconds>(config_.duplicate_window).count();
       jerr = static_cast<jsErrCode>(0);
       ns = js_AddStream(&si, conn.js(), &sc, nullptr, &jerr);
       if (si != nullptr) jsStreamInfo_Destroy(si);
@@ -145,6 +160,11 @@ class Publisher::Impl {
       if (jerr == 10065 /* subjects overlap */) {
         return Status::InvalidArgument(where(conn) + ": cannot create the stream: its subjects " + wildcard +
                                        " overlap another stream's: " + why);
+      }
+      if (jerr == 10074 /* replicas > 1 not supported in non-clustered mode */) {
+        return Status::InvalidArgument(where(conn) + ": cannot create the stream with " +
+                                       std::to_string(config_.replicas) +
+                                       " replicas (Config::replicas) on a server that is not clustered: " + why);
       }
       return Status::IOError(where(conn) + ": cannot create the stream (" + std::to_string(config_.replicas) +
                              " replicas, file storage, subjects " + wildcard + "): " + why);
@@ -158,6 +178,9 @@ class Publisher::Impl {
     return s;
   }
 
+  // InvalidArgument for an existing stream that does not carry this
+  // shard's subject or could drop a batch it acknowledged (which the Db
+  // then trims): every setting that could, named, with what to do.
   Status check_stream(const Connection& conn, const jsStreamConfig& sc) const {
     const std::string star = config_.subject_prefix + ".*";
     const std::string gt = config_.subject_prefix + ".>";
@@ -173,15 +196,48 @@ class Publisher::Impl {
                                      "] do not include " + star + " (Config::subject_prefix '" +
                                      config_.subject_prefix + "'): use another stream name or prefix");
     }
+    auto refuse = [&](const std::string& why) {
+      return Status::InvalidArgument(where(conn) + ": the existing stream " + why +
+                                     ": tidal refuses a stream that could drop a batch it acknowledged (the Db "
+                                     "trims it); fix the stream's settings or use another stream");
+    };
     if (sc.Storage != js_FileStorage) {
-      return Status::InvalidArgument(where(conn) +
-                                     ": the existing stream keeps messages in memory, not in files: a server "
-                                     "restart would lose batches already trimmed from the Db");
+      return refuse("has memory storage (a server restart loses its messages)");
     }
     if (sc.Retention == js_WorkQueuePolicy) {
-      return Status::InvalidArgument(where(conn) +
-                                     ": the existing stream has work-queue retention: one view's ack would remove "
-                                     "a batch every other view still needs");
+      return refuse("has work-queue retention (one view's ack removes a batch every other view still needs)");
+    }
+    if (sc.Retention == js_InterestPolicy) {
+      return refuse("has interest retention (a batch no consumer is interested in yet is removed at once)");
+    }
+    if (sc.Discard == js_DiscardOld) {
+      std::string limits;
+      auto add = [&](const char* name, std::int64_t v) {
+        if (v > 0) limits += std::string(limits.empty() ? "" : ", ") + name + " " + std::to_string(v);
+      };
+      add("max_msgs", sc.MaxMsgs);
+      add("max_bytes", sc.MaxBytes);
+      add("max_age (ns)", sc.MaxAge);
+      add("max_msgs_per_subject", sc.MaxMsgsPerSubject);
+      if (!limits.empty()) {
+        return refuse("has discard policy old with " + limits +
+                      " (at the limit it deletes the oldest batches, unread by a view behind)");
+      }
+    }
+    if (sc.MaxMsgsPerSubject > 0 && !sc.DiscardNewPerSubject) {
+      return refuse("has max_msgs_per_subject " + std::to_string(sc.MaxMsgsPerSubject) +
+                    " (it deletes a shard's oldest batches)");
+    }
+    const std::int64_t allowed_age =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(config_.stream_max_age).count();
+    if (sc.MaxAge > 0 && (allowed_age == 0 || sc.MaxAge < allowed_age)) {
+      return refuse("has max_age " + std::to_string(sc.MaxAge / 1000000000) + " s (Config::stream_max_age is " +
+                    std::to_string(config_.stream_max_age.count()) +
+                    " s: a batch older than the stream's max_age is deleted, read or not)");
+    }
+    if (sc.Replicas < config_.replicas) {
+      return refuse("has " + std::to_string(sc.Replicas) + " replicas, fewer than Config::replicas (" +
+                    std::to_string(config_.replicas) + ")");
     }
     if (sc.MaxMsgSize > 0 && sc.MaxMsgSize < static_cast<std::int32_t>(kMaxChangePayloadBytes + 4096)) {
       return Status::InvalidArgument(where(conn) + ": the existing stream's max_msg_size " +
@@ -190,32 +246,92 @@ class Publisher::Impl {
     return Status::OK();
   }
 
-  // The last seq of this shard the stream holds (0 if none), never below
-  // what the Db trimmed; the Db is trimmed through it.
-  Result<std::uint64_t> resume_point(Connection& conn) {
+  // Stops the publisher for good with `s` (a fence: the stream and the Db
+  // disagree about this shard, and no retry can fix that).
+  Status halt(Status s) {
+    worker_.halt();
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.halted = true;
+    halt_status_ = s;
+    return s;
+  }
+
+  // What the Db and the stream say a stored message is: shard, seq, size.
+  static std::string describe(const ChangeBatch& b) {
+    return "shard " + std::to_string(b.shard_id) + " seq " + std::to_string(b.seq) + ", " +
+           std::to_string(b.payload.size()) + " bytes";
+  }
+
+  // Where to resume: the last seq of this shard the stream holds (never
+  // below what the Db trimmed), and the stream sequence of the subject's
+  // last message (0 if none), which the next publish expects.
+  struct Position {
+    std::uint64_t seq = 0;
+    std::uint64_t subject_seq = 0;
+  };
+
+  // Reads the last message of this shard's subject and checks it against
+  // the Db, on every connection: a stream that holds a seq the Db never
+  // wrote, or a batch that differs from the Db's batch of that seq, stops
+  // the publisher (another Db with this shard_id, or a Db restored from an
+  // older copy, wrote it) and nothing is trimmed. Otherwise the Db is
+  // trimmed through the stream's last seq.
+  Result<Position> resume_point(Connection& conn) {
     Stats st = db_->stats();
-    std::uint64_t in_stream = 0;
+    Position at;
+    std::optional<ChangeBatch> stored;
     natsMsg* last = nullptr;
     jsErrCode jerr = static_cast<jsErrCode>(0);
     natsStatus ns = js_GetLastMsg(&last, conn.js(), config_.stream.c_str(), subject_.c_str(), nullptr, &jerr);
     if (ns == NATS_OK) {
+      at.subject_seq = natsMsg_GetSequence(last);
       Result<ChangeBatch> b = internal::batch_of(last, config_);
       natsMsg_Destroy(last);
-      if (!b.ok()) return Status::Corruption(where(conn) + ": the last message on " + subject_ + ": " + b.status().message());
-      in_stream = b->seq;
+      if (!b.ok()) {
+        return halt(Status::Corruption(where(conn) + ": the last message on " + subject_ + " (stream seq " +
+                                       std::to_string(at.subject_seq) + "): " + b.status().message() +
+                                       ": something other than this Db publishes on its subject; publisher "
+                                       "stopped, nothing trimmed"));
+      }
+      stored = std::move(*b);
     } else if (ns != NATS_NOT_FOUND && jerr != JSNoMessageFoundErr) {
       return Status::IOError(where(conn) + ": cannot read the last message on " + subject_ + ": " +
                              internal::nats_error(ns));
     }
+    const std::uint64_t in_stream = stored ? stored->seq : 0;
     if (in_stream > st.change_feed_last_seq) {
-      return Status::InvalidArgument(where(conn) + ": the stream holds this shard up to seq " +
-                                     std::to_string(in_stream) + " but the Db's feed ends at seq " +
-                                     std::to_string(st.change_feed_last_seq) +
-                                     " (another Db with the same shard_id, or a Db restored from an older copy): "
-                                     "views would skip its new batches as already applied");
+      return halt(Status::InvalidArgument(
+          where(conn) + ": the stream holds this shard up to seq " + std::to_string(in_stream) + " (stream seq " +
+          std::to_string(at.subject_seq) + ") but the Db's feed ends at seq " +
+          std::to_string(st.change_feed_last_seq) +
+          " (another Db with the same shard_id, or a Db restored from an older copy): views would skip its new "
+          "batches as already applied; publisher stopped, nothing trimmed"));
     }
-    std::uint64_t resume = std::max(in_stream, st.change_feed_trimmed_seq);
+    if (stored && !stored->incarnation.empty() && !st.change_feed_incarnation.empty() &&
+        stored->incarnation != st.change_feed_incarnation) {
+      return halt(Status::Corruption(
+          where(conn) + ": the stream's last batch of this shard (seq " + std::to_string(in_stream) + ", stream seq " +
+          std::to_string(at.subject_seq) + ") is of incarnation " + stored->incarnation +
+          ", the Db's feed is incarnation " + st.change_feed_incarnation +
+          " (seq " + std::to_string(st.change_feed_last_seq) +
+          "): another Db published this shard (a Db re-created or restored for it, or a twin); views would refuse "
+          "or skip this Db's batches: publisher stopped, nothing trimmed"));
+    }
     if (in_stream > st.change_feed_trimmed_seq) {
+      // The Db still holds the batch the stream has last: they must be the same.
+      Result<std::vector<ChangeBatch>> mine = db_->read_changes(in_stream - 1, 1);
+      if (!mine.ok()) {
+        return Status(mine.status().code(), where(conn) + ": read_changes: " + mine.status().message());
+      }
+      if (mine->empty() || mine->front().seq != in_stream || mine->front().payload != stored->payload) {
+        return halt(Status::Corruption(
+            where(conn) + ": the stream's batch of seq " + std::to_string(in_stream) + " (stream seq " +
+            std::to_string(at.subject_seq) + ", " + describe(*stored) + ") differs from the Db's (" +
+            (mine->empty() ? std::string("none") : describe(mine->front())) +
+            "): another Db with the same shard_id, or a Db restored from an older copy, published this shard; "
+            "trimming would lose the Db's batches " + std::to_string(in_stream) + ".." +
+            std::to_string(st.change_feed_last_seq) + ": publisher stopped, nothing trimmed"));
+      }
       Status s = db_->trim_changes(in_stream);
       if (!s.ok()) return Status(s.code(), where(conn) + ": trim_changes: " + s.message());
     } else if (in_stream < st.change_feed_trimmed_seq && st.change_feed_trimmed_seq > 0) {
@@ -226,10 +342,15 @@ class Publisher::Impl {
                           " but the Db trimmed through " + std::to_string(st.change_feed_trimmed_seq) +
                           " (the stream was purged, recreated or aged them out)";
     }
-    return resume;
+    at.seq = std::max(in_stream, st.change_feed_trimmed_seq);
+    return at;
   }
 
-  Status publish(Connection& conn, const ChangeBatch& b) {
+  // Publishes `b` fenced: JetStream stores it only if the subject's last
+  // message is still *subject_seq (the one this publisher knows of), with
+  // the message id <shard>-<seq>. On success *subject_seq is the stream
+  // sequence of `b`'s message.
+  Status publish(Connection& conn, const ChangeBatch& b, std::uint64_t* subject_seq) {
     natsMsg* msg = nullptr;
     natsStatus ns = natsMsg_Create(&msg, subject_.c_str(), nullptr, b.payload.data(), static_cast<int>(b.payload.size()));
     const std::string shard = std::to_string(b.shard_id);
@@ -237,10 +358,18 @@ class Publisher::Impl {
     const std::string id = internal::msg_id_of(b.shard_id, b.seq);
     if (ns == NATS_OK) ns = natsMsgHeader_Set(msg, internal::kShardHeader, shard.c_str());
     if (ns == NATS_OK) ns = natsMsgHeader_Set(msg, internal::kSeqHeader, seq.c_str());
+    if (ns == NATS_OK && !b.incarnation.empty()) {
+      ns = natsMsgHeader_Set(msg, internal::kIncarnationHeader, b.incarnation.c_str());
+    }
     jsPubOptions po;
     jsPubOptions_Init(&po);
     po.MsgId = id.c_str();
     po.ExpectStream = config_.stream.c_str();
+    if (*subject_seq == 0) {
+      po.ExpectNoMessage = true;
+    } else {
+      po.ExpectLastSubjectSeq = *subject_seq;
+    }
     po.MaxWait = config_.request_timeout.count();
     jsPubAck* ack = nullptr;
     jsErrCode jerr = static_cast<jsErrCode>(0);
@@ -249,16 +378,99 @@ class Publisher::Impl {
     if (msg != nullptr) natsMsg_Destroy(msg);
     if (ns != NATS_OK) {
       if (ack != nullptr) jsPubAck_Destroy(ack);
+      if (jerr == JSStreamWrongLastSequenceErr) return after_wrong_last(conn, b, subject_seq);
       return Status::IOError(where(conn) + ": publish of seq " + seq + " (" + std::to_string(b.payload.size()) +
                              " bytes) not acknowledged: " + why);
     }
     const bool dup = ack->Duplicate;
+    const std::uint64_t stored_at = ack->Sequence;
     jsPubAck_Destroy(ack);
     if (dup) {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      ++stats_.duplicates;
+      {
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        ++stats_.duplicates;
+      }
+      // The id was stored before: by this Db (a publish whose ack was lost),
+      // or by another writer with other content.
+      Status s = check_duplicate(conn, b, stored_at);
+      if (!s.ok()) return s;
     }
+    *subject_seq = stored_at;
     return Status::OK();
+  }
+
+  // The stored message at stream sequence `at`, or an IOError (retried).
+  Result<ChangeBatch> stored_batch(Connection& conn, std::uint64_t at, std::string* subject) {
+    natsMsg* m = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    natsStatus ns = at == 0 ? NATS_NOT_FOUND : js_GetMsg(&m, conn.js(), config_.stream.c_str(), at, nullptr, &jerr);
+    if (ns != NATS_OK) {
+      return Status::IOError(where(conn) + ": cannot read stream seq " + std::to_string(at) + ": " +
+                             internal::nats_error(ns));
+    }
+    const char* subj = natsMsg_GetSubject(m);
+    *subject = subj != nullptr ? subj : "";
+    Result<ChangeBatch> b = internal::batch_of(m, config_);
+    natsMsg_Destroy(m);
+    return b;
+  }
+
+  // A Duplicate ack naming stream sequence `at`: OK when the message stored
+  // there is `b` (same subject, shard, seq and payload); otherwise another
+  // writer used this message id: Corruption, the publisher stops, nothing
+  // is trimmed.
+  Status check_duplicate(Connection& conn, const ChangeBatch& b, std::uint64_t at) {
+    std::string subject;
+    Result<ChangeBatch> stored = stored_batch(conn, at, &subject);
+    if (!stored.ok() && stored.status().code() == StatusCode::IOError) return stored.status();
+    if (stored.ok() && subject == subject_ && stored->shard_id == b.shard_id && stored->seq == b.seq &&
+        stored->incarnation == b.incarnation && stored->payload == b.payload) {
+      return Status::OK();
+    }
+    return halt(Status::Corruption(
+        where(conn) + ": the publish of seq " + std::to_string(b.seq) + " (id " +
+        internal::msg_id_of(b.shard_id, b.seq) + ", " + describe(b) +
+        ") was acknowledged as a duplicate of stream seq " + std::to_string(at) + ", which holds " +
+        (stored.ok() ? describe(*stored) + " on " + subject : stored.status().message()) +
+        ": another writer published this id with other content; publisher stopped, nothing trimmed"));
+  }
+
+  // The stream refused `b` because the subject's last message is not
+  // *subject_seq. If that last message is `b` itself (a publish whose ack
+  // was lost), it is acknowledged; if it is older, retried;
+  // otherwise another writer published on this shard's subject: the
+  // publisher stops, nothing trimmed.
+  Status after_wrong_last(Connection& conn, const ChangeBatch& b, std::uint64_t* subject_seq) {
+    natsMsg* m = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    natsStatus ns = js_GetLastMsg(&m, conn.js(), config_.stream.c_str(), subject_.c_str(), nullptr, &jerr);
+    if (ns != NATS_OK) {
+      return Status::IOError(where(conn) + ": publish of seq " + std::to_string(b.seq) +
+                             " refused (the subject's last message is not stream seq " +
+                             std::to_string(*subject_seq) + ") and the last message cannot be read: " +
+                             internal::nats_error(ns));
+    }
+    const std::uint64_t last_at = natsMsg_GetSequence(m);
+    Result<ChangeBatch> last = internal::batch_of(m, config_);
+    natsMsg_Destroy(m);
+    if (last.ok() && last->seq == b.seq && last->incarnation == b.incarnation && last->payload == b.payload &&
+        last_at > *subject_seq) {
+      *subject_seq = last_at;
+      return Status::OK();
+    }
+    if (last_at < *subject_seq) {
+      return Status::IOError(where(conn) + ": the subject's last message is stream seq " + std::to_string(last_at) +
+                             ", older than stream seq " + std::to_string(*subject_seq) +
+                             " this publisher wrote (a new stream leader still catching up, or messages deleted from the stream): "
+                             "retried");
+    }
+    return halt(Status::Corruption(
+        where(conn) + ": the publish of seq " + std::to_string(b.seq) +
+        " was refused: the subject's last message is stream seq " + std::to_string(last_at) + " (" +
+        (last.ok() ? describe(*last) : last.status().message()) + "), not stream seq " +
+        std::to_string(*subject_seq) +
+        " this publisher wrote last: another writer (a Db with the same shard_id, or a Db restored from an older "
+        "copy) publishes this shard; publisher stopped, nothing trimmed"));
   }
 
   Db* const db_;
@@ -267,6 +479,7 @@ class Publisher::Impl {
   const std::string subject_;
   mutable std::mutex stats_mu_;
   PublisherStats stats_;
+  Status halt_status_;  // the fence that stopped the publisher, OK if none; guarded by stats_mu_
   internal::Worker worker_;  // last: destroyed (joined) first
 };
 

@@ -130,6 +130,11 @@ std::string erasure_pending_key(std::uint64_t user_id);
 // appended through it).
 inline constexpr char kFeedShardKey[] = "feed_shard_id";
 inline constexpr char kFeedTrimmedKey[] = "feed_trimmed";
+// The feed's incarnation: 16 random bytes, written with the shard id when
+// the feed is created (or at the first writable open of a feed made before
+// incarnations), never changed; ChangeBatch::incarnation is their hex.
+inline constexpr char kFeedIncarnationKey[] = "feed_incarnation";
+inline constexpr std::size_t kIncarnationBytes = 16;
 
 // "clock_floor/" + [stripe: 8 bytes BE].
 std::string clock_floor_stripe_key(std::uint64_t stripe);

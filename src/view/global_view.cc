@@ -317,6 +317,15 @@ Status GlobalView::Impl::check_format(bool created) {
   rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta(), kViewFormatKey, &mark);
   if (s.ok()) {
     if (mark == kViewFormat) return Status::OK();
+    if (mark == kViewFormatBeforeIncarnations) {
+      // Its applied records are 8 bytes, which format 2 reads too; marked 2
+      // before any 24-byte record is written (an older version refuses it).
+      if (options_.read_only) return Status::OK();
+      rocksdb::WriteOptions wo;
+      wo.sync = true;
+      return from_rocksdb(db_->Put(wo, meta(), kViewFormatKey, kViewFormat),
+                          cannot_open(path_) + ": marking its view_format 2 failed");
+    }
     return Status::InvalidArgument(cannot_open(path_) + ": its view_format is '" + mark + "'; this version reads '" +
                                    kViewFormat + "' (docs/FORMAT.md)");
   }
@@ -382,20 +391,27 @@ Status GlobalView::Impl::close() {
 }
 
 Result<std::uint64_t> GlobalView::Impl::read_applied(std::uint64_t shard_id) const {
+  Result<AppliedRecord> r = read_applied_record(shard_id);
+  if (!r.ok()) return r.status();
+  return r->seq;
+}
+
+Result<AppliedRecord> GlobalView::Impl::read_applied_record(std::uint64_t shard_id) const {
   const std::string key = encode_applied_key(shard_id);
   std::string value;
   rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta(), key, &value);
-  if (s.IsNotFound()) return std::uint64_t{0};
+  if (s.IsNotFound()) return AppliedRecord{};
   if (!s.ok()) {
     return from_rocksdb(s, "read of shard " + std::to_string(shard_id) + "'s applied seq (key " + hex(key) +
                                ") of the " + view_at(path_));
   }
-  std::optional<std::uint64_t> seq = decode_applied_seq(value);
-  if (!seq) {
+  std::optional<AppliedRecord> record = decode_applied(value);
+  if (!record) {
     return Status::Corruption("shard " + std::to_string(shard_id) + "'s applied seq (key " + hex(key) + ") of the " +
-                              view_at(path_) + " has a " + std::to_string(value.size()) + "-byte value; expected 8");
+                              view_at(path_) + " has a " + std::to_string(value.size()) +
+                              "-byte value; expected 8 or 24");
   }
-  return *seq;
+  return std::move(*record);
 }
 
 Result<bool> GlobalView::Impl::apply(const ChangeBatch& batch) {
@@ -426,9 +442,9 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     return "nothing of it or of the " + std::to_string(n - i - 1) + " later batches of the call applied (the " +
            std::to_string(i) + " before it are)";
   };
-  // Each shard's applied seq as the batches taken so far leave it, and
+  // Each shard's applied record as the batches taken so far leave it, and
   // whether one of them moved it.
-  std::map<std::uint64_t, std::pair<std::uint64_t, bool>> seqs;
+  std::map<std::uint64_t, std::pair<AppliedRecord, bool>> seqs;
   // The payloads of the batches to apply (checked whole).
   std::vector<std::string_view> applied_payloads;
   std::string error;
@@ -455,13 +471,30 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
       out.refused = Status::Corruption(what + ": the payload does not decode: " + error + "; " + untouched(i));
       break;
     }
+    if (!batch.incarnation.empty() && !incarnation_bytes(batch.incarnation)) {
+      out.refused = Status::Corruption(what + ": its incarnation '" + batch.incarnation +
+                                       "' is not 32 lowercase hex digits; " + untouched(i));
+      break;
+    }
     auto it = seqs.find(batch.shard_id);
     if (it == seqs.end()) {
-      Result<std::uint64_t> applied = read_applied(batch.shard_id);
-      if (!applied.ok()) return applied.status();
-      it = seqs.emplace(batch.shard_id, std::make_pair(*applied, false)).first;
+      Result<AppliedRecord> record = read_applied_record(batch.shard_id);
+      if (!record.ok()) return record.status();
+      it = seqs.emplace(batch.shard_id, std::make_pair(std::move(*record), false)).first;
     }
-    std::uint64_t& applied = it->second.first;
+    std::uint64_t& applied = it->second.first.seq;
+    std::string& incarnation = it->second.first.incarnation;
+    // A batch of another feed than the one the view applied for this shard
+    // (a Db restored or re-created for it, or a twin): refused, whatever its
+    // seq, so that one at an applied seq is not skipped as delivered again.
+    if (applied > 0 && !batch.incarnation.empty() && !incarnation.empty() && batch.incarnation != incarnation) {
+      out.refused = Status::Corruption(
+          "incarnation: shard " + std::to_string(batch.shard_id) + " has applied through seq " +
+          std::to_string(applied) + " of incarnation " + incarnation + "; batch seq " + std::to_string(batch.seq) +
+          " is of incarnation " + batch.incarnation + " (" + view_at(path_) + "); " + untouched(i) +
+          ": another Db (restored, re-created or a twin) published this shard; the shard must be re-seeded");
+      break;
+    }
     if (batch.seq <= applied) {  // delivered again
       ++out.taken;
       continue;
@@ -475,6 +508,7 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     }
     applied_payloads.push_back(batch.payload);
     applied = batch.seq;
+    if (incarnation.empty()) incarnation = batch.incarnation;  // the first known, kept from now on
     it->second.second = true;
     ++out.taken;
     ++out.applied;
@@ -499,7 +533,7 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
   if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
   for (const auto& [shard, state] : seqs) {
     if (!state.second) continue;
-    added = write.Put(meta(), encode_applied_key(shard), encode_applied_seq(state.first));
+    added = write.Put(meta(), encode_applied_key(shard), encode_applied(state.first));
     if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
   }
   rocksdb::WriteOptions wo;
@@ -528,13 +562,14 @@ Result<std::vector<ShardProgress>> GlobalView::Impl::applied_shards() const {
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), meta()));
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
     const std::optional<std::uint64_t> shard = decode_applied_key(view(it->key()));
-    const std::optional<std::uint64_t> seq = decode_applied_seq(view(it->value()));
-    if (!shard || !seq) {
+    std::optional<AppliedRecord> record = decode_applied(view(it->value()));
+    if (!shard || !record) {
       return Status::Corruption("applied record (key " + hex(view(it->key())) + ") of the " + view_at(path_) +
-                                " does not decode: expected an 8-byte shard id in the key and an 8-byte seq, got a " +
+                                " does not decode: expected an 8-byte shard id in the key and an 8-byte seq (and "
+                                "a 16-byte incarnation), got a " +
                                 std::to_string(it->value().size()) + "-byte value");
     }
-    out.push_back({*shard, *seq});
+    out.push_back({*shard, record->seq, std::move(record->incarnation)});
   }
   if (Status s = from_rocksdb(it->status(), "applied_shards of the " + view_at(path_)); !s.ok()) return s;
   return out;

@@ -22,6 +22,7 @@
 
 #include "storage/state_format.h"
 #include "tidal/global_view.h"
+#include "view/view_format.h"
 
 namespace tidal {
 
@@ -50,6 +51,8 @@ class GlobalView::Impl {
   rocksdb::ColumnFamilyHandle* aggregates() const { return handles_[1]; }
   // The applied seq stored for the shard (0 when none); no Call of its own.
   Result<std::uint64_t> read_applied(std::uint64_t shard_id) const;
+  // The shard's applied record: seq and incarnation (a zero seq when none).
+  Result<AppliedRecord> read_applied_record(std::uint64_t shard_id) const;
   // Checks the format mark; writes it on a new view, and on one whose
   // creation stopped before the mark (nothing else stored).
   Status check_format(bool created);

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -254,6 +255,455 @@ TEST(NatsStream, AStreamWhoseSubjectsDoNotMatchIsInvalidArgumentNamingServerAndS
   ASSERT_TRUE(good.ok()) << good.status().to_string();
   EXPECT_TRUE(eventually([&] { return (*good)->stats().connected; }, 10s)) << (*good)->stats().last_error;
   EXPECT_OK((*good)->stop());
+}
+
+// ---- Streams that cannot drop an acknowledged batch ----
+
+// A connection to `cluster` and its JetStream context, for a test's own requests.
+class Js {
+ public:
+  explicit Js(const NatsCluster& cluster) {
+    ok_ = natsConnection_ConnectTo(&nc_, cluster.servers().c_str()) == NATS_OK &&
+          natsConnection_JetStream(&js_, nc_, nullptr) == NATS_OK;
+  }
+  ~Js() {
+    if (js_ != nullptr) jsCtx_Destroy(js_);
+    if (nc_ != nullptr) natsConnection_Destroy(nc_);
+  }
+  Js(const Js&) = delete;
+  Js& operator=(const Js&) = delete;
+  bool ok() const { return ok_; }
+  jsCtx* js() const { return js_; }
+
+  // Creates `name` on tidal.<name>.* with 3 replicas, file storage, limits
+  // retention and discard-new unless `edit` changes them; "" or the error.
+  template <class Edit>
+  std::string add_stream(const std::string& name, Edit&& edit) {
+    const std::string wildcard = "tidal." + name + ".*";
+    const char* subjects[] = {wildcard.c_str()};
+    jsStreamConfig sc;
+    jsStreamConfig_Init(&sc);
+    sc.Name = name.c_str();
+    sc.Subjects = subjects;
+    sc.SubjectsLen = 1;
+    sc.Replicas = 3;
+    sc.Discard = js_DiscardNew;
+    edit(sc);
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    natsStatus s = js_AddStream(nullptr, js_, &sc, nullptr, &jerr);
+    return s == NATS_OK ? "" : std::string(natsStatus_GetText(s)) + " " + std::to_string(jerr);
+  }
+
+  // The stream's config and state, or null.
+  jsStreamInfo* info(const std::string& name) {
+    jsStreamInfo* si = nullptr;
+    return js_GetStreamInfo(&si, js_, name.c_str(), nullptr, nullptr) == NATS_OK ? si : nullptr;
+  }
+
+ private:
+  natsConnection* nc_ = nullptr;
+  jsCtx* js_ = nullptr;
+  bool ok_ = false;
+};
+
+TEST(NatsStream, ATidalStreamHasLimitsRetentionDiscardNewTheConfiguredReplicasWindowAndLimits) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 1);
+  ASSERT_NE(db, nullptr);
+  Config c = test_config(cluster, "MADE", 3);
+  c.duplicate_window = 90s;
+  c.stream_max_bytes = std::int64_t{1} << 30;
+  c.stream_max_age = std::chrono::hours(24 * 7);
+  auto p = start_publisher(db.get(), c);
+  ASSERT_NE(p, nullptr);
+  ASSERT_TRUE(eventually([&] { return p->stats().connected; }, 20s)) << p->stats().last_error;
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  jsStreamInfo* si = js.info("MADE");
+  ASSERT_NE(si, nullptr);
+  const jsStreamConfig& sc = *si->Config;
+  EXPECT_EQ(sc.Retention, js_LimitsPolicy);
+  EXPECT_EQ(sc.Storage, js_FileStorage);
+  EXPECT_EQ(sc.Discard, js_DiscardNew);
+  EXPECT_EQ(sc.Replicas, 3);
+  EXPECT_EQ(sc.Duplicates, std::chrono::nanoseconds(90s).count());
+  EXPECT_EQ(sc.MaxBytes, std::int64_t{1} << 30);
+  EXPECT_EQ(sc.MaxAge, std::chrono::nanoseconds(std::chrono::hours(24 * 7)).count());
+  EXPECT_EQ(sc.MaxMsgsPerSubject, -1);
+  EXPECT_EQ(sc.MaxMsgs, -1);
+  jsStreamInfo_Destroy(si);
+  EXPECT_OK(p->stop());
+
+  // The defaults: 3 replicas, a 2 min window, no size or age limit.
+  EXPECT_EQ(Config{}.replicas, 3);
+  Config d = test_config(cluster, "DEFAULTS", Config{}.replicas);
+  auto q = start_publisher(db.get(), d);
+  ASSERT_NE(q, nullptr);
+  ASSERT_TRUE(eventually([&] { return q->stats().connected; }, 20s)) << q->stats().last_error;
+  si = js.info("DEFAULTS");
+  ASSERT_NE(si, nullptr);
+  EXPECT_EQ(si->Config->Replicas, 3);
+  EXPECT_EQ(si->Config->Discard, js_DiscardNew);
+  EXPECT_EQ(si->Config->Duplicates, std::chrono::nanoseconds(2min).count());
+  EXPECT_LE(si->Config->MaxBytes, 0);
+  EXPECT_EQ(si->Config->MaxAge, 0);
+  jsStreamInfo_Destroy(si);
+  EXPECT_OK(q->stop());
+
+  // A window longer than the max age: refused before any request.
+  Config bad = c;
+  bad.stream = "LONGWINDOW";
+  bad.stream_max_age = 60s;
+  bad.duplicate_window = 120s;
+  auto r = Publisher::start(db.get(), bad);
+  EXPECT_EQ(r.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(r.status().message().find("duplicate_window"), std::string::npos) << r.status().to_string();
+}
+
+TEST(NatsStream, AStreamThatCouldDropAnAcknowledgedBatchIsRefusedNamingServerStreamAndSetting) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 1);
+  ASSERT_NE(db, nullptr);
+  ASSERT_TRUE(db->signal_with_context({1, 1, 1.0}, {{1}}).ok());
+  ASSERT_OK(db->flush());
+  ASSERT_EQ(*db->last_change_seq(), 1u);
+  struct Case {
+    std::string stream;
+    std::function<void(jsStreamConfig&)> edit;
+    std::string setting;  // a word the error must hold
+  };
+  const std::int64_t hour = std::chrono::nanoseconds(std::chrono::hours(1)).count();
+  const std::vector<Case> cases = {
+      {"INTEREST", [](jsStreamConfig& sc) { sc.Retention = js_InterestPolicy; }, "interest retention"},
+      {"WORKQ", [](jsStreamConfig& sc) { sc.Retention = js_WorkQueuePolicy; }, "work-queue retention"},
+      {"OLDBYTES", [](jsStreamConfig& sc) { sc.Discard = js_DiscardOld; sc.MaxBytes = 1 << 30; }, "max_bytes"},
+      {"OLDAGE", [&](jsStreamConfig& sc) { sc.Discard = js_DiscardOld; sc.MaxAge = hour; }, "max_age"},
+      {"OLDMSGS", [](jsStreamConfig& sc) { sc.Discard = js_DiscardOld; sc.MaxMsgs = 1000000; }, "max_msgs"},
+      {"OLDPERSUBJ", [](jsStreamConfig& sc) { sc.Discard = js_DiscardOld; sc.MaxMsgsPerSubject = 1000; },
+       "max_msgs_per_subject"},
+      {"NEWPERSUBJ", [](jsStreamConfig& sc) { sc.MaxMsgsPerSubject = 1000; }, "max_msgs_per_subject"},
+      {"NEWAGE", [&](jsStreamConfig& sc) { sc.MaxAge = hour; }, "max_age"},
+      {"MEMORY", [](jsStreamConfig& sc) { sc.Storage = js_MemoryStorage; }, "memory storage"},
+      {"ONEREPLICA", [](jsStreamConfig& sc) { sc.Replicas = 1; }, "1 replicas, fewer than Config::replicas (3)"},
+  };
+  for (const Case& k : cases) {
+    ASSERT_EQ(js.add_stream(k.stream, k.edit), "") << k.stream;
+    auto p = Publisher::start(db.get(), test_config(cluster, k.stream, 3));
+    if (p.ok()) {
+      ADD_FAILURE() << k.stream << " was accepted";
+      (void)(*p)->stop();
+      continue;
+    }
+    const std::string m = p.status().message();
+    EXPECT_EQ(p.status().code(), StatusCode::InvalidArgument) << m;
+    EXPECT_NE(m.find("stream " + k.stream), std::string::npos) << m;
+    EXPECT_NE(m.find("NATS server nats://127.0.0.1:"), std::string::npos) << m;
+    EXPECT_NE(m.find(k.setting), std::string::npos) << m;
+    EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u) << k.stream;
+  }
+
+  // What can drop nothing is accepted: discard-new with a size limit, and a
+  // max_age the config allows.
+  ASSERT_EQ(js.add_stream("NEWLIMITS", [&](jsStreamConfig& sc) { sc.MaxBytes = 1 << 30; sc.MaxAge = 48 * hour; }), "");
+  Config ok = test_config(cluster, "NEWLIMITS", 3);
+  ok.stream_max_age = std::chrono::hours(24);
+  auto p = start_publisher(db.get(), ok);
+  ASSERT_NE(p, nullptr);
+  EXPECT_TRUE(eventually([&] { return p->stats().published_seq == 1; }, 20s)) << p->stats().last_error;
+  EXPECT_OK(p->stop());
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 1u);
+}
+
+// ---- Fenced publishing: a twin, a restored Db, a reused message id ----
+
+// Waits until `db` published everything it wrote (after a flush).
+::testing::AssertionResult all_published(Db* db, const Publisher& p, std::chrono::milliseconds timeout = 30s) {
+  if (Status s = db->flush(); !s.ok()) return ::testing::AssertionFailure() << "flush: " << s.to_string();
+  if (eventually([&] { return p.stats().published_seq == *db->last_change_seq(); }, timeout)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure() << "published " << p.stats().published_seq << " of "
+                                       << *db->last_change_seq() << "; last_error: " << p.stats().last_error;
+}
+
+// Every batch the Db's feed holds after `after`, concatenated with its seq.
+std::string feed_after(Db* db, std::uint64_t after) {
+  auto batches = db->read_changes(after, std::size_t{1} << 30);
+  if (!batches.ok()) return "error: " + batches.status().to_string();
+  std::string out;
+  for (const ChangeBatch& b : *batches) out += std::to_string(b.seq) + ":" + b.payload + "|";
+  return out;
+}
+
+void copy_dir(const std::string& from, const std::string& to) {
+  std::filesystem::copy(from, to, std::filesystem::copy_options::recursive);
+}
+
+TEST(NatsFence, AMessageIdStoredWithOtherContentIsCorruptionAndNothingIsTrimmed) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("DUPID", [](jsStreamConfig&) {}), "");
+  // Another writer publishes id 9-1 (shard 9's first batch) with other content.
+  natsMsg* m = nullptr;
+  ASSERT_EQ(natsMsg_Create(&m, "tidal.DUPID.elsewhere", nullptr, "not the Db's batch", 18), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", "1"), NATS_OK);
+  jsPubOptions po;
+  jsPubOptions_Init(&po);
+  po.MsgId = "9-1";
+  ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, &po, nullptr), NATS_OK);
+  natsMsg_Destroy(m);
+
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  ASSERT_TRUE(db->signal_with_context({1, 1, 2.5}, {{3}}).ok());
+  ASSERT_OK(db->flush());
+  const std::string before = feed_after(db.get(), 0);
+  ASSERT_NE(before, "");
+  auto p = Publisher::start(db.get(), test_config(cluster, "DUPID", 3));
+  Status stopped;
+  if (p.ok()) {  // the fence is found at the first publish, after start returned
+    ASSERT_TRUE(eventually([&] { return (*p)->stats().halted; }, 20s)) << (*p)->stats().last_error;
+    PublisherStats st = (*p)->stats();
+    EXPECT_EQ(st.published_seq, 0u);
+    EXPECT_EQ(st.duplicates, 1u);
+    stopped = (*p)->stop();
+  } else {
+    stopped = p.status();
+  }
+  EXPECT_EQ(stopped.code(), StatusCode::Corruption) << stopped.to_string();
+  for (const char* word : {"shard 9", "stream DUPID", "seq 1", "id 9-1", "duplicate", "nothing trimmed"}) {
+    EXPECT_NE(stopped.message().find(word), std::string::npos) << word << ": " << stopped.to_string();
+  }
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u);
+  EXPECT_EQ(feed_after(db.get(), 0), before);
+}
+
+TEST(NatsFence, ATwinWithTheSameShardIdStopsAndNoBatchOfEitherIsLost) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "TWIN", 3);
+  // A short de-duplication window, so that only the fence can tell the twin's
+  // batches from the first Db's (their ids are the same).
+  config.duplicate_window = 1s;
+  auto a = open_shard(dir.sub("a"), 7);
+  ASSERT_NE(a, nullptr);
+  Workload wa(51, 40);
+  ASSERT_EQ(wa.setup({a.get()}, nullptr), "");
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(wa.step({a.get()}, nullptr), "");
+  {
+    auto pa = start_publisher(a.get(), config);
+    ASSERT_NE(pa, nullptr);
+    ASSERT_TRUE(all_published(a.get(), *pa));
+    EXPECT_OK(pa->stop());
+  }
+  // The twin: a copy of the Db, opened beside it with the same shard id.
+  ASSERT_OK(a->close());
+  a.reset();
+  copy_dir(dir.sub("a"), dir.sub("b"));
+  a = open_shard(dir.sub("a"), 7);
+  auto b = open_shard(dir.sub("b"), 7);
+  ASSERT_TRUE(a && b);
+  const std::uint64_t shared = *a->last_change_seq();
+  ASSERT_EQ(a->stats().change_feed_trimmed_seq, shared);
+  ASSERT_EQ(b->stats().change_feed_trimmed_seq, shared);
+  // Both connect while the stream ends where both Dbs agree.
+  auto pa = start_publisher(a.get(), config);
+  auto pb = start_publisher(b.get(), config);
+  ASSERT_TRUE(pa && pb);
+  ASSERT_TRUE(eventually([&] { return pa->stats().connected && pb->stats().connected; }, 20s));
+  // A goes on and publishes; then, once the window forgot A's ids, B writes other batches.
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(wa.step({a.get()}, nullptr), "");
+  ASSERT_TRUE(all_published(a.get(), *pa));
+  std::this_thread::sleep_for(3s);
+  Workload wb(52, 40);
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(wb.step({b.get()}, nullptr), "");
+  ASSERT_OK(b->flush());
+  ASSERT_GT(*b->last_change_seq(), shared);
+  ASSERT_TRUE(eventually([&] { return pb->stats().halted; }, 20s)) << pb->stats().last_error;
+  Status sb = pb->stop();
+  EXPECT_EQ(sb.code(), StatusCode::Corruption) << sb.to_string();
+  for (const std::string& word : std::vector<std::string>{"shard 7", "stream TWIN", "seq " + std::to_string(shared + 1), "another writer",
+                                 "nothing trimmed"}) {
+    EXPECT_NE(sb.message().find(word), std::string::npos) << word << ": " << sb.to_string();
+  }
+  // Nothing of B's trimmed: its feed holds every batch after what both share.
+  EXPECT_EQ(b->stats().change_feed_trimmed_seq, shared);
+  EXPECT_EQ(b->read_changes(shared, std::size_t{1} << 30)->size(), *b->last_change_seq() - shared);
+  EXPECT_EQ(pb->stats().published_seq, shared);
+  // A keeps publishing, and a view of the stream is A, bit for bit: no batch
+  // of B's in it (it would be a batch of A's seq, skipped or mixed in).
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(wa.step({a.get()}, nullptr), "");
+  ASSERT_TRUE(all_published(a.get(), *pa));
+  EXPECT_FALSE(pa->stats().halted) << pa->stats().last_error;
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  ASSERT_TRUE(converge({a.get()}, *view, *f));
+  EXPECT_EQ(compare(*view, *a), "");
+  EXPECT_EQ(stream_messages(cluster, config.stream), *a->last_change_seq());
+  EXPECT_OK(pa->stop());
+}
+
+TEST(NatsFence, ARestoredDbStopsWhereTheStreamIsNoLongerAheadAndNeverTrims) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "RESTORE", 3);
+  auto db = open_shard(dir.sub("db"), 3);
+  ASSERT_NE(db, nullptr);
+  Workload w(61, 40);
+  ASSERT_EQ(w.setup({db.get()}, nullptr), "");
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(w.step({db.get()}, nullptr), "");
+  {
+    auto p = start_publisher(db.get(), config);
+    ASSERT_NE(p, nullptr);
+    ASSERT_TRUE(all_published(db.get(), *p));
+    EXPECT_OK(p->stop());
+  }
+  // The backup: a copy of the closed Db.
+  ASSERT_OK(db->close());
+  db.reset();
+  copy_dir(dir.sub("db"), dir.sub("backup"));
+  db = open_shard(dir.sub("db"), 3);
+  ASSERT_NE(db, nullptr);
+  for (int i = 0; i < 600; ++i) ASSERT_EQ(w.step({db.get()}, nullptr), "");
+  std::uint64_t stream_last = 0;
+  {
+    auto p = start_publisher(db.get(), config);
+    ASSERT_NE(p, nullptr);
+    ASSERT_TRUE(all_published(db.get(), *p));
+    EXPECT_OK(p->stop());
+    stream_last = *db->last_change_seq();
+  }
+  ASSERT_OK(db->close());
+  db.reset();
+
+  // The shard is restored from the backup: the stream is ahead of it.
+  auto restored = open_shard(dir.sub("backup"), 3);
+  ASSERT_NE(restored, nullptr);
+  const std::uint64_t trimmed = restored->stats().change_feed_trimmed_seq;
+  ASSERT_LT(*restored->last_change_seq(), stream_last);
+  auto refused = Publisher::start(restored.get(), config);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::InvalidArgument) << refused.status().to_string();
+  EXPECT_NE(refused.status().message().find("up to seq " + std::to_string(stream_last)), std::string::npos)
+      << refused.status().to_string();
+
+  // A Publisher started while the cluster is down, so that its refusal
+  // comes at a later attempt: meanwhile the restored Db takes new writes,
+  // a purge among them, until it has passed the stream's last seq.
+  cluster.kill_all();
+  auto p = start_publisher(restored.get(), config);
+  ASSERT_NE(p, nullptr);
+  Workload w2(62, 40);
+  for (int i = 0; *restored->last_change_seq() <= stream_last + 2; ++i) {
+    ASSERT_EQ(w2.step({restored.get()}, nullptr), "");
+    if (i == 100) {
+      (void)restored->leave_community_layer(5);  // left already: fine
+      auto receipt = restored->purge_community_contributions(5);
+      ASSERT_TRUE(receipt.ok()) << receipt.status().to_string();
+    }
+    if (i % 50 == 0) ASSERT_OK(restored->flush());
+  }
+  ASSERT_OK(restored->flush());
+  const std::string feed = feed_after(restored.get(), trimmed);
+  EXPECT_GT(p->stats().errors, 0u);
+  EXPECT_FALSE(p->stats().halted);
+  ASSERT_TRUE(cluster.start_all(60s)) << cluster.log_tail(0);
+  ASSERT_TRUE(eventually([&] { return p->stats().halted; }, 30s)) << p->stats().last_error;
+  Status st = p->stop();
+  EXPECT_EQ(st.code(), StatusCode::Corruption) << st.to_string();
+  for (const std::string& word : std::vector<std::string>{"shard 3", "stream RESTORE", "batch of seq " + std::to_string(stream_last),
+                                 "differs", "nothing trimmed"}) {
+    EXPECT_NE(st.message().find(word), std::string::npos) << word << ": " << st.to_string();
+  }
+  EXPECT_EQ(restored->stats().change_feed_trimmed_seq, trimmed);
+  EXPECT_EQ(feed_after(restored.get(), trimmed), feed);
+  // Started again later: the same refusal at once, still nothing trimmed.
+  auto again = Publisher::start(restored.get(), config);
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), StatusCode::Corruption) << again.status().to_string();
+  EXPECT_EQ(restored->stats().change_feed_trimmed_seq, trimmed);
+  // The stream still holds the original shard's batches only.
+  EXPECT_EQ(stream_messages(cluster, config.stream), stream_last);
+}
+
+// A batch of another incarnation of shard 9 (a Db re-created for it) in the
+// stream: the view refuses it, naming both incarnations, and the shard's
+// own Publisher stops at its next connection.
+TEST(NatsFence, ABatchOfAnotherIncarnationIsRefusedByTheViewAndStopsThePublisher) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "INCARN", 1);
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  const std::string mine = db->stats().change_feed_incarnation;
+  ASSERT_EQ(mine.size(), 32u);
+  for (std::uint64_t k = 1; k <= 3; ++k) {
+    ASSERT_OK(db->join_community(k, 1));
+    ASSERT_TRUE(db->signal_with_context({k, k, 1.5}, {{2}}).ok());
+    ASSERT_OK(db->flush());
+  }
+  auto batches = db->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok());
+  const ChangeBatch last = batches->back();
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  {
+    auto p = start_publisher(db.get(), config);
+    ASSERT_NE(p, nullptr);
+    ASSERT_TRUE(all_published(db.get(), *p));
+    EXPECT_OK(p->stop());
+  }
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == last.seq; }, 20s)) << f->stats().last_error;
+  // Every message carries the feed's incarnation.
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  natsMsg* m = nullptr;
+  ASSERT_EQ(js_GetLastMsg(&m, js.js(), "INCARN", "tidal.INCARN.9", nullptr, nullptr), NATS_OK);
+  const char* header = nullptr;
+  ASSERT_EQ(natsMsgHeader_Get(m, "Tidal-Incarnation", &header), NATS_OK);
+  EXPECT_EQ(std::string(header), mine);
+  natsMsg_Destroy(m);
+  // Another Db's batch seq last + 1 of shard 9 (payload of a real batch).
+  const std::string theirs(32, 'e');
+  ASSERT_EQ(natsMsg_Create(&m, "tidal.INCARN.9", nullptr, last.payload.data(), static_cast<int>(last.payload.size())),
+            NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(last.seq + 1).c_str()), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation", theirs.c_str()), NATS_OK);
+  ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, nullptr, nullptr), NATS_OK);
+  natsMsg_Destroy(m);
+  ASSERT_TRUE(eventually([&] { return f->stats().gaps >= 1; }, 20s)) << f->stats().last_error;
+  const std::string why = f->stats().last_error;
+  for (const std::string& word : {std::string("incarnation"), mine, theirs, std::string("shard 9")}) {
+    EXPECT_NE(why.find(word), std::string::npos) << word << ": " << why;
+  }
+  EXPECT_EQ(*view->applied_seq(9), last.seq);
+  EXPECT_EQ(compare(*view, *db), "");
+  // The shard's own Publisher, started again, finds the other incarnation last.
+  ASSERT_TRUE(db->signal_with_context({1, 4, 1.0}, {{2}}).ok());
+  ASSERT_OK(db->flush());
+  const std::uint64_t trimmed = db->stats().change_feed_trimmed_seq;
+  auto p = Publisher::start(db.get(), config);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), StatusCode::Corruption) << p.status().to_string();
+  EXPECT_NE(p.status().message().find("incarnation " + theirs), std::string::npos) << p.status().to_string();
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, trimmed);
+  EXPECT_OK(f->stop());
 }
 
 // ---- Convergence through the cluster, with a server SIGKILLed and a publisher stopped abruptly ----
