@@ -33,6 +33,7 @@
 
 #include "tidal/db.h"
 #include "tidal/global_view.h"
+#include "tidal/metrics.h"
 #include "tidal/status.h"
 
 namespace tidal::nats {
@@ -128,6 +129,13 @@ struct FollowerStats {
   std::uint64_t first_deliveries = 0;    // messages delivered to this consumer for the first time
   std::uint64_t stored_to_fetched_micros = 0;  // summed over those: from stored in the stream to fetched here
 };
+
+// The stats above in the Prometheus text format (tidal/metrics.h), `labels`
+// on every sample: tidal_publisher_* (shard="<id>" on each) and
+// tidal_follower_* (tidal_follower_applied_seq per shard="<id>"). What to
+// alert on: docs/SCALE.md, "What to monitor". InvalidArgument for a bad label.
+Result<std::string> prometheus_text(const PublisherStats& stats, const MetricLabels& labels = {});
+Result<std::string> prometheus_text(const FollowerStats& stats, const MetricLabels& labels = {});
 
 // Background thread: Db change feed -> JetStream, then trim_changes after the
 // stream's ack. Batches are published one at a time in seq order; a batch is

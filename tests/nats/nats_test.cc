@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -24,6 +25,7 @@
 #include <gtest/gtest.h>
 #include <nats/nats.h>
 
+#include "../prometheus_parse.h"
 #include "../test_util.h"
 #include "nats_cluster.h"
 #include "nats_test_util.h"
@@ -1013,6 +1015,59 @@ TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
   EXPECT_FALSE(f->stats().stalled_on_gap);
   jsCtx_Destroy(js);
   natsConnection_Destroy(nc);
+}
+
+// PublisherStats and FollowerStats in the Prometheus text format: the text
+// parses by the format's rules and each value is the field it names
+// (no cluster needed: the stats are what a host would read).
+TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
+  PublisherStats p;
+  p.shard_id = 7;
+  p.published_seq = 41;
+  p.last_change_seq = 45;
+  p.lag_batches = 4;
+  p.lag_bytes = 1234;
+  p.published_batches = 40;
+  p.duplicates = 2;
+  p.errors = 3;
+  p.connects = 1;
+  p.connected = true;
+  p.halted = true;
+  Result<std::string> text = prometheus_text(p, {{"host", "a"}});
+  ASSERT_TRUE(text.ok()) << text.status().to_string();
+  std::vector<tidal::testing::Sample> samples = tidal::testing::parse(*text);
+  ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
+  EXPECT_EQ(samples.size(), 10u);
+  for (const auto& s : samples) EXPECT_EQ(s.labels, (MetricLabels{{"host", "a"}, {"shard", "7"}})) << s.name;
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_published_seq").value, 41u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_lag_batches").value, 4u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_lag_bytes").value, 1234u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_duplicates_total").value, 2u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_errors_total").value, 3u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_halted").value, 1u);
+
+  FollowerStats f;
+  f.applied = {{1, 10, ""}, {3, 2, ""}};
+  f.applied_batches = 12;
+  f.gaps = 5;
+  f.lag_messages = 9;
+  f.stalled_on_gap = true;
+  text = prometheus_text(f);
+  ASSERT_TRUE(text.ok()) << text.status().to_string();
+  samples = tidal::testing::parse(*text);
+  ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_applied_batches_total").value, 12u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_gaps_total").value, 5u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_lag_messages").value, 9u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_stalled_on_gap").value, 1u);
+  std::map<std::string, std::uint64_t> applied;
+  for (const auto& s : samples) {
+    if (s.name == "tidal_follower_applied_seq") applied[s.labels.at(0).second] = s.value;
+  }
+  EXPECT_EQ(applied, (std::map<std::string, std::uint64_t>{{"1", 10}, {"3", 2}}));
+  // A label clashing with the per-shard one is refused.
+  Result<std::string> clash = prometheus_text(p, {{"shard", "x"}});
+  EXPECT_EQ(clash.status().code(), StatusCode::InvalidArgument);
 }
 
 }  // namespace

@@ -1,0 +1,89 @@
+// PublisherStats and FollowerStats in the Prometheus text format
+// (include/tidal/nats.h, tidal/metrics.h).
+#include <string>
+
+#include "tidal/metrics.h"
+#include "tidal/nats.h"
+
+namespace tidal::nats {
+namespace {
+
+struct Row {
+  const char* name;
+  const char* type;
+  std::uint64_t value;
+  const char* help;
+};
+
+// Each row as a family of one sample, with `extra` on it.
+Status render(PrometheusText* out, std::initializer_list<Row> rows, const MetricLabels& extra) {
+  for (const Row& row : rows) {
+    if (Status s = out->family(row.name, row.type, row.help); !s.ok()) return s;
+    if (Status s = out->sample(row.value, extra); !s.ok()) return s;
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<std::string> prometheus_text(const PublisherStats& st, const MetricLabels& labels) {
+  Result<PrometheusText> out = PrometheusText::with_labels(labels);
+  if (!out.ok()) return out.status();
+  const Status s = render(
+      &*out,
+      {
+          {"tidal_publisher_published_seq", "gauge", st.published_seq,
+           "The last seq the stream acknowledged (the feed is trimmed through it)."},
+          {"tidal_publisher_last_change_seq", "gauge", st.last_change_seq, "The Db's last seq, when last read."},
+          {"tidal_publisher_lag_batches", "gauge", st.lag_batches,
+           "Batches written but not yet acknowledged by the stream; alert when it keeps growing."},
+          {"tidal_publisher_lag_bytes", "gauge", st.lag_bytes,
+           "Payload bytes not yet trimmed; signals get Busy when it reaches Options::change_feed_max_bytes."},
+          {"tidal_publisher_published_batches_total", "counter", st.published_batches,
+           "Acknowledged publishes since start, duplicates included."},
+          {"tidal_publisher_duplicates_total", "counter", st.duplicates,
+           "Acks JetStream flagged as duplicates (a batch sent again, checked against the stored one)."},
+          {"tidal_publisher_errors_total", "counter", st.errors, "Failed attempts, each retried."},
+          {"tidal_publisher_connects_total", "counter", st.connects, "Connections made."},
+          {"tidal_publisher_connected", "gauge", st.connected ? 1u : 0u, "1 when connected with the stream checked."},
+          {"tidal_publisher_halted", "gauge", st.halted ? 1u : 0u,
+           "1 when a fence stopped the publisher for good (a twin, a restored Db): page an operator."},
+      },
+      {{"shard", std::to_string(st.shard_id)}});
+  if (!s.ok()) return s;
+  return out->text();
+}
+
+Result<std::string> prometheus_text(const FollowerStats& st, const MetricLabels& labels) {
+  Result<PrometheusText> out = PrometheusText::with_labels(labels);
+  if (!out.ok()) return out.status();
+  Status s = render(
+      &*out,
+      {
+          {"tidal_follower_applied_batches_total", "counter", st.applied_batches, "Messages applied since start."},
+          {"tidal_follower_redeliveries_skipped_total", "counter", st.redeliveries_skipped,
+           "Messages the view had applied already (acked, nothing changed)."},
+          {"tidal_follower_gaps_total", "counter", st.gaps,
+           "Messages refused (a gap, another incarnation, undecodable): not acked, delivered again later."},
+          {"tidal_follower_errors_total", "counter", st.errors, "Failed attempts, each retried."},
+          {"tidal_follower_lag_messages", "gauge", st.lag_messages,
+           "Stream messages not yet delivered to this consumer."},
+          {"tidal_follower_connects_total", "counter", st.connects, "Connections made."},
+          {"tidal_follower_connected", "gauge", st.connected ? 1u : 0u, "1 when connected with the consumer bound."},
+          {"tidal_follower_stalled_on_gap", "gauge", st.stalled_on_gap ? 1u : 0u,
+           "1 when the last message seen was a gap: the view waits for the missing batch."},
+          {"tidal_follower_view_writes_total", "counter", st.view_writes, "GlobalView::apply calls."},
+          {"tidal_follower_apply_microseconds_total", "counter", st.apply_micros, "Time spent in those calls."},
+      },
+      {});
+  if (!s.ok()) return s;
+  s = out->family("tidal_follower_applied_seq", "gauge", "The view's applied seq, per shard.");
+  for (const ShardProgress& p : st.applied) {
+    if (!s.ok()) break;
+    s = out->sample(p.applied_seq, {{"shard", std::to_string(p.shard_id)}});
+  }
+  if (!s.ok()) return s;
+  return out->text();
+}
+
+}  // namespace tidal::nats
