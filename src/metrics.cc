@@ -147,7 +147,9 @@ Result<std::string> prometheus_text(const Stats& st, const MetricLabels& labels)
       {"tidal_db_change_feed_last_seq", "gauge", st.change_feed_last_seq, "The last batch written to the feed."},
       {"tidal_db_change_feed_trimmed_seq", "gauge", st.change_feed_trimmed_seq, "The feed is trimmed through it."},
       {"tidal_db_change_feed_pending_bytes", "gauge", st.change_feed_pending_bytes,
-       "Payload bytes of the untrimmed batches; at Options::change_feed_max_bytes the writer waits."},
+       "Payload bytes of the untrimmed batches; at Options::change_feed_max_bytes signals get Busy."},
+      {"tidal_db_change_feed_refused_signals_total", "counter", st.change_feed_refused_signals,
+       "Signals refused (Busy, not applied) while the feed was at its bound: its consumers do not trim."},
   };
   for (const Row& row : rows) {
     if (Status s = out->family(row.name, row.type, row.help); !s.ok()) return s;

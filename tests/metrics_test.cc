@@ -40,7 +40,7 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   ASSERT_OK(text.status());
   const std::vector<Sample> samples = parse(*text);
   ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
-  EXPECT_EQ(samples.size(), 29u);
+  EXPECT_EQ(samples.size(), 30u);
   for (const Sample& s : samples) {
     EXPECT_EQ(s.labels, (MetricLabels{{"shard", "7"}, {"db", odd}})) << s.name;
   }

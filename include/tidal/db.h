@@ -190,11 +190,12 @@ struct Options {
   // change_feed, and another id later is InvalidArgument. Default: 0.
   std::uint64_t shard_id = 0;
   // Bound on the feed's untrimmed payload bytes. While the feed holds this
-  // much, no write is made (so it passes the bound by at most one write):
-  // the writer keeps its batch in memory and retries (signals
-  // then meet backpressure and, once the buffers are full, get Busy), a
-  // purge or a repair returns Busy, until the consumers trim. Nothing is
-  // ever dropped. Default: 1 GiB.
+  // much, signal_with_context returns Busy before it applies anything,
+  // naming the bound, until the consumers trim; what was accepted before is
+  // always written (at close too), and so are purges and repairs. So the
+  // feed passes the bound by at most the write buffers' shared cells (the
+  // payload of at most write_buffer_bytes / 2 of signals) plus the purges
+  // and repairs made meanwhile. Nothing is ever dropped. Default: 1 GiB.
   std::uint64_t change_feed_max_bytes = std::uint64_t{1} << 30;
 };
 
@@ -242,6 +243,7 @@ struct Stats {
   std::uint64_t change_feed_last_seq = 0;       // the last batch written
   std::uint64_t change_feed_trimmed_seq = 0;    // trimmed through this seq
   std::uint64_t change_feed_pending_bytes = 0;  // payload bytes of the untrimmed batches
+  std::uint64_t change_feed_refused_signals = 0;  // signals refused (Busy) while the feed was at its bound
   std::string change_feed_incarnation;          // 32 hex digits, fixed when the feed was created
 };
 

@@ -142,7 +142,8 @@ Result<std::string> prometheus_text(const FollowerStats& stats, const MetricLabe
 // trimmed only once the stream acknowledged it. After any failure (no
 // server, lost connection, leader change, timeout) it waits (bounded
 // backoff) and resumes from the first batch not acknowledged; the Db keeps
-// every batch meanwhile (up to Options::change_feed_max_bytes).
+// every batch meanwhile; at Options::change_feed_max_bytes its signals get Busy
+// (nothing accepted is lost, purges still go in: docs/CONTRACT.md F4).
 //
 // Fencing (docs/SCALE.md, "Fencing"): on every connection the Publisher
 // reads the last message of the shard's subject; each publish carries

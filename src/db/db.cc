@@ -56,6 +56,7 @@ Stats Db::Impl::stats() const {
     out.change_feed_last_seq = f.last_seq;
     out.change_feed_trimmed_seq = f.trimmed_through;
     out.change_feed_pending_bytes = f.pending_bytes;
+    out.change_feed_refused_signals = st.feed_refused_signals;
     out.change_feed_incarnation = f.incarnation;
   }
   return out;

@@ -248,6 +248,14 @@ Status StateStore::refused() const {
 }
 
 Status StateStore::admit(bool nested) {
+  // At the change feed's bound a signal is refused before it is accepted
+  // (F4): what was accepted is always written, so a downstream outage never
+  // loses an acknowledged signal, at the bound or at close.
+  if (feed_ != nullptr && feed_->full()) {
+    feed_refused_signals_.fetch_add(1, std::memory_order_relaxed);
+    const Status room = feed_->room();
+    if (!room.ok()) return Status::Busy(room.message() + "; the signal was not applied");
+  }
   // The admission rate, while the compactions are behind. A nested signal
   // is never held to it (it would hold up the sink's caller, whose read
   // section the writer may be waiting out); at the hard stop, where nothing
@@ -368,19 +376,6 @@ Status StateStore::write_frozen_locked(int frozen) {
     cells.assign(locked.begin(), locked.end());
   }
   const std::string what = "aggregate write of '" + storage_->path() + "'";
-  // A batch with shared cells enters the change feed, which refuses it
-  // while full (F4): ask first, so that a batch that cannot be written
-  // costs no epoch mark (an fsync) and no files.
-  const auto shared = [](const auto& c) {
-    return c.first.kind == static_cast<std::uint8_t>(AggregateKind::Cohort) ||
-           c.first.kind == static_cast<std::uint8_t>(AggregateKind::Community);
-  };
-  if (feed_ != nullptr && std::any_of(cells.begin(), cells.end(), shared)) {
-    if (Status s = feed_->room(); !s.ok()) {
-      write_failures_.fetch_add(1, std::memory_order_relaxed);
-      return s;  // the frozen buffer stays live, as below
-    }
-  }
   // The batch's epoch names its ledger records, so no two batches may share
   // one, after a crash or an upgrade too: it is above the last batch's and
   // RocksDB's next sequence number, and at most the reservation in the
@@ -533,6 +528,7 @@ StateStoreStats StateStore::stats() const {
   out.admission_delayed_signals = delayed_signals_.load(std::memory_order_relaxed);
   out.admission_delay_ns = delay_ns_.load(std::memory_order_relaxed);
   out.admission_refused_signals = refused_signals_.load(std::memory_order_relaxed);
+  out.feed_refused_signals = feed_refused_signals_.load(std::memory_order_relaxed);
   out.admission_rate_bytes_per_s = rate_bytes_.load(std::memory_order_relaxed);
   const double signal_bytes = signal_bytes_.load(std::memory_order_relaxed);
   out.admission_signal_bytes = signal_bytes > 0 ? static_cast<std::uint64_t>(signal_bytes + 0.5) : kDefaultSignalBytes;

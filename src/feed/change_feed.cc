@@ -100,8 +100,7 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   const std::string what = "seeding the change feed of '" + storage->path() + "'";
   IngestBatch batch(storage, "feed-seed");
   Appender seed(feed.get(), FeedOrigin::Seed,
-                [&](const std::string& k, const std::string& v) { return batch.put(storage->feed(), k, v); },
-                /*bounded=*/false);
+                [&](const std::string& k, const std::string& v) { return batch.put(storage->feed(), k, v); });
   auto it = storage->iterator(storage->aggregates(), /*bulk=*/true);
   const std::string first(1, static_cast<char>(AggregateKind::Cohort));
   for (it->Seek(first); it->Valid(); it->Next()) {
@@ -179,30 +178,24 @@ Status ChangeFeed::load() {
       end_offset_ = get_u64_be(it->value().data());
     }
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    update_full_locked();
+  }
   return from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'");
 }
 
-ChangeFeed::Appender::Appender(ChangeFeed* feed, FeedOrigin origin, Put put, bool bounded)
+ChangeFeed::Appender::Appender(ChangeFeed* feed, FeedOrigin origin, Put put)
     : feed_(feed),
       put_(std::move(put)),
-      bounded_(bounded),
       encoder_(origin, [this](std::string payload) { on_payload(std::move(payload)); }) {
   std::lock_guard<std::mutex> lock(feed_->mu_);
   next_ = {feed_->last_seq_, feed_->end_offset_};
-  first_seq_ = next_.last_seq;
 }
 
 void ChangeFeed::Appender::on_payload(std::string payload) {
   if (!error_.ok()) return;
   const std::uint64_t end = next_.end_offset + payload.size();
-  if (bounded_ && next_.last_seq == first_seq_) {
-    // Checked once a write, before its first payload: a write of any size
-    // goes into a feed below the bound (so the bound is passed by at most
-    // one write), none into a feed at or above it. (Writers are serialized:
-    // the feed's end is still where this write began.)
-    error_ = feed_->room();
-    if (!error_.ok()) return;
-  }
   std::string value = be64(end);
   value += payload;
   if (rocksdb::Status s = put_(encode_feed_key(next_.last_seq + 1), value); !s.ok()) {
@@ -224,6 +217,7 @@ void ChangeFeed::committed(const Appended& a) {
   if (a.last_seq <= last_seq_) return;
   last_seq_ = a.last_seq;
   end_offset_ = a.end_offset;
+  update_full_locked();
 }
 
 Status ChangeFeed::room() const {
@@ -233,7 +227,8 @@ Status ChangeFeed::room() const {
   return Status::Busy("the change feed of shard " + std::to_string(shard_id_) + " in '" + storage_->path() +
                       "' holds " + std::to_string(pending) +
                       " bytes not yet trimmed, at or above Options::change_feed_max_bytes (" +
-                      std::to_string(max_bytes_) + "); its consumers must trim_changes() what they have");
+                      std::to_string(max_bytes_) + "); its consumers must trim_changes() what they have (is its "
+                      "publisher running and connected?)");
 }
 
 Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::size_t max_bytes) const {
@@ -307,6 +302,7 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
     std::lock_guard<std::mutex> lock(mu_);
     trimmed_through_ = std::max(trimmed_through_, through_seq);
     trimmed_offset_ = std::max(trimmed_offset_, offset);
+    update_full_locked();
   }
   // Feed keys only grow, so every ingested feed file lands at the bottom
   // level, where no compaction by size ever reaches it, and the range

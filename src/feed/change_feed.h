@@ -14,6 +14,7 @@
 #ifndef TIDAL_FEED_CHANGE_FEED_H_
 #define TIDAL_FEED_CHANGE_FEED_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -68,29 +69,31 @@ class ChangeFeed {
   class Appender {
    public:
     using Put = std::function<rocksdb::Status(const std::string& key, const std::string& value)>;
-    // `bounded`: Busy past max_bytes (false only for the seed).
-    Appender(ChangeFeed* feed, FeedOrigin origin, Put put, bool bounded = true);
+    // Never refused for want of room: what was accepted (a batch's signals,
+    // a purge, a repair) is always written; the bound holds back signals
+    // before they are accepted instead (full(), StateStore::admit).
+    Appender(ChangeFeed* feed, FeedOrigin origin, Put put);
     void add(std::string_view encoded_key, Units delta) { encoder_.add(encoded_key, delta); }
     // Seals the last payload. What to pass to committed() once the write
-    // landed; Busy (nothing to commit; the write must not be made) when the
-    // untrimmed feed holds max_bytes or more, or the batch's error.
+    // landed, or the batch's error.
     Result<Appended> finish();
 
    private:
     void on_payload(std::string payload);
     ChangeFeed* const feed_;
     const Put put_;
-    const bool bounded_;
     FeedEncoder encoder_;
     Appended next_;
-    std::uint64_t first_seq_ = 0;  // the feed's last seq when the write began
     Status error_;
   };
   void committed(const Appended& a);
-  // OK while the untrimmed batches hold less than max_bytes of payload, so
-  // that a write may enter the feed; Busy, naming the bound, once they hold
-  // it (what Appender::finish reports then). Writers ask before a write's
-  // costly steps: nothing but a trim makes room.
+  // True while the untrimmed batches hold max_bytes of payload or more:
+  // signals are then refused before they are accepted (StateStore::admit),
+  // so the writes of what was accepted pass the bound by at most the write
+  // buffers' cells, and purges and repairs by their own deltas. One relaxed
+  // load: the signal path asks.
+  bool full() const { return full_.load(std::memory_order_relaxed); }
+  // OK below the bound; Busy naming it (and what to do) at or above it.
   Status room() const;
 
   // Batches with seq > after_seq, oldest first, up to about max_bytes of
@@ -123,6 +126,8 @@ class ChangeFeed {
   std::uint64_t end_offset_ = 0;       // payload bytes ever appended, through last_seq_
   std::uint64_t trimmed_through_ = 0;
   std::uint64_t trimmed_offset_ = 0;   // payload bytes ever appended, through trimmed_through_
+  std::atomic<bool> full_{false};      // end_offset_ - trimmed_offset_ >= max_bytes_; changed under mu_
+  void update_full_locked() { full_.store(end_offset_ - trimmed_offset_ >= max_bytes_, std::memory_order_relaxed); }
 };
 
 }  // namespace tidal
