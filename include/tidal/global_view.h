@@ -168,6 +168,9 @@ class GlobalView {
   // read-only view.
   Status checkpoint(const std::string& dir) const;
 
+  // True for a view opened with GlobalViewOptions::read_only (it applies nothing).
+  bool read_only() const;
+
   class Impl;
 
  private:

@@ -273,6 +273,10 @@ class Follower::Impl {
 Result<std::unique_ptr<Follower>> Follower::start(GlobalView* view, const Config& config,
                                                   const std::string& consumer_name) {
   if (view == nullptr) return Status::InvalidArgument("tidal::nats::Follower::start: view is null");
+  if (view->read_only()) {
+    return Status::InvalidArgument("tidal::nats::Follower::start: the view is open read-only, and a Follower "
+                                   "applies batches to it; open it without GlobalViewOptions::read_only");
+  }
   if (Status s = internal::check_config(config); !s.ok()) return s;
   bool bad_name = consumer_name.empty();
   for (char c : consumer_name) {

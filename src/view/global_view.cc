@@ -658,6 +658,8 @@ Result<double> GlobalView::community_score(std::uint64_t community_id, std::uint
                  [&] { return impl_->score(AggregateKind::Community, community_id, item_id); });
 }
 
+bool GlobalView::read_only() const { return impl_->read_only(); }
+
 Status GlobalView::checkpoint(const std::string& dir) const {
   return guarded("global view checkpoint", [&] { return impl_->checkpoint(dir); });
 }

@@ -40,6 +40,7 @@ class GlobalView::Impl {
   Result<ApplyOutcome> apply(std::span<const ChangeBatch> batches);
   Result<std::uint64_t> applied_seq(std::uint64_t shard_id) const;
   Result<std::vector<ShardProgress>> applied_shards() const;
+  bool read_only() const { return options_.read_only; }
   Result<double> score(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const;
   Status checkpoint(const std::string& dir) const;
 

@@ -221,6 +221,17 @@ TEST(NatsConfig, BadConfigsAreInvalidArgumentNamingTheField) {
     auto f = Follower::start(view.get(), Config{}, name);
     EXPECT_EQ(f.status().code(), StatusCode::InvalidArgument) << "'" << name << "'";
   }
+  // A read-only view cannot take a Follower (issue 27 item 6: its thread
+  // used to start and refuse every message, for ever).
+  ASSERT_OK(view->close());
+  GlobalViewOptions ro;
+  ro.read_only = true;
+  Result<std::unique_ptr<GlobalView>> reader = GlobalView::open(dir.sub("view"), ro);
+  ASSERT_OK(reader.status());
+  EXPECT_TRUE((*reader)->read_only());
+  auto f = Follower::start(reader->get(), Config{}, "reader");
+  EXPECT_EQ(f.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(f.status().message().find("read-only"), std::string::npos) << f.status().to_string();
 }
 
 TEST(NatsStream, AStreamWhoseSubjectsDoNotMatchIsInvalidArgumentNamingServerAndStream) {
