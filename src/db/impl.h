@@ -80,6 +80,7 @@ class Db::Impl {
   Result<std::vector<ChangeBatch>> read_changes(std::uint64_t after_seq, std::size_t max_bytes) const;
   Result<std::uint64_t> last_change_seq() const;
   Status trim_changes(std::uint64_t through_seq);
+  Result<std::uint64_t> reseed_change_feed();
 
   // Closes every Db still open; run once by std::atexit (see db_impl_open.cc).
   static void close_all_at_exit();
