@@ -412,7 +412,7 @@ int main(int argc, char** argv) {
   for (auto& t : loaders) t.join();
   if (reseeder.joinable()) reseeder.join();
   for (const Reseed& r : reseeds) {
-    std::printf("reseed of shard %llu: the call held its writes %.1f ms; snapshot seqs %llu..%llu (%llu bytes); in "
+    std::printf("reseed of shard %llu: the call took %.1f ms (writer waits for its read and ingestion); snapshot seqs %llu..%llu (%llu bytes); in "
                 "every view %s\n",
                 (unsigned long long)r.shard, r.call_ms, (unsigned long long)r.first, (unsigned long long)r.last,
                 (unsigned long long)r.bytes,
