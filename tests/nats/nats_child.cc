@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     if (!pub.ok()) return fail("publisher", pub.status());
     std::printf("ready\n");
     std::fflush(stdout);
-    testing::Workload w(std::strtoull(argv[6], nullptr, 10), 50, /*purges=*/false);
+    testing::Workload w(std::strtoull(argv[6], nullptr, 10), 50);  // purges among the operations
     std::vector<Db*> shards{db->get()};
     for (std::uint64_t i = 0;; ++i) {
       std::string e = w.step(shards, nullptr);
