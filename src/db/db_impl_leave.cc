@@ -35,6 +35,7 @@ Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
   return guarded("leave_community_layer", [&]() -> Status {
     Call call(this, "leave_community_layer", /*write=*/true);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status("leave_community_layer");
     std::lock_guard<std::mutex> lock(user_lock(user_id));
     CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
     leave_status_.find(user_id, current);
@@ -65,6 +66,7 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
   return guarded("rejoin_community_layer", [&]() -> Status {
     Call call(this, "rejoin_community_layer", /*write=*/true);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status("rejoin_community_layer");
     const auto lock = lock_stripes({&user_id, 1}, /*wait_for_purges=*/true);
     CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
     leave_status_.find(user_id, current);
@@ -171,6 +173,7 @@ Status Db::Impl::bulk(const char* what, std::span<const std::uint64_t> user_ids,
   return guarded(what, [&]() -> Status {
     Call call(this, what, /*write=*/true);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status(what);
     std::vector<std::uint64_t> users(user_ids.begin(), user_ids.end());
     std::sort(users.begin(), users.end());
     users.erase(std::unique(users.begin(), users.end()), users.end());  // duplicates: G7
@@ -264,6 +267,7 @@ Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipSt
 Result<CommunityMembership> Db::Impl::community_layer_status(std::uint64_t user_id) const {
   return guarded("community_layer_status", [&]() -> Result<CommunityMembership> {
     if (closed_.load(std::memory_order_acquire)) return closed_status("community_layer_status");
+    if (recovering()) return recovering_status("community_layer_status");
     CommunityMembership m{user_id, MembershipStatus::Active, std::nullopt};
     leave_status_.find(user_id, m);
     return m;
@@ -274,6 +278,7 @@ Result<std::vector<MembershipEvent>> Db::Impl::community_layer_history(std::uint
   return guarded("community_layer_history", [&]() -> Result<std::vector<MembershipEvent>> {
     Call call(this, "community_layer_history", /*write=*/false);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status("community_layer_history");
     const std::string prefix = encode_key_prefix(EntityId(user_id), Tag::CommunityLeaveHistory);
     std::vector<MembershipEvent> events;
     auto it = storage_->iterator(storage_->users());
@@ -294,6 +299,7 @@ Result<std::vector<MembershipEvent>> Db::Impl::community_layer_history(std::uint
 Result<GateActivity> Db::Impl::gate_activity(std::uint64_t user_id) const {
   return guarded("gate_activity", [&]() -> Result<GateActivity> {
     if (closed_.load(std::memory_order_acquire)) return closed_status("gate_activity");
+    if (recovering()) return recovering_status("gate_activity");
     GateActivity a;
     held_back_.find(user_id, a);
     return a;
@@ -304,6 +310,7 @@ Status Db::Impl::for_each_left(const std::function<bool(const CommunityMembershi
   return guarded("for_each_left", [&]() -> Status {
     Call call(this, "for_each_left", /*write=*/false);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status("for_each_left");
     bool stopped = false;
     Status s = scan_tag(*storage_, Tag::CommunityLeave,
                         [&](std::uint64_t user, std::string_view suffix, std::string_view value) -> Status {

@@ -53,6 +53,13 @@ class Db::Impl {
 
   Status close();
   Status flush();
+  Status backup(const std::string& dir) const;
+  Status finish_recovery();
+  bool recovering() const { return recovering_.load(std::memory_order_acquire); }
+  // Busy naming `what` and the steps that end a recovery (db/backup.cc).
+  Status recovering_status(const char* what) const;
+  // At open: a backup's manifest in the directory makes the Db recovering.
+  Status load_recovery_state();
 
   Status join_community(std::uint64_t user_id, std::uint64_t community_id);
   Status exit_community(std::uint64_t user_id, std::uint64_t community_id);
@@ -232,6 +239,12 @@ class Db::Impl {
   std::unique_ptr<StateStore> state_;  // after grace_ and feed_: its writer waits out read sections and writes the feed
 
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};
+
+  // Opened from a backup (its manifest in the directory) and not yet
+  // finished: signals and user-status calls are Busy (db/backup.cc).
+  std::atomic<bool> recovering_{false};
+  std::string recovery_manifest_;  // the manifest's text, set at open
+  std::mutex recovery_mu_;         // one finish_recovery at a time
 };
 
 // One public call that touches storage, counted in calls_ while it runs;
