@@ -1028,6 +1028,133 @@ TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
   natsConnection_Destroy(nc);
 }
 
+// Batch `seq` of shard `shard` published by hand (no message id, no
+// fence): what a repair tool or a test does.
+void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::uint64_t seq,
+                     const std::string& payload) {
+  natsMsg* m = nullptr;
+  const std::string subject = config.subject_prefix + "." + std::to_string(shard);
+  ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, payload.data(), static_cast<int>(payload.size())), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", std::to_string(shard).c_str()), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(seq).c_str()), NATS_OK);
+  ASSERT_EQ(js_PublishMsg(nullptr, js, m, nullptr, nullptr), NATS_OK);
+  natsMsg_Destroy(m);
+}
+
+const FollowerShardStats* shard_stats(const FollowerStats& st, std::uint64_t shard) {
+  for (const FollowerShardStats& s : st.shards) {
+    if (s.shard_id == shard) return &s;
+  }
+  return nullptr;
+}
+
+// Issue 27 item 3: more refused messages in one shard than the consumer's
+// MaxAckPending (the server's default of 1,000, which the Follower used to
+// leave in place, and Config::max_ack_pending) must not freeze the other
+// shards, and the missing batch, republished after them, must be applied.
+// Red with the former Follower (one consumer, refused messages NAKed and
+// left pending): shards 0 and 1 stopped applying once 1,000 refusals of
+// shard 9 were pending, and the republished batch was never delivered.
+TEST(NatsGap, AGapParksItsShardOnlyWhileTheOthersFlowAndTheRepublishedBatchIsApplied) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "PARK", 3);
+  constexpr std::uint64_t kGapShard = 9, kRefused = 1100;
+  ASSERT_GT(kRefused, static_cast<std::uint64_t>(config.max_ack_pending));
+  ASSERT_GT(kRefused, 1000u);
+  // Shard 9's batch payload: one signal on cells the workload never reads
+  // (cohort 50, item 99), so compare() checks shards 0 and 1 alone. A
+  // payload does not carry its seq: the same one serves every seq.
+  auto db9 = open_shard(dir.sub("db9"), kGapShard);
+  ASSERT_NE(db9, nullptr);
+  ASSERT_OK(db9->join_community(1, 1));
+  ASSERT_TRUE(db9->signal_with_context({1, 99, 2.5}, {{50}}).ok());
+  ASSERT_OK(db9->flush());
+  auto batches = db9->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok());
+  ASSERT_EQ(batches->size(), 1u);
+  const std::string payload = batches->front().payload;
+
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (std::uint64_t s = 0; s < 2; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+    pubs.push_back(start_publisher(shards.back().get(), config));
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(pubs[0] && pubs[1] && reference && view && f);
+  Workload w(77, 60);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  ASSERT_TRUE(converge(raw(shards), *view, *f));
+
+  // Shard 9's seqs 2..1101 reach the stream; seq 1 never did (lost).
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  for (std::uint64_t seq = 2; seq <= kRefused + 1; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, kGapShard, seq, payload));
+  }
+  ASSERT_TRUE(eventually([&] { return f->stats().stalled_on_gap; }, 20s)) << f->stats().last_error;
+
+  // The other shards keep applying, each round within a few seconds (the
+  // former Follower never caught up once 1,000 refusals were pending).
+  for (int round = 0; round < 4; ++round) {
+    for (int i = 0; i < 300; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(converge(raw(shards), *view, *f, 10s)) << "round " << round;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "round " << round;
+  }
+  EXPECT_EQ(compare(*view, *reference), "");
+  FollowerStats st = f->stats();
+  const FollowerShardStats* gap = shard_stats(st, kGapShard);
+  ASSERT_NE(gap, nullptr);
+  EXPECT_TRUE(gap->parked);
+  EXPECT_TRUE(st.stalled_on_gap);
+  EXPECT_EQ(gap->applied_seq, 0u);
+  EXPECT_EQ(gap->stream_seq, kRefused + 1);
+  EXPECT_EQ(gap->lag_batches, kRefused + 1);
+  EXPECT_GE(gap->refused, 1u);
+  for (const std::string& word : {std::string("shard 9"), std::string("stream PARK"), std::string("consumer view"),
+                                  std::string("applied through 0")}) {
+    EXPECT_NE(gap->last_error.find(word), std::string::npos) << word << ": " << gap->last_error;
+  }
+  for (std::uint64_t s = 0; s < 2; ++s) {
+    const FollowerShardStats* ok = shard_stats(st, s);
+    ASSERT_NE(ok, nullptr) << s;
+    EXPECT_FALSE(ok->parked) << s;
+    EXPECT_EQ(ok->lag_batches, 0u) << s;
+    EXPECT_EQ(ok->applied_seq, *shards[s]->last_change_seq()) << s;
+    EXPECT_EQ(ok->last_error, "") << s;  // shard 9's refusals are its own
+  }
+  EXPECT_EQ(*view->applied_seq(kGapShard), 0u);
+
+  // The missing batch is republished, after the 1,100 it precedes: shard 9
+  // catches up, every one of its batches applied once, while the others flow.
+  ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, kGapShard, 1, payload));
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(kGapShard) == kRefused + 1; }, 30s))
+      << "applied " << *view->applied_seq(kGapShard) << "; " << f->stats().last_error;
+  ASSERT_TRUE(converge(raw(shards), *view, *f, 10s));
+  EXPECT_EQ(compare(*view, *reference), "");
+  Result<double> one = db9->cohort_score(50, 99);
+  Result<double> all = view->cohort_score(50, 99);
+  ASSERT_TRUE(one.ok() && all.ok());
+  EXPECT_NEAR(*all, *one * static_cast<double>(kRefused + 1), 1e-9 * *all);
+  st = f->stats();
+  gap = shard_stats(st, kGapShard);
+  ASSERT_NE(gap, nullptr);
+  EXPECT_FALSE(gap->parked);
+  EXPECT_EQ(gap->lag_batches, 0u);
+  EXPECT_FALSE(st.stalled_on_gap);
+  // A later batch of shard 9 flows through the consumer again.
+  ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, kGapShard, kRefused + 2, payload));
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(kGapShard) == kRefused + 2; }, 10s)) << f->stats().last_error;
+  EXPECT_FALSE(f->stats().stalled_on_gap);
+  EXPECT_OK(f->stop());
+}
+
 // PublisherStats and FollowerStats in the Prometheus text format: the text
 // parses by the format's rules and each value is the field it names
 // (no cluster needed: the stats are what a host would read).
@@ -1063,6 +1190,19 @@ TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
   f.gaps = 5;
   f.lag_messages = 9;
   f.stalled_on_gap = true;
+  FollowerShardStats parked_shard;
+  parked_shard.shard_id = 3;
+  parked_shard.applied_seq = 2;
+  parked_shard.stream_seq = 1102;
+  parked_shard.lag_batches = 1100;
+  parked_shard.parked = true;
+  parked_shard.refused = 1100;
+  parked_shard.last_error = "gap \"quoted\"\n";  // never rendered: text is no sample
+  FollowerShardStats flowing;
+  flowing.shard_id = 1;
+  flowing.applied_seq = 10;
+  flowing.stream_seq = 10;
+  f.shards = {flowing, parked_shard};
   text = prometheus_text(f);
   ASSERT_TRUE(text.ok()) << text.status().to_string();
   samples = tidal::testing::parse(*text);
@@ -1076,6 +1216,20 @@ TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
     if (s.name == "tidal_follower_applied_seq") applied[s.labels.at(0).second] = s.value;
   }
   EXPECT_EQ(applied, (std::map<std::string, std::uint64_t>{{"1", 10}, {"3", 2}}));
+  // Per shard: seen seq, lag, parked and refusals, one sample per shard each.
+  std::map<std::string, std::map<std::string, std::uint64_t>> per_shard;
+  for (const auto& s : samples) {
+    if (s.name.rfind("tidal_follower_shard_", 0) == 0) {
+      ASSERT_EQ(s.labels.size(), 1u) << s.name;
+      EXPECT_EQ(s.labels.at(0).first, "shard");
+      per_shard[s.name][s.labels.at(0).second] = s.value;
+    }
+  }
+  EXPECT_EQ(per_shard["tidal_follower_shard_stream_seq"], (std::map<std::string, std::uint64_t>{{"1", 10}, {"3", 1102}}));
+  EXPECT_EQ(per_shard["tidal_follower_shard_lag_batches"], (std::map<std::string, std::uint64_t>{{"1", 0}, {"3", 1100}}));
+  EXPECT_EQ(per_shard["tidal_follower_shard_parked"], (std::map<std::string, std::uint64_t>{{"1", 0}, {"3", 1}}));
+  EXPECT_EQ(per_shard["tidal_follower_shard_refused_total"], (std::map<std::string, std::uint64_t>{{"1", 0}, {"3", 1100}}));
+  EXPECT_EQ(per_shard.size(), 4u);
   // A label clashing with the per-shard one is refused.
   Result<std::string> clash = prometheus_text(p, {{"shard", "x"}});
   EXPECT_EQ(clash.status().code(), StatusCode::InvalidArgument);
