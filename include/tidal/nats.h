@@ -72,7 +72,9 @@ struct Config {
   // Default: 0.
   std::chrono::seconds stream_max_age{0};
   // Longest wait for one request to the cluster (a publish's ack, a stream
-  // lookup, a connect); also the bound of stop(). Default: 5 s.
+  // lookup, a connect attempt over every server, whatever they do: silent,
+  // frozen, greeting and then silent); also the bound of stop().
+  // Default: 5 s.
   std::chrono::milliseconds request_timeout{5000};
   // Retry delays after a failure: doubling from min_backoff up to
   // max_backoff. Default: 50 ms to 2 s.
@@ -206,8 +208,10 @@ class Publisher {
   // idle; a publish in flight is abandoned by closing the connection, and
   // is sent again by the next Publisher, which JetStream de-duplicates).
   // Idempotent. Returns the error that halted the publisher (a fence, see
-  // above), OK otherwise (transient failures are in stats().last_error);
-  // the Db is left open.
+  // above); else the thread's last error when it stopped while failing (no
+  // connection, a stream check or publish that failed: what
+  // stats().last_error said, not yet overcome); OK when it was connected
+  // and working. The Db is left open.
   Status stop();
 
   PublisherStats stats() const;

@@ -115,6 +115,16 @@ void NatsCluster::kill(int node) {
   pids_[n] = 0;
 }
 
+void NatsCluster::freeze(int node) {
+  const std::size_t n = static_cast<std::size_t>(node);
+  if (pids_[n] > 0) ::kill(pids_[n], SIGSTOP);
+}
+
+void NatsCluster::thaw(int node) {
+  const std::size_t n = static_cast<std::size_t>(node);
+  if (pids_[n] > 0) ::kill(pids_[n], SIGCONT);
+}
+
 void NatsCluster::kill_all() {
   for (int i = 0; i < size(); ++i) kill(i);
 }

@@ -31,6 +31,10 @@ class NatsCluster {
   void start(int node);                 // starts one server (no wait)
   void kill(int node);                  // SIGKILL and reap
   void kill_all();
+  // SIGSTOP / SIGCONT: a server frozen with its sockets open (the kernel
+  // still accepts connections on its port; nothing answers).
+  void freeze(int node);
+  void thaw(int node);
   bool running(int node) const { return pids_[static_cast<std::size_t>(node)] > 0; }
   // Waits until JetStream answers through `servers()`.
   bool wait_jetstream(std::chrono::milliseconds timeout);

@@ -4,7 +4,11 @@
 // unavailable cluster, a view joining from a checkpoint, gaps reported and
 // never skipped, and clear errors for bad configs and mismatched streams.
 // docs/CONTRACT.md ("NATS JetStream") lists each guarantee with its test.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -15,8 +19,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -919,13 +925,222 @@ TEST(NatsOutage, PublisherAndFollowerRetryWithBoundedBackoffAndCatchUp) {
   ASSERT_TRUE(converge(raw(shards), *view, *f, 90s));
   EXPECT_EQ(compare(*view, *reference), "");
 
-  // stop() is prompt while the cluster is down.
+  // stop() is prompt while the cluster is down, and says what the thread
+  // was retrying (issue 27 item 6: it returned OK).
   cluster.kill_all();
-  EXPECT_TRUE(eventually([&] { return !pubs[1]->stats().connected; }, 5s));
+  EXPECT_TRUE(eventually([&] { return !pubs[1]->stats().connected && !f->stats().connected; }, 5s));
   auto t0 = std::chrono::steady_clock::now();
-  EXPECT_OK(pubs[1]->stop());
-  EXPECT_OK(f->stop());
+  Status pub_stop = pubs[1]->stop();
+  Status follower_stop = f->stop();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, config.request_timeout + 1s);
+  for (const Status* s : {&pub_stop, &follower_stop}) {
+    EXPECT_EQ(s->code(), StatusCode::IOError) << s->to_string();
+    EXPECT_NE(s->message().find("127.0.0.1"), std::string::npos) << s->to_string();
+  }
+}
+
+// ---- stop() is bounded whatever the servers do ----
+
+// A TCP listener on loopback that accepts connections and then never
+// answers, or sends a NATS INFO greeting and then nothing (a server frozen
+// mid-handshake). A real socket, not a mock server. Its destructor closes
+// every accepted socket, which also releases a client stuck on it.
+class FakeServer {
+ public:
+  explicit FakeServer(bool greet) : greet_(greet) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    ok_ = fd_ >= 0 && ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+          ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0 && ::listen(fd_, 64) == 0;
+    port_ = ntohs(addr.sin_port);
+    if (ok_) thread_ = std::thread([this] { serve(); });
+  }
+  ~FakeServer() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    for (int c : accepted_) ::close(c);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FakeServer(const FakeServer&) = delete;
+  FakeServer& operator=(const FakeServer&) = delete;
+  bool ok() const { return ok_; }
+  std::string url() const { return "nats://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  void serve() {
+    static constexpr char kInfo[] =
+        "INFO {\"server_id\":\"FAKE\",\"server_name\":\"fake\",\"version\":\"2.9.10\",\"proto\":1,"
+        "\"host\":\"127.0.0.1\",\"port\":4222,\"headers\":true,\"max_payload\":1048576,\"jetstream\":true}\r\n";
+    while (!stop_) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) continue;
+      accepted_.push_back(c);
+      if (greet_) (void)::send(c, kInfo, sizeof(kInfo) - 1, MSG_NOSIGNAL);
+    }
+  }
+
+  bool greet_;
+  bool ok_ = false;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::vector<int> accepted_;  // the serving thread's, then the destructor's
+  std::thread thread_;
+};
+
+// Calls stop() on another thread and waits at most `limit` for it: how
+// long it took, or nullopt when it had not returned (the call is then left
+// to finish when the servers let go, which `release` makes them do).
+template <class T>
+std::optional<std::chrono::milliseconds> timed_stop(T* t, Status* out, std::chrono::milliseconds limit,
+                                                    std::shared_future<Status>* pending) {
+  const auto t0 = std::chrono::steady_clock::now();
+  *pending = std::async(std::launch::async, [t] { return t->stop(); }).share();
+  if (pending->wait_for(limit) != std::future_status::ready) return std::nullopt;
+  *out = pending->get();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+}
+
+// Issue 27 items 6 and 9: a connect is interruptible. Four servers that
+// accept and never answer, or greet and then go silent: start() returns
+// after one attempt of at most request_timeout (not one per server),
+// stop() within request_timeout plus a small margin, and stop() returns
+// what the thread was retrying, naming the servers. Red with the former
+// connect (natsConnection_Connect on the caller's thread): silent servers
+// took request_timeout each (start() waited request_timeout + 1 s, stop()
+// another 2 s); after a greeting the connect never returned (stop() still
+// blocked after 10 s, a core spinning).
+TEST(NatsLifecycle, StopIsBoundedByRequestTimeoutWhenServersAreSilentOrGreetAndFreeze) {
+  for (bool greet : {false, true}) {
+    SCOPED_TRACE(greet ? "servers greet, then go silent" : "servers accept, never answer");
+    std::vector<std::unique_ptr<FakeServer>> fakes;
+    std::string servers;
+    for (int i = 0; i < 4; ++i) {
+      fakes.push_back(std::make_unique<FakeServer>(greet));
+      ASSERT_TRUE(fakes.back()->ok());
+      servers += (servers.empty() ? "" : ",") + fakes.back()->url();
+    }
+    TempDir dir;
+    Config config;
+    config.servers = servers;
+    config.stream = "SILENT";
+    config.subject_prefix = "tidal.SILENT";
+    config.replicas = 1;
+    config.request_timeout = 1000ms;
+    config.min_backoff = 50ms;
+    config.max_backoff = 200ms;
+    const auto bound = config.request_timeout + config.min_backoff + 250ms;
+    auto db = open_shard(dir.sub("db"), 1);
+    auto view = open_view(dir.sub("view"));
+    ASSERT_TRUE(db && view);
+
+    auto t0 = std::chrono::steady_clock::now();
+    auto p = Publisher::start(db.get(), config);
+    const auto publisher_start = std::chrono::steady_clock::now() - t0;
+    ASSERT_TRUE(p.ok()) << p.status().to_string();  // an unreachable cluster is not an error
+    t0 = std::chrono::steady_clock::now();
+    auto f = Follower::start(view.get(), config, "view");
+    const auto follower_start = std::chrono::steady_clock::now() - t0;
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    EXPECT_LT(publisher_start, config.request_timeout + 500ms);
+    EXPECT_LT(follower_start, config.request_timeout + 500ms);
+
+    // Mid-attempt (the threads retry at once after 50 ms): stop is prompt.
+    std::this_thread::sleep_for(300ms);
+    Status ps, fs;
+    std::shared_future<Status> p_pending, f_pending;
+    auto p_took = timed_stop(p->get(), &ps, 10s, &p_pending);
+    auto f_took = timed_stop(f->get(), &fs, 10s, &f_pending);
+    const bool hung = !p_took || !f_took;
+    fakes.clear();  // closes the accepted sockets: a stuck connect fails now
+    if (p_pending.valid()) p_pending.wait();
+    if (f_pending.valid()) f_pending.wait();
+    ASSERT_FALSE(hung) << "stop() had not returned after 10 s (publisher " << (p_took ? "returned" : "blocked")
+                       << ", follower " << (f_took ? "returned" : "blocked") << ")";
+    EXPECT_LT(*p_took, bound);
+    EXPECT_LT(*f_took, bound);
+    // What the thread was retrying: the servers, and what they did.
+    const std::string did = greet ? "did not answer a PING" : "sent no greeting";
+    for (const Status* s : {&ps, &fs}) {
+      EXPECT_EQ(s->code(), StatusCode::IOError) << s->to_string();
+      EXPECT_NE(s->message().find(did), std::string::npos) << s->to_string();
+      EXPECT_NE(s->message().find("127.0.0.1"), std::string::npos) << s->to_string();
+    }
+  }
+}
+
+// The same with real nats-servers frozen by SIGSTOP (the kernel still
+// accepts on their ports): a Publisher and a Follower that were working
+// stop within the bound (a publish in flight is abandoned), and new ones
+// start after one attempt and stop within the bound. Red with the former
+// connect: start() took request_timeout + 1 s (three servers tried in turn).
+TEST(NatsLifecycle, StopIsBoundedWhenEveryServerIsFrozenBySigstop) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "FROZEN", 3);
+  config.request_timeout = 1000ms;
+  const auto bound = config.request_timeout + config.min_backoff + 250ms;
+  auto db = open_shard(dir.sub("db"), 1);
+  auto view = open_view(dir.sub("view"));
+  ASSERT_TRUE(db && view);
+  auto p = start_publisher(db.get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(p && f);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 1, 1.0}, {{1}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+
+  for (int n = 0; n < 3; ++n) cluster.freeze(n);
+  // A batch to publish: its ack never comes.
+  ASSERT_TRUE(db->signal_with_context({1, 2, 1.0}, {{1}}).ok());
+  ASSERT_OK(db->flush());
+  std::this_thread::sleep_for(300ms);
+  Status ps, fs;
+  std::shared_future<Status> p_pending, f_pending;
+  auto p_took = timed_stop(p.get(), &ps, 10s, &p_pending);
+  auto f_took = timed_stop(f.get(), &fs, 10s, &f_pending);
+  const bool hung = !p_took || !f_took;
+  if (hung) {
+    for (int n = 0; n < 3; ++n) cluster.kill(n);
+    if (p_pending.valid()) p_pending.wait();
+    if (f_pending.valid()) f_pending.wait();
+  }
+  ASSERT_FALSE(hung);
+  EXPECT_LT(*p_took, bound);
+  EXPECT_LT(*f_took, bound);
+
+  // New ones, while every server is frozen.
+  auto t0 = std::chrono::steady_clock::now();
+  auto p2 = Publisher::start(db.get(), config);
+  const auto publisher_start = std::chrono::steady_clock::now() - t0;
+  t0 = std::chrono::steady_clock::now();
+  auto f2 = Follower::start(view.get(), config, "view");
+  const auto follower_start = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(p2.ok() && f2.ok());
+  EXPECT_LT(publisher_start, config.request_timeout + 500ms);
+  EXPECT_LT(follower_start, config.request_timeout + 500ms);
+  std::this_thread::sleep_for(300ms);
+  p_took = timed_stop(p2->get(), &ps, 10s, &p_pending);
+  f_took = timed_stop(f2->get(), &fs, 10s, &f_pending);
+  if (!p_took || !f_took) {
+    for (int n = 0; n < 3; ++n) cluster.kill(n);
+    if (p_pending.valid()) p_pending.wait();
+    if (f_pending.valid()) f_pending.wait();
+  }
+  ASSERT_TRUE(p_took && f_took);
+  EXPECT_LT(*p_took, bound);
+  EXPECT_LT(*f_took, bound);
+  for (const Status* s : {&ps, &fs}) {
+    EXPECT_EQ(s->code(), StatusCode::IOError) << s->to_string();
+    EXPECT_NE(s->message().find("sent no greeting"), std::string::npos) << s->to_string();
+  }
+  for (int n = 0; n < 3; ++n) cluster.thaw(n);
 }
 
 // ---- A new view joins from another view's checkpoint ----
