@@ -92,10 +92,13 @@ struct Config {
   std::int64_t fetch_max_bytes = 8 << 20;
   // Follower: how long the cluster waits for an ack before it delivers a
   // message again (after a Follower died holding it). Set on the durable
-  // consumer when the Follower creates it. Default: 30 s.
+  // consumer when the Follower creates it, and on an existing one that has
+  // another (with max_ack_pending). Default: 30 s.
   std::chrono::milliseconds ack_wait{30000};
   // Follower: the most messages the durable consumer hands out unacked
-  // (MaxAckPending, set when the Follower creates it; at least fetch_batch).
+  // (MaxAckPending, set when the Follower creates it or binds to one that
+  // has another, e.g. the server's default 1,000 an older tidal left;
+  // at least fetch_batch).
   // The Follower acks or terminates every message of a fetch before the
   // next, so it holds at most fetch_batch; the bound matters for a Follower
   // that died holding messages. Default: 1024.

@@ -112,7 +112,41 @@ class Follower::Impl {
     return "NATS server " + c.server() + ", stream " + config_.stream + ", consumer " + consumer_;
   }
 
+  // A durable consumer created by an older Follower (the server's default
+  // MaxAckPending) or with another ack_wait gets this config's: otherwise
+  // the client refuses to bind to it and the view could never follow.
+  // Anything else that differs (the filter, push delivery, the ack policy)
+  // is left for subscribe() to report.
+  Status align_consumer(Connection& conn) {
+    jsConsumerInfo* ci = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    if (js_GetConsumerInfo(&ci, conn.js(), config_.stream.c_str(), consumer_.c_str(), nullptr, &jerr) != NATS_OK) {
+      return Status::OK();  // missing: subscribe() creates it (or reports why not)
+    }
+    std::unique_ptr<jsConsumerInfo, void (*)(jsConsumerInfo*)> guard(ci, jsConsumerInfo_Destroy);
+    const jsConsumerConfig* c = ci->Config;
+    const std::int64_t ack_wait = static_cast<std::int64_t>(config_.ack_wait.count()) * 1'000'000;
+    if (c == nullptr || c->FilterSubject == nullptr || filter_ != c->FilterSubject || c->DeliverSubject != nullptr ||
+        c->AckPolicy != js_AckExplicit || (c->MaxAckPending == config_.max_ack_pending && c->AckWait == ack_wait)) {
+      return Status::OK();
+    }
+    jsConsumerConfig cc = *c;  // points into *ci, alive until the update returns
+    cc.MaxAckPending = config_.max_ack_pending;
+    cc.AckWait = ack_wait;
+    jsConsumerInfo* updated = nullptr;
+    natsStatus ns = js_UpdateConsumer(&updated, conn.js(), config_.stream.c_str(), &cc, nullptr, &jerr);
+    if (updated != nullptr) jsConsumerInfo_Destroy(updated);
+    if (ns != NATS_OK) {
+      return Status::IOError(where(conn) + ": cannot set max ack pending " + std::to_string(config_.max_ack_pending) +
+                             " and ack wait " + std::to_string(config_.ack_wait.count()) +
+                             " ms on the existing durable consumer (it has " + std::to_string(c->MaxAckPending) +
+                             " and " + std::to_string(c->AckWait / 1'000'000) + " ms): " + internal::nats_error(ns));
+    }
+    return Status::OK();
+  }
+
   Status subscribe(Connection& conn, natsSubscription** sub) {
+    if (Status s = align_consumer(conn); !s.ok()) return s;
     jsSubOptions so;
     jsSubOptions_Init(&so);
     so.Stream = config_.stream.c_str();
@@ -505,8 +539,10 @@ class Follower::Impl {
   // only finds the gap still open counts once per pass).
   void note_refusal(Connection& conn, std::optional<std::uint64_t> shard, const Status& why, bool count = true) {
     const std::string text =
-        Status(why.code(), where(conn) + ": not applied, the shard is parked until the missing batch is in the "
-                                         "stream: " + why.message())
+        Status(why.code(), where(conn) + (shard ? ": not applied, the shard is parked until the missing batch is in "
+                                                  "the stream: "
+                                                : ": not applied: ") +
+                               why.message())
             .to_string();
     std::lock_guard<std::mutex> lock(stats_mu_);
     if (count) ++stats_.gaps;

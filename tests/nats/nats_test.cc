@@ -1370,6 +1370,112 @@ TEST(NatsGap, AGapParksItsShardOnlyWhileTheOthersFlowAndTheRepublishedBatchIsApp
   EXPECT_OK(f->stop());
 }
 
+// A view whose durable consumer an older Follower created (server defaults:
+// MaxAckPending 1,000) keeps working: the Follower sets its settings on it.
+TEST(NatsGap, AConsumerCreatedByAnOlderFollowerGetsTheExplicitSettings) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "OLDCONS", 1);
+  config.max_ack_pending = 256;
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("OLDCONS", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  // The former Follower's consumer: no MaxAckPending.
+  const std::string filter = config.subject_prefix + ".*";
+  jsConsumerConfig cc;
+  jsConsumerConfig_Init(&cc);
+  cc.Durable = "view";
+  cc.DeliverPolicy = js_DeliverAll;
+  cc.AckPolicy = js_AckExplicit;
+  cc.AckWait = static_cast<std::int64_t>(config.ack_wait.count()) * 1'000'000;
+  cc.MaxDeliver = -1;
+  cc.FilterSubject = filter.c_str();
+  jsConsumerInfo* ci = nullptr;
+  ASSERT_EQ(js_AddConsumer(&ci, js.js(), "OLDCONS", &cc, nullptr, nullptr), NATS_OK);
+  EXPECT_NE(ci->Config->MaxAckPending, 256);
+  jsConsumerInfo_Destroy(ci);
+  auto db = open_shard(dir.sub("db"), 2);
+  auto view = open_view(dir.sub("view"));
+  ASSERT_TRUE(db && view);
+  auto p = start_publisher(db.get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(p && f);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 1, 1.0}, {{1}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+  ci = nullptr;
+  ASSERT_EQ(js_GetConsumerInfo(&ci, js.js(), "OLDCONS", "view", nullptr, nullptr), NATS_OK);
+  EXPECT_EQ(ci->Config->MaxAckPending, 256);
+  jsConsumerInfo_Destroy(ci);
+  EXPECT_OK(f->stop());
+  EXPECT_OK(p->stop());
+}
+
+// An empty fetch is not "no lag": while the server holds messages back (here
+// another client of the same durable consumer holds MaxAckPending of them
+// unacked), lag_messages counts what the consumer has not delivered. Red
+// with the former Follower: it reported 0 after each empty fetch.
+TEST(NatsGap, LagCountsWhatTheServerHoldsBackWhenAFetchIsEmpty) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "HELD", 1);
+  config.max_ack_pending = 64;
+  config.fetch_batch = 64;
+  config.ack_wait = 30s;
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("HELD", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  const std::string filter = config.subject_prefix + ".*";
+  jsConsumerConfig cc;
+  jsConsumerConfig_Init(&cc);
+  cc.Durable = "view";
+  cc.DeliverPolicy = js_DeliverAll;
+  cc.AckPolicy = js_AckExplicit;
+  cc.AckWait = static_cast<std::int64_t>(config.ack_wait.count()) * 1'000'000;
+  cc.MaxDeliver = -1;
+  cc.MaxAckPending = config.max_ack_pending;
+  cc.FilterSubject = filter.c_str();
+  ASSERT_EQ(js_AddConsumer(nullptr, js.js(), "HELD", &cc, nullptr, nullptr), NATS_OK);
+  auto db = open_shard(dir.sub("db"), 3);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 99, 2.5}, {{50}}).ok());
+  ASSERT_OK(db->flush());
+  auto batches = db->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok() && batches->size() == 1u);
+  constexpr std::uint64_t kBatches = 200;
+  for (std::uint64_t seq = 1; seq <= kBatches; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 3, seq, batches->front().payload));
+  }
+  // Another client takes 64 messages of the consumer and holds them.
+  natsSubscription* other = nullptr;
+  jsSubOptions so;
+  jsSubOptions_Init(&so);
+  so.Stream = "HELD";
+  so.Consumer = "view";
+  ASSERT_EQ(js_PullSubscribe(&other, js.js(), filter.c_str(), "view", nullptr, &so, nullptr), NATS_OK);
+  natsMsgList held{nullptr, 0};
+  ASSERT_EQ(natsSubscription_Fetch(&held, other, config.max_ack_pending, 2000, nullptr), NATS_OK);
+  ASSERT_EQ(held.Count, config.max_ack_pending);
+
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  std::this_thread::sleep_for(1500ms);  // empty fetches meanwhile
+  FollowerStats st = f->stats();
+  EXPECT_EQ(*view->applied_seq(3), 0u);
+  EXPECT_GE(st.lag_messages, kBatches - static_cast<std::uint64_t>(config.max_ack_pending));
+  // The other client hands its messages back: everything is applied, lag 0.
+  for (int i = 0; i < held.Count; ++i) EXPECT_EQ(natsMsg_Nak(held.Msgs[i], nullptr), NATS_OK);
+  natsMsgList_Destroy(&held);
+  natsSubscription_Destroy(other);
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(3) == kBatches; }, 20s)) << f->stats().last_error;
+  EXPECT_TRUE(eventually([&] { return f->stats().lag_messages == 0; }, 5s)) << f->stats().lag_messages;
+  EXPECT_OK(f->stop());
+}
+
 // PublisherStats and FollowerStats in the Prometheus text format: the text
 // parses by the format's rules and each value is the field it names
 // (no cluster needed: the stats are what a host would read).
