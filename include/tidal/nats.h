@@ -53,6 +53,30 @@ struct Config {
   // needs replicas set to its size). Default: 3.
   int replicas = 3;
 
+  // -- Authentication and TLS (optional; docs/SCALE.md, "Authentication and
+  // TLS"). Without them anyone who can publish on <subject_prefix>.* can
+  // inject deltas into every view. --
+  // User and password (the server's `authorization { user, password }`);
+  // both or neither. Default: none.
+  std::string user;
+  std::string password;
+  // A token (`authorization { token }`), instead of user and password.
+  // Default: none.
+  std::string token;
+  // A NATS credentials file (JWT and NKey seed, decentralized
+  // authentication), instead of the two above. Default: none.
+  std::string creds_file;
+  // TLS: on when `tls` is true, when any file below is set, or for tls://
+  // URLs. tls_ca_file: the PEM CA certificates the servers' certificates
+  // must chain to (empty: the client's default); tls_cert_file and
+  // tls_key_file: a client certificate for servers that verify clients
+  // (both or neither). The server's certificate must name the host of the
+  // URL. Default: off, none.
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+
   // -- Beyond the pinned fields --
   // The stream the Publisher creates: limits retention, file storage,
   // discard-new (a full stream refuses a publish, the Publisher retries and

@@ -9,6 +9,7 @@
 #include <cctype>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -84,6 +85,39 @@ Status check_config(const Config& config) {
                                    std::to_string(config.duplicate_window.count()) +
                                    " ms) is longer than stream_max_age (" +
                                    std::to_string(config.stream_max_age.count()) + " s): JetStream refuses it");
+  }
+  if (config.user.empty() != config.password.empty()) {
+    return Status::InvalidArgument("tidal::nats::Config: user and password go together (one of them is empty)");
+  }
+  if ((!config.user.empty()) + (!config.token.empty()) + (!config.creds_file.empty()) > 1) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: user/password, token and creds_file are three ways to authenticate: set one");
+  }
+  for (const auto& [field, value] : {std::pair<const char*, const std::string*>{"user", &config.user},
+                                     {"password", &config.password},
+                                     {"token", &config.token}}) {
+    // libnats 3.4 writes them into its CONNECT's JSON unescaped: the server
+    // then refuses the connection with a JSON syntax error.
+    for (char c : *value) {
+      if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20) {
+        return Status::InvalidArgument(std::string("tidal::nats::Config::") + field +
+                                       " holds a '\"', a '\\' or a control character, which the NATS C client "
+                                       "(libnats 3.4) cannot send");
+      }
+    }
+  }
+  if (config.tls_cert_file.empty() != config.tls_key_file.empty()) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: tls_cert_file and tls_key_file go together (a client certificate and its key)");
+  }
+  for (const auto& [field, path] : {std::pair<const char*, const std::string*>{"creds_file", &config.creds_file},
+                                    {"tls_ca_file", &config.tls_ca_file},
+                                    {"tls_cert_file", &config.tls_cert_file},
+                                    {"tls_key_file", &config.tls_key_file}}) {
+    if (!path->empty() && ::access(path->c_str(), R_OK) != 0) {
+      return Status::InvalidArgument(std::string("tidal::nats::Config::") + field + " '" + *path +
+                                     "' cannot be read: " + std::strerror(errno));
+    }
   }
   if (config.max_ack_pending < config.fetch_batch) {
     return Status::InvalidArgument("tidal::nats::Config::max_ack_pending (" + std::to_string(config.max_ack_pending) +
@@ -217,7 +251,30 @@ std::string read_line(int fd, Clock::time_point deadline, const std::function<bo
 // Does the NATS server at `url` answer before `deadline`? "" when it
 // greeted and answered a PING (or greeted asking for TLS, which this probe
 // does not speak), else what it did.
-std::string probe(const std::string& url, Clock::time_point deadline, const std::function<bool()>& cancelled) {
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", static_cast<unsigned char>(c));
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+bool wants_tls(const Config& config) {
+  return config.tls || !config.tls_ca_file.empty() || !config.tls_cert_file.empty() ||
+         config.servers.find("tls://") != std::string::npos;
+}
+
+std::string probe(const std::string& url, const Config& config, Clock::time_point deadline,
+                  const std::function<bool()>& cancelled) {
   std::string host, port;
   if (!host_port(url, &host, &port)) return "not a server URL";
   addrinfo hints{};
@@ -250,10 +307,18 @@ std::string probe(const std::string& url, Clock::time_point deadline, const std:
       return "accepted the connection, then sent no greeting: " + w;
     }
     if (line.rfind("INFO ", 0) != 0) return "greeted with something other than NATS INFO";
-    if (line.find("\"tls_required\":true") != std::string::npos) return {};
-    static constexpr char kHello[] =
-        "CONNECT {\"verbose\":false,\"pedantic\":false,\"protocol\":1,\"name\":\"tidal-probe\"}\r\nPING\r\n";
-    if (::send(sock.fd, kHello, sizeof(kHello) - 1, MSG_NOSIGNAL) != static_cast<ssize_t>(sizeof(kHello) - 1)) {
+    // The probe speaks neither TLS nor the signed nonce of a creds file,
+    // and never sends credentials in clear to a TLS setup: a greeting is
+    // all it can check there.
+    if (line.find("\"tls_required\":true") != std::string::npos || wants_tls(config) ||
+        !config.creds_file.empty()) {
+      return {};
+    }
+    std::string hello = "CONNECT {\"verbose\":false,\"pedantic\":false,\"protocol\":1,\"name\":\"tidal-probe\"";
+    if (!config.user.empty()) hello += ",\"user\":" + json_string(config.user) + ",\"pass\":" + json_string(config.password);
+    if (!config.token.empty()) hello += ",\"auth_token\":" + json_string(config.token);
+    hello += "}\r\nPING\r\n";
+    if (::send(sock.fd, hello.data(), hello.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(hello.size())) {
       return "greeted, then the probe's CONNECT could not be sent";
     }
     // Any answer (PONG, or -ERR for a server that wants credentials) shows
@@ -293,7 +358,7 @@ Status Connection::connect(const Config& config, const std::string& client_name,
   std::string url, tried;
   for (std::size_t i = 0; i < urls.size() && url.empty(); ++i) {
     const auto share = (deadline - Clock::now()) / static_cast<int>(urls.size() - i);
-    std::string why = probe(urls[i], Clock::now() + share, cancelled);
+    std::string why = probe(urls[i], config, Clock::now() + share, cancelled);
     if (cancelled()) return Status::IOError("cannot connect to NATS at " + config.servers + ": stopped");
     if (why.empty()) {
       url = urls[i];
@@ -313,6 +378,20 @@ Status Connection::connect(const Config& config, const std::string& client_name,
   if (s == NATS_OK) s = natsOptions_SetAllowReconnect(opts, false);
   if (s == NATS_OK) s = natsOptions_SetPingInterval(opts, 2000);
   if (s == NATS_OK) s = natsOptions_SetMaxPingsOut(opts, 3);
+  if (s == NATS_OK && !config.user.empty()) {
+    s = natsOptions_SetUserInfo(opts, config.user.c_str(), config.password.c_str());
+  }
+  if (s == NATS_OK && !config.token.empty()) s = natsOptions_SetToken(opts, config.token.c_str());
+  if (s == NATS_OK && !config.creds_file.empty()) {
+    s = natsOptions_SetUserCredentialsFromFiles(opts, config.creds_file.c_str(), nullptr);
+  }
+  if (s == NATS_OK && wants_tls(config)) s = natsOptions_SetSecure(opts, true);
+  if (s == NATS_OK && !config.tls_ca_file.empty()) {
+    s = natsOptions_LoadCATrustedCertificates(opts, config.tls_ca_file.c_str());
+  }
+  if (s == NATS_OK && !config.tls_cert_file.empty()) {
+    s = natsOptions_LoadCertificatesChain(opts, config.tls_cert_file.c_str(), config.tls_key_file.c_str());
+  }
   if (s != NATS_OK) {
     std::string error = nats_error(s);
     natsOptions_Destroy(opts);
@@ -410,15 +489,14 @@ void Worker::run(const Config& config, const std::function<Status(Backoff&)>& se
   while (!stopping()) {
     Status s = session(backoff);
     {
+      // Noted before start() can return it and a stop() can follow: a
+      // session cut short by stop() is not the thread's error.
       std::lock_guard<std::mutex> lock(mu_);
       if (!first_) first_ = s;
+      if (!s.ok() && !stopping_) last_error_ = s;
     }
     cv_.notify_all();
     if (stopping()) break;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!s.ok()) last_error_ = s;
-    }
     failed(s);
     if (halted()) break;
     if (!wait_for(backoff.next())) break;

@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <iostream>
 #include <future>
 #include <map>
 #include <memory>
@@ -1141,6 +1142,172 @@ TEST(NatsLifecycle, StopIsBoundedWhenEveryServerIsFrozenBySigstop) {
     EXPECT_NE(s->message().find("sent no greeting"), std::string::npos) << s->to_string();
   }
   for (int n = 0; n < 3; ++n) cluster.thaw(n);
+}
+
+// ---- Authentication and TLS ----
+
+// A Publisher and a Follower against a server that requires a user and a
+// password: without them (or with a wrong password) they never connect and
+// say why; with them the view converges. Bad combinations are refused.
+TEST(NatsSecurity, AServerThatRequiresUserAndPasswordIsServedWithThem) {
+  const std::string password = "s3cr3t P@ss!";
+  NatsCluster cluster(1, "authorization {\n  user: tidal\n  password: \"" + password + "\"\n}\n",
+                      [&](natsOptions* o) { natsOptions_SetUserInfo(o, "tidal", password.c_str()); });
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "AUTH", 1);
+  config.request_timeout = 1000ms;
+  auto db = open_shard(dir.sub("db"), 4);
+  auto view = open_view(dir.sub("view"));
+  ASSERT_TRUE(db && view);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 3, 1.25}, {{2}}).ok());
+  ASSERT_OK(db->flush());
+
+  for (const std::string& wrong : {std::string(), std::string("wrong")}) {
+    Config c = config;
+    if (!wrong.empty()) {
+      c.user = "tidal";
+      c.password = wrong;
+    }
+    auto p = Publisher::start(db.get(), c);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();  // retried: a server may be reconfigured
+    auto f = Follower::start(view.get(), c, "view");
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    EXPECT_FALSE((*p)->stats().connected);
+    EXPECT_FALSE((*f)->stats().connected);
+    const Status ps = (*p)->stop();
+    const Status fs = (*f)->stop();
+    for (const Status* st : {&ps, &fs}) {
+      EXPECT_EQ(st->code(), StatusCode::IOError) << st->to_string();
+      EXPECT_NE(st->message().find("Authorization"), std::string::npos) << st->to_string();
+    }
+  }
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u);
+
+  config.user = "tidal";
+  config.password = password;
+  auto p = start_publisher(db.get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(p && f);
+  ASSERT_TRUE(db->signal_with_context({1, 4, 2.5}, {{2}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+  EXPECT_EQ(compare(*view, *db), "");
+  EXPECT_OK(f->stop());
+  EXPECT_OK(p->stop());
+
+  // Combinations no server could serve: InvalidArgument naming the fields.
+  Config half = config;
+  half.password.clear();
+  Result<std::unique_ptr<Publisher>> r = Publisher::start(db.get(), half);
+  ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("password"), std::string::npos) << r.status().to_string();
+  Config both = config;
+  both.token = "t0ken";
+  Result<std::unique_ptr<Follower>> rf = Follower::start(view.get(), both, "view");
+  ASSERT_EQ(rf.status().code(), StatusCode::InvalidArgument) << rf.status().to_string();
+  EXPECT_NE(rf.status().message().find("token"), std::string::npos) << rf.status().to_string();
+  Config quoted = config;
+  quoted.password = "a\"b";
+  r = Publisher::start(db.get(), quoted);
+  ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("password"), std::string::npos) << r.status().to_string();
+  Config missing = config;
+  missing.user.clear();
+  missing.password.clear();
+  missing.creds_file = dir.sub("no-such.creds");
+  r = Publisher::start(db.get(), missing);
+  ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("creds_file"), std::string::npos) << r.status().to_string();
+}
+
+// A server that requires TLS and verifies client certificates (a CA, a
+// server and a client certificate made with the openssl CLI): served with
+// the CA and the client certificate; refused, and said so, without TLS,
+// without the client certificate, or without the CA.
+TEST(NatsSecurity, AServerThatRequiresTlsAndClientCertificatesIsServedWithThem) {
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "the openssl command-line tool is not installed: cannot make the test certificates";
+  }
+  TempDir certs;
+  const std::string d = certs.sub("");
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::string make =
+      "cd '" + d + "' && "
+      "openssl req -x509 " + ec + " -keyout ca.key -out ca.pem -days 2 -subj /CN=tidal-test-ca && "
+      "openssl req " + ec + " -keyout server.key -out server.csr -subj /CN=127.0.0.1 && "
+      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth\\n' > server.ext && "
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 "
+      "-extfile server.ext && "
+      "openssl req " + ec + " -keyout client.key -out client.csr -subj /CN=tidal-client && "
+      "printf 'extendedKeyUsage=clientAuth\\n' > client.ext && "
+      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2 "
+      "-extfile client.ext";
+  ASSERT_EQ(std::system(("(" + make + ") > '" + d + "/openssl.log' 2>&1").c_str()), 0)
+      << "openssl failed; see " << d << "/openssl.log";
+  const std::string ca = d + "/ca.pem", cert = d + "/client.pem", key = d + "/client.key";
+  const std::string tls = "tls {\n  cert_file: \"" + d + "/server.pem\"\n  key_file: \"" + d +
+                          "/server.key\"\n  ca_file: \"" + ca + "\"\n  verify: true\n  timeout: 2\n}\n";
+  NatsCluster cluster(1, tls, [&](natsOptions* o) {
+    natsOptions_SetSecure(o, true);
+    natsOptions_LoadCATrustedCertificates(o, ca.c_str());
+    natsOptions_LoadCertificatesChain(o, cert.c_str(), key.c_str());
+  });
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "TLS", 1);
+  config.request_timeout = 1000ms;
+  auto db = open_shard(dir.sub("db"), 5);
+  auto view = open_view(dir.sub("view"));
+  ASSERT_TRUE(db && view);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 3, 1.25}, {{2}}).ok());
+  ASSERT_OK(db->flush());
+
+  struct Case {
+    const char* what;
+    std::function<void(Config&)> edit;
+  };
+  const std::vector<Case> refused = {
+      {"no TLS", [](Config&) {}},
+      {"no client certificate", [&](Config& c) { c.tls_ca_file = ca; }},
+      {"no CA (the server's certificate is not trusted)", [&](Config& c) {
+         c.tls = true;
+         c.tls_cert_file = cert;
+         c.tls_key_file = key;
+       }},
+  };
+  for (const Case& k : refused) {
+    SCOPED_TRACE(k.what);
+    Config c = config;
+    k.edit(c);
+    auto p = Publisher::start(db.get(), c);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    EXPECT_FALSE((*p)->stats().connected);
+    const Status ps = (*p)->stop();
+    EXPECT_EQ(ps.code(), StatusCode::IOError) << ps.to_string();
+    EXPECT_NE(ps.message().find("127.0.0.1"), std::string::npos) << ps.to_string();
+    std::cerr << k.what << ": " << ps.to_string() << "\n";
+  }
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u);
+
+  config.tls_ca_file = ca;
+  config.tls_cert_file = cert;
+  config.tls_key_file = key;
+  auto p = start_publisher(db.get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(p && f);
+  ASSERT_TRUE(db->signal_with_context({1, 4, 2.5}, {{2}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+  EXPECT_EQ(compare(*view, *db), "");
+  EXPECT_OK(f->stop());
+  EXPECT_OK(p->stop());
+  // A certificate without its key is refused before any connection.
+  Config half = config;
+  half.tls_key_file.clear();
+  Result<std::unique_ptr<Publisher>> r = Publisher::start(db.get(), half);
+  ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("tls_key_file"), std::string::npos) << r.status().to_string();
 }
 
 // ---- A new view joins from another view's checkpoint ----
