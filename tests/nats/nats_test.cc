@@ -1579,6 +1579,50 @@ TEST(NatsGap, AConsumerCreatedByAnOlderFollowerGetsTheExplicitSettings) {
   EXPECT_OK(p->stop());
 }
 
+// A Follower stopped while a shard is parked has terminated that shard's
+// messages on the consumer; the next Follower of the view, whose consumer
+// delivers only later ones, still finds them: its first park of the shard
+// reads the shard's subject from its first message.
+TEST(NatsGap, AFollowerRestartedWhileAShardIsParkedStillAppliesEveryBatch) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "REPARK", 1);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("REPARK", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 99, 2.5}, {{50}}).ok());
+  ASSERT_OK(db->flush());
+  auto batches = db->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok() && batches->size() == 1u);
+  const std::string payload = batches->front().payload;
+  auto view = open_view(dir.sub("view"));
+  ASSERT_NE(view, nullptr);
+  for (std::uint64_t seq = 2; seq <= 50; ++seq) ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 9, seq, payload));
+  {
+    auto f = start_follower(view.get(), config, "view");
+    ASSERT_NE(f, nullptr);
+    ASSERT_TRUE(eventually([&] {
+      const FollowerShardStats* s = shard_stats(f->stats(), 9);
+      return s != nullptr && s->parked && s->stream_seq == 50;
+    }, 10s));
+    std::this_thread::sleep_for(500ms);  // the consumer has delivered (and terminated) 2..50
+    EXPECT_OK(f->stop());
+  }
+  for (std::uint64_t seq = 51; seq <= 60; ++seq) ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 9, seq, payload));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_NE(f, nullptr);
+  ASSERT_TRUE(eventually([&] { return f->stats().stalled_on_gap; }, 10s));
+  ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 9, 1, payload));
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == 60; }, 20s))
+      << "applied " << *view->applied_seq(9) << ": " << f->stats().last_error;
+  EXPECT_FALSE(f->stats().stalled_on_gap);
+  EXPECT_OK(f->stop());
+}
+
 // An empty fetch is not "no lag": while the server holds messages back (here
 // another client of the same durable consumer holds MaxAckPending of them
 // unacked), lag_messages counts what the consumer has not delivered. Red
