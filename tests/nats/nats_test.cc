@@ -1430,12 +1430,12 @@ const FollowerShardStats* shard_stats(const FollowerStats& st, std::uint64_t sha
   return nullptr;
 }
 
-// Issue 27 item 3: more refused messages in one shard than the consumer's
+// Issue 27 item 3: more refused messages in one of 4 shards than the consumer's
 // MaxAckPending (the server's default of 1,000, which the Follower used to
 // leave in place, and Config::max_ack_pending) must not freeze the other
 // shards, and the missing batch, republished after them, must be applied.
 // Red with the former Follower (one consumer, refused messages NAKed and
-// left pending): shards 0 and 1 stopped applying once 1,000 refusals of
+// left pending): shards 0 to 2 stopped applying once 1,000 refusals of
 // shard 9 were pending, and the republished batch was never delivered.
 TEST(NatsGap, AGapParksItsShardOnlyWhileTheOthersFlowAndTheRepublishedBatchIsApplied) {
   NatsCluster cluster(3);
@@ -1460,14 +1460,14 @@ TEST(NatsGap, AGapParksItsShardOnlyWhileTheOthersFlowAndTheRepublishedBatchIsApp
 
   std::vector<std::unique_ptr<Db>> shards;
   std::vector<std::unique_ptr<Publisher>> pubs;
-  for (std::uint64_t s = 0; s < 2; ++s) {
+  for (std::uint64_t s = 0; s < 3; ++s) {
     shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
     pubs.push_back(start_publisher(shards.back().get(), config));
   }
   auto reference = tidal::testing::open_db(dir.sub("reference"));
   auto view = open_view(dir.sub("view"));
   auto f = start_follower(view.get(), config, "view");
-  ASSERT_TRUE(pubs[0] && pubs[1] && reference && view && f);
+  ASSERT_TRUE(pubs[0] && pubs[1] && pubs[2] && reference && view && f);
   Workload w(77, 60);
   ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
   ASSERT_TRUE(converge(raw(shards), *view, *f));
@@ -1480,14 +1480,22 @@ TEST(NatsGap, AGapParksItsShardOnlyWhileTheOthersFlowAndTheRepublishedBatchIsApp
   }
   ASSERT_TRUE(eventually([&] { return f->stats().stalled_on_gap; }, 20s)) << f->stats().last_error;
 
-  // The other shards keep applying, each round within a few seconds (the
-  // former Follower never caught up once 1,000 refusals were pending).
-  for (int round = 0; round < 4; ++round) {
+  // The other shards keep applying: each round, from the shards' flush to
+  // the view holding all of it, within SCALE.md's p99 lag target of
+  // 2 x period + 500 ms (measured 30-60 ms on 2 busy cores while shard 9's
+  // repair reads its 1,100 messages; the former Follower never caught up
+  // once 1,000 refusals were pending).
+  const auto target = 2 * shard_options(0).aggregate_write_period + 500ms;
+  std::string took;
+  for (int round = 0; round < 6; ++round) {
     for (int i = 0; i < 300; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
     const auto t0 = std::chrono::steady_clock::now();
     ASSERT_TRUE(converge(raw(shards), *view, *f, 10s)) << "round " << round;
-    EXPECT_LT(std::chrono::steady_clock::now() - t0, 5s) << "round " << round;
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+    took += " " + std::to_string(ms.count());
+    EXPECT_LT(ms, target) << "round " << round;
   }
+  std::cerr << "converged in (ms):" << took << "\n";
   EXPECT_EQ(compare(*view, *reference), "");
   FollowerStats st = f->stats();
   const FollowerShardStats* gap = shard_stats(st, kGapShard);
@@ -1502,7 +1510,7 @@ TEST(NatsGap, AGapParksItsShardOnlyWhileTheOthersFlowAndTheRepublishedBatchIsApp
                                   std::string("applied through 0")}) {
     EXPECT_NE(gap->last_error.find(word), std::string::npos) << word << ": " << gap->last_error;
   }
-  for (std::uint64_t s = 0; s < 2; ++s) {
+  for (std::uint64_t s = 0; s < 3; ++s) {
     const FollowerShardStats* ok = shard_stats(st, s);
     ASSERT_NE(ok, nullptr) << s;
     EXPECT_FALSE(ok->parked) << s;
@@ -1524,12 +1532,13 @@ TEST(NatsGap, AGapParksItsShardOnlyWhileTheOthersFlowAndTheRepublishedBatchIsApp
   Result<double> all = view->cohort_score(50, 99);
   ASSERT_TRUE(one.ok() && all.ok());
   EXPECT_NEAR(*all, *one * static_cast<double>(kRefused + 1), 1e-9 * *all);
+  // Unparked once its read reached the stream's end (seq 1, last there).
+  EXPECT_TRUE(eventually([&] { return !f->stats().stalled_on_gap; }, 5s));
   st = f->stats();
   gap = shard_stats(st, kGapShard);
   ASSERT_NE(gap, nullptr);
   EXPECT_FALSE(gap->parked);
   EXPECT_EQ(gap->lag_batches, 0u);
-  EXPECT_FALSE(st.stalled_on_gap);
   // A later batch of shard 9 flows through the consumer again.
   ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, kGapShard, kRefused + 2, payload));
   ASSERT_TRUE(eventually([&] { return *view->applied_seq(kGapShard) == kRefused + 2; }, 10s)) << f->stats().last_error;
