@@ -948,7 +948,10 @@ TEST(NatsOutage, PublisherAndFollowerRetryWithBoundedBackoffAndCatchUp) {
 // every accepted socket, which also releases a client stuck on it.
 class FakeServer {
  public:
-  explicit FakeServer(bool greet) : greet_(greet) {
+  // pong_once: greets every connection, and answers the first one's PING
+  // (a server alive for tidal's probe that freezes before the client's
+  // own handshake).
+  explicit FakeServer(bool greet, bool pong_once = false) : greet_(greet), pong_once_(pong_once) {
     fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
@@ -981,11 +984,26 @@ class FakeServer {
       const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
       if (c < 0) continue;
       accepted_.push_back(c);
-      if (greet_) (void)::send(c, kInfo, sizeof(kInfo) - 1, MSG_NOSIGNAL);
+      if (greet_ || pong_once_) (void)::send(c, kInfo, sizeof(kInfo) - 1, MSG_NOSIGNAL);
+      if (pong_once_ && !ponged_) {
+        std::string got;
+        char buf[512];
+        for (int i = 0; i < 100 && got.find("PING\r\n") == std::string::npos; ++i) {
+          pollfd q{c, POLLIN, 0};
+          if (::poll(&q, 1, 20) <= 0) continue;
+          const ssize_t n = ::recv(c, buf, sizeof(buf), 0);
+          if (n <= 0) break;
+          got.append(buf, static_cast<std::size_t>(n));
+        }
+        (void)::send(c, "PONG\r\n", 6, MSG_NOSIGNAL);
+        ponged_ = true;
+      }
     }
   }
 
   bool greet_;
+  bool pong_once_;
+  bool ponged_ = false;  // the serving thread's
   bool ok_ = false;
   int fd_ = -1;
   int port_ = 0;
@@ -1073,6 +1091,41 @@ TEST(NatsLifecycle, StopIsBoundedByRequestTimeoutWhenServersAreSilentOrGreetAndF
       EXPECT_NE(s->message().find("127.0.0.1"), std::string::npos) << s->to_string();
     }
   }
+}
+
+// A server that answers tidal's probe and then freezes in the client's own
+// handshake (libnats 3.4 never returns there, spinning a core): the
+// client's connect is abandoned at the timeout (its thread frees the
+// connection when the server lets go), start() and stop() stay bounded.
+TEST(NatsLifecycle, AConnectThatHangsAfterTheProbeIsAbandonedAtTheTimeout) {
+  auto fake = std::make_unique<FakeServer>(/*greet=*/true, /*pong_once=*/true);
+  ASSERT_TRUE(fake->ok());
+  TempDir dir;
+  Config config;
+  config.servers = fake->url();
+  config.stream = "HANG";
+  config.subject_prefix = "tidal.HANG";
+  config.replicas = 1;
+  config.request_timeout = 1000ms;
+  config.min_backoff = 50ms;
+  config.max_backoff = 200ms;
+  auto view = open_view(dir.sub("view"));
+  ASSERT_NE(view, nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto f = Follower::start(view.get(), config, "view");
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  EXPECT_LT(took, config.request_timeout + 500ms);
+  EXPECT_TRUE(eventually([&] { return (*f)->stats().last_error.find("abandoned") != std::string::npos; }, 1s))
+      << (*f)->stats().last_error;
+  Status st;
+  std::shared_future<Status> pending;
+  auto stop_took = timed_stop(f->get(), &st, 10s, &pending);
+  fake.reset();  // lets the abandoned connect return
+  if (pending.valid()) pending.wait();
+  ASSERT_TRUE(stop_took.has_value());
+  EXPECT_LT(*stop_took, config.request_timeout + config.min_backoff + 250ms);
+  EXPECT_EQ(st.code(), StatusCode::IOError) << st.to_string();
 }
 
 // The same with real nats-servers frozen by SIGSTOP (the kernel still
