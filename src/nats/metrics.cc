@@ -1,5 +1,6 @@
 // PublisherStats and FollowerStats in the Prometheus text format
 // (include/tidal/nats.h, tidal/metrics.h).
+#include <cstdint>
 #include <string>
 
 #include "tidal/metrics.h"
@@ -85,6 +86,31 @@ Result<std::string> prometheus_text(const FollowerStats& st, const MetricLabels&
     s = out->sample(p.applied_seq, {{"shard", std::to_string(p.shard_id)}});
   }
   if (!s.ok()) return s;
+  // Per shard, as the Follower sees it: one family at a time, a sample per shard.
+  struct PerShard {
+    const char* name;
+    const char* type;
+    const char* help;
+    std::uint64_t (*value)(const FollowerShardStats&);
+  };
+  static constexpr PerShard kPerShard[] = {
+      {"tidal_follower_shard_stream_seq", "gauge", "The highest seq of the shard the Follower has seen in the stream.",
+       [](const FollowerShardStats& x) { return x.stream_seq; }},
+      {"tidal_follower_shard_lag_batches", "gauge",
+       "Batches of the shard seen in the stream and not applied; alert when it grows for one shard.",
+       [](const FollowerShardStats& x) { return x.lag_batches; }},
+      {"tidal_follower_shard_parked", "gauge",
+       "1 while a refused batch (a gap, another incarnation) parks the shard; the other shards keep applying.",
+       [](const FollowerShardStats& x) -> std::uint64_t { return x.parked ? 1u : 0u; }},
+      {"tidal_follower_shard_refused_total", "counter", "Messages of the shard the view refused.",
+       [](const FollowerShardStats& x) { return x.refused; }},
+  };
+  for (const PerShard& f : kPerShard) {
+    if (s = out->family(f.name, f.type, f.help); !s.ok()) return s;
+    for (const FollowerShardStats& x : st.shards) {
+      if (s = out->sample(f.value(x), {{"shard", std::to_string(x.shard_id)}}); !s.ok()) return s;
+    }
+  }
   return out->text();
 }
 

@@ -30,11 +30,12 @@ class Publisher::Impl {
                          [this](const Status& s) { internal::note_failure(stats_mu_, &stats_, s); });
   }
 
-  // OK, or the error that stopped the publisher for good (a fence).
+  // The error that stopped the publisher for good (a fence), else what the
+  // thread was retrying when it stopped, else OK.
   Status stop() {
     worker_.stop();
     std::lock_guard<std::mutex> lock(stats_mu_);
-    return halt_status_;
+    return halt_status_.ok() ? worker_.last_error() : halt_status_;
   }
 
   PublisherStats stats() const {
@@ -52,7 +53,7 @@ class Publisher::Impl {
   // then publish until an error (returned) or stop (OK).
   Status session(internal::Backoff& backoff) {
     Connection conn;
-    Status s = conn.connect(config_, "tidal-publisher-" + std::to_string(shard_));
+    Status s = conn.connect(config_, "tidal-publisher-" + std::to_string(shard_), [this] { return worker_.stopping(); });
     if (!s.ok()) return s;
     internal::Worker::Attach attach(worker_, conn);
     if (!attach.ok()) return Status::OK();  // stopping
