@@ -1838,14 +1838,16 @@ TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
   p.duplicates = 2;
   p.errors = 3;
   p.connects = 1;
+  p.reseeds = 6;
   p.connected = true;
   p.halted = true;
   Result<std::string> text = prometheus_text(p, {{"host", "a"}});
   ASSERT_TRUE(text.ok()) << text.status().to_string();
   std::vector<tidal::testing::Sample> samples = tidal::testing::parse(*text);
   ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
-  EXPECT_EQ(samples.size(), 10u);
+  EXPECT_EQ(samples.size(), 11u);
   for (const auto& s : samples) EXPECT_EQ(s.labels, (MetricLabels{{"host", "a"}, {"shard", "7"}})) << s.name;
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_reseeds_total").value, 6u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_published_seq").value, 41u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_lag_batches").value, 4u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_lag_bytes").value, 1234u);
