@@ -944,6 +944,67 @@ TEST(NatsCrash, AFollowerKilledMidApplyLeavesTheViewExactAfterRestart) {
   EXPECT_EQ(compare(*view, *reference), "");
 }
 
+// With Config's default ack_wait (30 s), a Follower killed holding messages
+// it had not acknowledged: its successor does not wait for the server to
+// deliver them again (a parked shard reads its subject from the stream), so
+// the view catches up well within ack_wait, exactly.
+TEST(NatsCrash, AFollowerKilledWithTheDefaultAckWaitCatchesUpWithoutWaitingForIt) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "ACKWAIT", 3);
+  config.ack_wait = Config{}.ack_wait;
+  ASSERT_GE(config.ack_wait, 10s);
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (std::uint64_t s = 0; s < 2; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+    ASSERT_NE(shards.back(), nullptr);
+    pubs.push_back(start_publisher(shards.back().get(), config));
+    ASSERT_NE(pubs.back(), nullptr);
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  Workload w(29, 80);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  std::atomic<bool> done{false};
+  std::string error;
+  std::thread load([&] {
+    for (int i = 0; !done.load(); ++i) {
+      error = w.step(raw(shards), reference.get());
+      if (!error.empty()) return;
+      if (i % 20 == 0) std::this_thread::sleep_for(1ms);
+    }
+  });
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  // Kill followers until one dies holding unacknowledged messages.
+  std::mt19937_64 rng(13);
+  std::int64_t pending = 0;
+  for (int r = 0; r < 20 && pending == 0; ++r) {
+    Child child({"follower", dir.sub("view"), config.servers, config.stream, "view", "default-ack-wait"});
+    std::this_thread::sleep_for(std::chrono::milliseconds(300 + rng() % 500));
+    ASSERT_TRUE(child.kill()) << "the follower process failed on its own in round " << r;
+    jsConsumerInfo* ci = nullptr;
+    if (js_GetConsumerInfo(&ci, js.js(), config.stream.c_str(), "view", nullptr, nullptr) == NATS_OK) {
+      pending = ci->NumAckPending;
+      jsConsumerInfo_Destroy(ci);
+    }
+  }
+  done = true;
+  load.join();
+  ASSERT_EQ(error, "");
+  ASSERT_GT(pending, 0) << "no killed follower held an unacknowledged message";
+  auto view = open_view(dir.sub("view"));
+  ASSERT_NE(view, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_NE(f, nullptr);
+  const auto bound = std::chrono::duration_cast<std::chrono::milliseconds>(config.ack_wait / 2);
+  ASSERT_TRUE(converge(raw(shards), *view, *f, bound)) << pending << " messages were unacknowledged";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, config.ack_wait / 2);
+  EXPECT_EQ(compare(*view, *reference), "");
+}
+
 // ---- The cluster unavailable at start and for a while mid-run ----
 
 TEST(NatsOutage, PublisherAndFollowerRetryWithBoundedBackoffAndCatchUp) {
