@@ -287,6 +287,7 @@ TEST(JournalTest, JournalWaitReturnsNotReplicatedWhenNobodyConfirmsAndARetryIsSa
   Status s = db->leave_community_layer(5);
   auto took = SteadyClock::now() - start;
   ASSERT_EQ(s.code(), StatusCode::NotReplicated) << s.to_string();
+  EXPECT_EQ(s.to_string().rfind("NotReplicated: leave_community_layer(user 5): ", 0), 0u) << s.to_string();
   EXPECT_NE(s.message().find("durable and in effect"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("seq 1 of shard 1"), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("retry of the same call is safe"), std::string::npos) << s.message();

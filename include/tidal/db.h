@@ -380,6 +380,12 @@ class Db {
   // with left_at_ns above every earlier contribution's forwarded_at_ns (G3).
   // OK and no change when already Left (G7). On a storage error the error is
   // returned and the gate stays closed for the user (G6).
+  // With Options::journal, the leave, and each rejoin or bulk change below
+  // that changes state, appends a journal entry in the same write (a call
+  // that changes nothing appends none). With journal_wait, OK comes once
+  // the entry is confirmed (a call that changes nothing: once every entry
+  // written before it is), NotReplicated after journal_wait: durable and
+  // effective all the same, and a retry is safe (docs/CONTRACT.md J4).
   Status leave_community_layer(std::uint64_t user_id);
   // Resumes forwarding; keeps left_at_ns and the history (G4). OK and no
   // change when already Active. On error the gate stays closed.
@@ -437,6 +443,13 @@ class Db {
   // Locking: the user's leaves and rejoins wait for the durable batch only,
   // not for the erasure (a rejoin during it keeps its fresh ledger). Purges
   // erase one at a time.
+  //
+  // With Options::journal, the purge's intent (a journal entry naming the
+  // receipt's purged_at_ns) is written durably before anything is purged; a
+  // crash or error after it is finished by the next writable open, with
+  // that receipt (docs/CONTRACT.md J6). With journal_wait, OK comes once the
+  // intent is confirmed, NotReplicated after journal_wait (the purge is
+  // done; a retry writes another intent and removes nothing more).
   Result<PurgeReceipt> purge_community_contributions(std::uint64_t user_id);
   // Bulk form: every listed user must be Left (else InvalidArgument, nothing
   // changed); one flush, atomic batches of up to 1,000 whole users (built in
