@@ -19,6 +19,7 @@
 
 #include "db/impl.h"
 #include "erasure_scan.h"
+#include "fault_fs.h"
 #include "storage/journal_format.h"
 #include "test_util.h"
 #include "tidal/db.h"
@@ -373,6 +374,56 @@ TEST(JournalTest, EntriesSurviveReopenByteForByteAndSeqsAreNeverReused) {
     EXPECT_EQ(*db->last_journal_seq(), 6u);
     ASSERT_OK(db->close());
   }
+}
+
+// ---- J1: an entry and its record are one write, through faults and power cuts ----
+
+TEST(JournalTest, AnEntryAndItsRecordSurviveOrVanishTogetherThroughAFailedSyncAndAPowerCut) {
+  TempDir dir;
+  const std::string path = dir.path();
+  reliability::FaultEnv fault = reliability::FaultEnv::make();
+  {
+    Result<std::unique_ptr<Db>> db = Db::Impl::open(path, journal_options(4), fault.env.get());
+    ASSERT_OK(db);
+    for (std::uint64_t u = 1; u <= 20; ++u) ASSERT_OK((*db)->leave_community_layer(u));  // acknowledged
+    ASSERT_OK((*db)->rejoin_community_layer(1));
+    fault.fs->set_fail_wal_sync(true);
+    // Not acknowledged: each write fails (and RocksDB refuses every write after it).
+    for (std::uint64_t u = 21; u <= 24; ++u) EXPECT_FALSE((*db)->leave_community_layer(u).ok()) << "user " << u;
+    EXPECT_FALSE((*db)->rejoin_community_layer(2).ok());
+    fault.fs->cut_power();
+    (void)(*db)->close();
+  }
+  fault.fs->restore_power();
+  fault.fs->set_fail_wal_sync(false);
+  auto db = open_db(path, journal_options(4));
+  ASSERT_NE(db, nullptr);
+  const std::vector<JournalEntry> entries = read_all(*db);
+  std::map<std::uint64_t, std::vector<MembershipEvent>> journaled;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    ASSERT_EQ(entries[i].seq, i + 1);
+    const JournalRecord r = decoded(entries[i]);
+    journaled[r.user_id].push_back(
+        {r.kind == JournalKind::Leave ? MembershipStatus::Left : MembershipStatus::Active, r.at_ns});
+  }
+  EXPECT_GE(entries.size(), 21u) << "an acknowledged change lost its entry";
+  for (std::uint64_t u = 1; u <= 24; ++u) {
+    Result<std::vector<MembershipEvent>> history = db->community_layer_history(u);
+    ASSERT_OK(history);
+    if (u <= 20) {
+      EXPECT_FALSE(history->empty()) << "acknowledged leave of user " << u << " lost";
+    }
+    const std::vector<MembershipEvent>& events = journaled[u];
+    ASSERT_EQ(history->size(), events.size()) << "user " << u << ": a record without its entry, or the reverse";
+    for (std::size_t i = 0; i < events.size(); ++i) {
+      EXPECT_EQ((*history)[i].status, events[i].status) << "user " << u;
+      EXPECT_EQ((*history)[i].at_ns, events[i].at_ns) << "user " << u;
+    }
+  }
+  // The seqs go on after the last durable one.
+  ASSERT_OK(db->leave_community_layer(99));
+  EXPECT_EQ(*db->last_journal_seq(), entries.size() + 1);
+  ASSERT_OK(db->close());
 }
 
 // ---- J6: a purge cut off between its intent and its batch ----
