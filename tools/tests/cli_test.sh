@@ -179,6 +179,12 @@ t --db "$FEEDDB" --json changes; rc_is 0; json 'd["change_feed"] and d["shard_id
 t --db "$FEEDDB" leave 4; rc_is 0
 t --db "$FEEDDB" --json purge 4; rc_is 0; json 'd["entries_removed"] == 3'
 t --db "$FEEDDB" changes; rc_is 0; out_has '^shard_id +9$'; out_has '^last_seq +2$'
+# A Db with a change feed and a privacy journal: write commands go into both.
+JDB=$WORK/journaldb
+"$HOLDER" "$JDB" --seed --feed 9 --journal </dev/null >/dev/null || { echo "FAIL: could not seed $JDB"; exit 1; }
+t --db "$JDB" leave 4; rc_is 0
+t --db "$JDB" --json purge 4; rc_is 0; json 'd["entries_removed"] == 3'
+t --db "$JDB" --prometheus stats; rc_is 0; out_has '^tidal_db_journal_last_seq\{.*\} 5$'; out_has '^tidal_db_journal_pending_entries\{.*\} 5$'
 t --db "$DB" rematerialize; rc_is 0; out_has '^rematerialize: [0-9]+ aggregates checked, [0-9]+ ledger entries read, 0 mismatches$'
 t --db "$DB" --json rematerialize --repair; rc_is 0; json 'd["mismatches"] == [] and d["repaired"] is False'
 
