@@ -489,6 +489,43 @@ TEST(JournalTest, APurgeThatFailsAfterItsIntentIsFinishedByTheNextOpen) {
   ASSERT_OK(db->close());
 }
 
+// A purge that failed after its intent, in a Db that stays open: its users
+// cannot rejoin (the next open would take the purge for done) until a purge
+// finishes it; the retry does, and then the marks are gone for good.
+TEST(JournalTest, AfterAPurgeFailsPastItsIntentItsUsersRejoinOnlyOnceAPurgeFinishesIt) {
+  TempDir dir;
+  const std::string path = dir.path();
+  auto db = open_db(path, journal_options(2));
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t u : {std::uint64_t{31}, std::uint64_t{32}}) {
+    ASSERT_OK(db->join_community(u, 77));
+    ASSERT_OK(db->signal_with_context({u, 1, 0.5}, SignalContext{{8}}));
+    ASSERT_OK(db->leave_community_layer(u));
+  }
+  Db::Impl::after_purge_intent_for_testing = [] { throw std::runtime_error("injected failure after the intent"); };
+  EXPECT_FALSE(db->purge_community_contributions(31).ok());
+  Db::Impl::after_purge_intent_for_testing = nullptr;
+  Status refused = db->rejoin_community_layer(31);
+  ASSERT_EQ(refused.code(), StatusCode::Busy) << refused.to_string();
+  EXPECT_NE(refused.message().find("purge the user again"), std::string::npos) << refused.message();
+  const std::uint64_t both[] = {31, 32};
+  EXPECT_EQ(db->rejoin_community_layer(std::span<const std::uint64_t>(both)).code(), StatusCode::Busy);
+  EXPECT_EQ(db->community_layer_status(31)->status, MembershipStatus::Left);  // nothing changed
+  EXPECT_EQ(db->community_layer_status(32)->status, MembershipStatus::Left);
+  ASSERT_OK(db->rejoin_community_layer(32));  // other users are not held back
+  Result<PurgeReceipt> again = db->purge_community_contributions(31);
+  ASSERT_OK(again);
+  EXPECT_EQ(again->entries_removed, 2u);
+  ASSERT_OK(db->rejoin_community_layer(31));
+  ASSERT_OK(db->signal_with_context({31, 1, 4.0}, SignalContext{{8}}));
+  ASSERT_OK(db->close());
+  db = open_db(path, journal_options(2));  // finds no mark: changes nothing
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(value_of(db->cohort_score(8, 1)), 4.5);
+  EXPECT_EQ(db->purge_receipts(31)->size(), 1u);
+  ASSERT_OK(db->close());
+}
+
 // ---- J5: the journal carries nothing but what a deletion log must ----
 
 // Every 8-byte encoding (both byte orders) of `v`.

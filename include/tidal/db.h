@@ -447,7 +447,8 @@ class Db {
   // With Options::journal, the purge's intent (a journal entry naming the
   // receipt's purged_at_ns) is written durably before anything is purged; a
   // crash or error after it is finished by the next writable open, with
-  // that receipt (docs/CONTRACT.md J6). With journal_wait, OK comes once the
+  // that receipt (docs/CONTRACT.md J6); until then a rejoin of its users
+  // returns Busy. With journal_wait, OK comes once the
   // intent is confirmed, NotReplicated after journal_wait (the purge is
   // done; a retry writes another intent and removes nothing more).
   Result<PurgeReceipt> purge_community_contributions(std::uint64_t user_id);

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <span>
 #include <string>
@@ -208,9 +209,14 @@ class Db::Impl {
   Status write_purge_intents(const char* what, const std::vector<std::uint64_t>& users,
                              const std::vector<std::uint64_t>& left_at, const std::vector<std::uint64_t>& purged_at,
                              std::uint64_t* seq);
-  // Deletes the intents' marks once their purges are durable (not synced:
-  // a mark a crash keeps makes the next open check that purge again).
-  Status delete_purge_marks(const std::vector<std::uint64_t>& users, const std::vector<std::uint64_t>& purged_at);
+  // Deletes every intent mark of `users` once a purge of them is durable
+  // (not synced: a mark a crash keeps makes the next open check that purge
+  // again), and forgets them in unfinished_purges_.
+  Status delete_purge_marks(const std::vector<std::uint64_t>& users);
+  // Busy naming `what` when a purge of the user with a journaled intent
+  // failed in this session and was not finished since: a rejoin then would
+  // hide it from the next open.
+  Status check_no_unfinished_purge(const char* what, std::uint64_t user) const;
   // db/purge.cc: `users` sorted, distinct, Left since `left_at` (same
   // order), registered in purging_; each receipt's time is `purged_at`
   // (same order, chosen before the intent). Writes the durable batches; adds to
@@ -278,6 +284,9 @@ class Db::Impl {
 
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};
   std::atomic<std::uint64_t> journal_wait_timeouts_{0};
+  // Users of a purge that failed after its intents were written (db/purge.cc).
+  mutable std::mutex unfinished_mu_;
+  std::unordered_set<std::uint64_t> unfinished_purges_;
 };
 
 // One public call that touches storage, counted in calls_ while it runs;

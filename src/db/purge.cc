@@ -128,6 +128,20 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
       // exit waits for the state engine).
       std::vector<std::uint64_t> left_at(users.size());
       std::vector<std::uint64_t> purged_at(users.size());  // the receipts' times, named by the intents
+      // From the intents' write until the purge is durable, an error (or an
+      // exception) leaves intents the journal holds and this Db has not
+      // done: their users cannot rejoin until a purge or a reopen finishes
+      // them (a rejoin would let the next open think them done).
+      struct Unfinished {
+        Impl* impl;
+        const std::vector<std::uint64_t>& users;
+        bool armed = false;
+        ~Unfinished() {
+          if (!armed) return;
+          std::lock_guard<std::mutex> lock(impl->unfinished_mu_);
+          impl->unfinished_purges_.insert(users.begin(), users.end());
+        }
+      } unfinished{this, users};
       {
         const auto locks = lock_stripes(users, /*wait_for_purges=*/false);
         for (std::size_t i = 0; i < users.size(); ++i) {
@@ -149,11 +163,11 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
           }
           purged_at[i] = *now;
         }
+        unfinished.armed = journal_ != nullptr;
         if (Status s = write_purge_intents(what, users, left_at, purged_at, &intent_seq); !s.ok()) return s;
         std::lock_guard<std::mutex> lock(purging_mu_);
         for (std::uint64_t u : users) ++purging_[u];
       }
-      if (journal_ && after_purge_intent_for_testing) after_purge_intent_for_testing();
       // Unregistered however purge_registered ends (an exception included).
       struct Unregister {
         Impl* impl;
@@ -168,11 +182,16 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
           impl->purge_ended_.notify_all();
         }
       } unregister{this, users};
+      if (journal_ && after_purge_intent_for_testing) after_purge_intent_for_testing();
       Result<std::vector<PurgeReceipt>> done = purge_registered(what, users, left_at, purged_at, &to_erase);
-      // Durable: the intents are done. A mark left (an error, a crash) is
-      // checked again at the next open, which finds the receipt or the
-      // empty ledger and changes nothing.
-      if (done.ok()) (void)delete_purge_marks(users, purged_at);
+      // Durable: the intents are done, and so is every earlier unfinished
+      // one of these users (this purge removed everything before the same
+      // boundary). A mark a crash keeps is checked again at the next open,
+      // which finds the receipt or the empty ledger and changes nothing.
+      if (done.ok() && journal_) {
+        unfinished.armed = false;
+        (void)delete_purge_marks(users);
+      }
       return done;
     }();
     // Erase what the batches made durable, even when a later batch failed:
@@ -243,12 +262,39 @@ Status Db::Impl::write_purge_intents(const char* what, const std::vector<std::ui
   return Status::OK();
 }
 
-Status Db::Impl::delete_purge_marks(const std::vector<std::uint64_t>& users, const std::vector<std::uint64_t>& purged_at) {
+Status Db::Impl::delete_purge_marks(const std::vector<std::uint64_t>& users) {
   if (!journal_ || users.empty()) return Status::OK();
   rocksdb::WriteBatch batch;
-  for (std::size_t i = 0; i < users.size(); ++i) batch.Delete(storage_->meta(), encode_journal_purge_key(users[i], purged_at[i]));
-  return storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Async,
-                         "deleting the journaled purge marks of " + std::to_string(users.size()) + " users");
+  {
+    auto it = storage_->iterator(storage_->meta());
+    for (std::uint64_t u : users) {
+      const std::string prefix = encode_journal_purge_key(u, 0).substr(0, std::string_view(kJournalPurgePrefix).size() + 8);
+      for (it->Seek(prefix); it->Valid() && view(it->key()).starts_with(prefix); it->Next()) {
+        batch.Delete(storage_->meta(), it->key());
+      }
+    }
+    if (Status s = from_rocksdb(it->status(), "scan of the journaled purge marks of '" + storage_->path() + "'");
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Async,
+                                 "deleting the journaled purge marks of " + std::to_string(users.size()) + " users");
+      !s.ok()) {
+    return s;
+  }
+  std::lock_guard<std::mutex> lock(unfinished_mu_);
+  for (std::uint64_t u : users) unfinished_purges_.erase(u);
+  return Status::OK();
+}
+
+Status Db::Impl::check_no_unfinished_purge(const char* what, std::uint64_t user) const {
+  if (!journal_) return Status::OK();
+  std::lock_guard<std::mutex> lock(unfinished_mu_);
+  if (!unfinished_purges_.contains(user)) return Status::OK();
+  return Status::Busy(std::string(what) + "(" + user_text(user) + "): a purge of " + user_text(user) +
+                      " whose intent is in the privacy journal did not finish (its call returned the error); purge "
+                      "the user again, or reopen the Db (which finishes it), then rejoin; nothing changed");
 }
 
 Status Db::Impl::finish_journaled_purges() {
@@ -298,7 +344,9 @@ Status Db::Impl::finish_journaled_purges() {
       // An erasure that fails stays marked for the next purge or open, as always.
       (void)erase_purged(to_erase);
     }
-    if (Status s = delete_purge_marks({m.user_id}, {m.purged_at_ns}); !s.ok()) return s;
+    rocksdb::WriteBatch batch;
+    batch.Delete(storage_->meta(), encode_journal_purge_key(m.user_id, m.purged_at_ns));
+    if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Async, what); !s.ok()) return s;
   }
   return Status::OK();
 }
