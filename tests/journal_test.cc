@@ -198,6 +198,9 @@ TEST(JournalTest, ReadAndConfirmMirrorTheChangeFeed) {
   EXPECT_EQ(db->stats().journal_pending_entries, 0u);
   EXPECT_EQ(db->stats().journal_pending_bytes, 0u);
   ASSERT_OK(db->close());
+  EXPECT_EQ(db->read_journal(4, 100).status().code(), StatusCode::Closed);
+  EXPECT_EQ(db->last_journal_seq().status().code(), StatusCode::Closed);
+  EXPECT_EQ(db->confirm_journal(4).code(), StatusCode::Closed);
 
   // Opens that would break the journal are refused, naming why.
   Options other = journal_options(4);
