@@ -12,7 +12,11 @@
 //            [--cohorts=16] [--communities=16] [--cohorts-per-signal=2]
 //            [--rate=0 (signals/s per shard, 0 = full rate)] [--probe-ms=100]
 //            [--publisher=on|off|compare] [--compare-rounds=2] [--window-s=30]
-//            [--check=1] [--servers=URLS] [--dir=DIR]
+//            [--check=1] [--servers=URLS] [--dir=DIR] [--reseed-every-s=0]
+// --reseed-every-s=N re-seeds a shard (Db::reseed_change_feed, shards in
+// turn) every N s under the load and reports, per re-seed, how long the
+// call held the shard's writes, the snapshot's size, and when every view had
+// applied all of it; the final check then shows every view exact.
 // --publisher=compare alternates phases of --seconds with publishers on and
 // off (views idle), same Dbs, and reports the throughput ratio.
 #include <algorithm>
@@ -309,6 +313,53 @@ int main(int argc, char** argv) {
               (unsigned long long)p.users, (unsigned long long)p.items, (unsigned long long)p.cohorts,
               (unsigned long long)p.cohorts_per_signal, (unsigned long long)p.communities,
               rate ? (std::to_string(rate) + "/s a shard").c_str() : "full", config.servers.c_str());
+  // Re-seeds under the load (--reseed-every-s).
+  struct Reseed {
+    std::uint64_t shard = 0, first = 0, last = 0, bytes = 0;
+    double call_ms = 0, applied_s = -1;
+  };
+  std::vector<Reseed> reseeds;
+  std::thread reseeder;
+  if (const long long every = arg("reseed-every-s", 0); every > 0) {
+    reseeder = std::thread([&, every] {
+      for (std::uint64_t k = 0; running.load(); ++k) {
+        for (int i = 0; i < every * 10 && running.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (!running.load() || !load_on.load()) continue;
+        Reseed r;
+        r.shard = k % p.shards;
+        Db& db = *shards[r.shard];
+        const auto t0 = Clock::now();
+        Result<std::uint64_t> first = db.reseed_change_feed();
+        if (!first.ok()) die("reseed", first.status());
+        r.call_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+        const Stats st = db.stats();
+        r.first = *first;
+        r.last = st.change_feed_last_seq;
+        r.bytes = st.change_feed_pending_bytes;
+        const std::string incarnation = st.change_feed_incarnation;
+        for (;;) {
+          bool all = true;
+          for (auto& v : views) {
+            Result<std::vector<ShardProgress>> progress = v->applied_shards();
+            bool mine = false;
+            if (progress.ok()) {
+              for (const ShardProgress& sp : *progress) {
+                if (sp.shard_id == r.shard && sp.incarnation == incarnation && sp.applied_seq >= r.last) mine = true;
+              }
+            }
+            all = all && mine;
+          }
+          if (all) break;
+          if (Clock::now() - t0 > std::chrono::seconds(120)) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        if (Clock::now() - t0 <= std::chrono::seconds(120)) {
+          r.applied_s = std::chrono::duration<double>(Clock::now() - t0).count();
+        }
+        reseeds.push_back(r);
+      }
+    });
+  }
   const auto run_start = Clock::now();
   if (mode == "compare") {
     std::vector<double> on, off;
@@ -359,6 +410,14 @@ int main(int argc, char** argv) {
   running = false;
   watcher.join();
   for (auto& t : loaders) t.join();
+  if (reseeder.joinable()) reseeder.join();
+  for (const Reseed& r : reseeds) {
+    std::printf("reseed of shard %llu: the call took %.1f ms (writer waits for its read and ingestion); snapshot seqs %llu..%llu (%llu bytes); in "
+                "every view %s\n",
+                (unsigned long long)r.shard, r.call_ms, (unsigned long long)r.first, (unsigned long long)r.last,
+                (unsigned long long)r.bytes,
+                r.applied_s < 0 ? "not within 120 s" : (std::to_string(r.applied_s) + " s after the call").c_str());
+  }
 
   // Lag: accepted -> visible in every view, per probe, in windows of window_s.
   std::vector<double> lags;

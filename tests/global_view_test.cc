@@ -134,6 +134,7 @@ struct RawView {
     cfs.emplace_back(kViewMetaFamily, rocksdb::ColumnFamilyOptions());
     cfs.emplace_back(kViewAggregatesFamily, rocksdb::ColumnFamilyOptions());
     cfs[1].options.merge_operator = new_units_add_operator();
+    cfs.emplace_back(kViewShardsFamily, cfs[1].options);
     rocksdb::Options options;
     options.create_if_missing = true;
     options.create_missing_column_families = true;
@@ -761,18 +762,18 @@ TEST(GlobalViewFormat, AViewOfAnotherFormatOrWithoutItsMarkIsRefused) {
     ASSERT_NE(view, nullptr);
     ASSERT_OK(view->close());
     RawView raw(dir.sub("v2"));
-    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), kViewFormatKey, "3").ok());
+    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), kViewFormatKey, "4").ok());
   }
   Result<std::unique_ptr<GlobalView>> v = GlobalView::open(dir.sub("v2"));
   ASSERT_FALSE(v.ok());
   EXPECT_EQ(v.status().code(), StatusCode::InvalidArgument);
-  expect_has(v.status(), "view_format is '3'");
+  expect_has(v.status(), "view_format is '4'");
   expect_has(v.status(), dir.sub("v2"));
 
   // The view's column families and records, but no mark: not written by tidal.
   {
     RawView raw(dir.sub("unmarked"));
-    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), encode_applied_key(1), encode_applied({1, ""})).ok());
+    ASSERT_TRUE(raw.db->Put(rocksdb::WriteOptions(), raw.meta(), encode_applied_key(1), encode_applied({1, "", ""})).ok());
   }
   v = GlobalView::open(dir.sub("unmarked"));
   ASSERT_FALSE(v.ok());
@@ -788,7 +789,7 @@ TEST(GlobalViewFormat, AViewOfAnotherFormatOrWithoutItsMarkIsRefused) {
   RawView raw(dir.sub("cut-short"));
   std::string mark;
   ASSERT_TRUE(raw.db->Get(rocksdb::ReadOptions(), raw.meta(), kViewFormatKey, &mark).ok());
-  EXPECT_EQ(mark, "2");
+  EXPECT_EQ(mark, "3");
 }
 
 // Issue 27: a view stores the incarnation of each shard's feed beside its

@@ -62,6 +62,10 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
   rematerialize --repair
                    as rematerialize, and rewrite each mismatching aggregate
                    from the ledger (one synced batch)
+  reseed           re-seed the change feed: a new incarnation whose first batches
+                   are a snapshot of the shard's shared aggregates; every view
+                   replaces the shard's contribution once it applies them (watch
+                   with 'view PATH applied': the shard shows the new incarnation)
   migrate          upgrade a Db written by tidal 0.2 or earlier (format 2, one
                    RocksDB database) to format 3 (users and state engines);
                    crash-safe, and what any writable open does anyway
@@ -72,7 +76,7 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
 
 Global view (PATH is a GlobalView's directory, opened read-only: works while a
 host service holds it; nothing is created or written):
-  view PATH applied            every shard's applied seq, in shard order
+  view PATH applied            every shard's applied seq and incarnation, in shard order
   view PATH cohort ID ITEM     the cohort's score of ITEM, summed over every shard
   view PATH community ID ITEM  the community's score of ITEM, summed over every shard
 
@@ -102,7 +106,7 @@ constexpr Command kCommands[] = {
     {"verify", false, false},   {"leave", true, true},    {"rejoin", true, true},
     {"purge", true, true},      {"receipts", true, false}, {"rematerialize", false, false},
     {"view", false, false},  // view PATH ...: a GlobalView, not a Db (cmd_view)
-    {"changes", false, false},  {"migrate", false, true},
+    {"changes", false, false},  {"migrate", false, true},    {"reseed", false, true},
 };
 
 struct Args {
@@ -253,11 +257,12 @@ int cmd_changes(tidal::Db& db, bool json) {
     if (!st.change_feed) {
       std::printf("{\"change_feed\":false}\n");
     } else {
-      std::printf("{\"change_feed\":true,\"shard_id\":%llu,\"last_seq\":%llu,\"trimmed_seq\":%llu,\"pending_bytes\":%llu}\n",
+      std::printf("{\"change_feed\":true,\"shard_id\":%llu,\"last_seq\":%llu,\"trimmed_seq\":%llu,\"pending_bytes\":%llu,"
+                  "\"incarnation\":\"%s\"}\n",
                   static_cast<unsigned long long>(st.change_feed_shard_id),
                   static_cast<unsigned long long>(st.change_feed_last_seq),
                   static_cast<unsigned long long>(st.change_feed_trimmed_seq),
-                  static_cast<unsigned long long>(st.change_feed_pending_bytes));
+                  static_cast<unsigned long long>(st.change_feed_pending_bytes), st.change_feed_incarnation.c_str());
     }
     return kExitOk;
   }
@@ -265,11 +270,34 @@ int cmd_changes(tidal::Db& db, bool json) {
     std::printf("change_feed    off (the Db keeps no change feed)\n");
     return kExitOk;
   }
-  std::printf("change_feed    on\nshard_id       %llu\nlast_seq       %llu\ntrimmed_seq    %llu\npending_bytes  %llu\n",
+  std::printf("change_feed    on\nshard_id       %llu\nlast_seq       %llu\ntrimmed_seq    %llu\npending_bytes  %llu\n"
+              "incarnation    %s\n",
               static_cast<unsigned long long>(st.change_feed_shard_id),
               static_cast<unsigned long long>(st.change_feed_last_seq),
               static_cast<unsigned long long>(st.change_feed_trimmed_seq),
-              static_cast<unsigned long long>(st.change_feed_pending_bytes));
+              static_cast<unsigned long long>(st.change_feed_pending_bytes), st.change_feed_incarnation.c_str());
+  return kExitOk;
+}
+
+int cmd_reseed(tidal::Db& db, bool json) {
+  tidal::Result<std::uint64_t> first = db.reseed_change_feed();
+  if (!first.ok()) return db_failure("reseed", first.status());
+  const tidal::Stats st = db.stats();
+  const auto shard = static_cast<unsigned long long>(st.change_feed_shard_id);
+  const auto from = static_cast<unsigned long long>(*first);
+  const auto to = static_cast<unsigned long long>(st.change_feed_last_seq);
+  const auto bytes = static_cast<unsigned long long>(st.change_feed_pending_bytes);
+  if (json) {
+    std::printf("{\"action\":\"reseed\",\"shard_id\":%llu,\"incarnation\":\"%s\",\"first_seq\":%llu,\"last_seq\":%llu,"
+                "\"snapshot_bytes\":%llu}\n",
+                shard, st.change_feed_incarnation.c_str(), from, to, bytes);
+  } else {
+    std::printf("reseed: shard %llu is incarnation %s from seq %llu; its snapshot is seqs %llu..%llu (%llu bytes).\n"
+                "Every view replaces the shard's contribution once it applies seq %llu: 'tidalctl view PATH applied'\n"
+                "shows the shard at incarnation %s, seq %llu or later.\n",
+                shard, st.change_feed_incarnation.c_str(), from, from, to, bytes, from,
+                st.change_feed_incarnation.c_str(), to);
+  }
   return kExitOk;
 }
 
@@ -613,15 +641,16 @@ int view_applied(const tidal::GlobalView& view, bool json) {
     std::string items;
     for (const tidal::ShardProgress& p : *shards) {
       if (!items.empty()) items += ',';
-      items += "{\"shard_id\":" + std::to_string(p.shard_id) + ",\"applied_seq\":" + std::to_string(p.applied_seq) + "}";
+      items += "{\"shard_id\":" + std::to_string(p.shard_id) + ",\"applied_seq\":" + std::to_string(p.applied_seq) +
+               ",\"incarnation\":\"" + p.incarnation + "\"}";
     }
     std::printf("{\"shards\":[%s]}\n", items.c_str());
     return kExitOk;
   }
-  std::printf("%-20s  %s\n", "shard_id", "applied_seq");
+  std::printf("%-20s  %-20s  %s\n", "shard_id", "applied_seq", "incarnation");
   for (const tidal::ShardProgress& p : *shards) {
-    std::printf("%-20llu  %llu\n", static_cast<unsigned long long>(p.shard_id),
-                static_cast<unsigned long long>(p.applied_seq));
+    std::printf("%-20llu  %-20llu  %s\n", static_cast<unsigned long long>(p.shard_id),
+                static_cast<unsigned long long>(p.applied_seq), p.incarnation.empty() ? "-" : p.incarnation.c_str());
   }
   std::printf("(%zu shards)\n", shards->size());
   return kExitOk;
@@ -807,6 +836,7 @@ int run(int argc, char** argv) {
   else if (name == "receipts") rc = cmd_receipts(db, *user, args.json);
   else if (name == "rematerialize") rc = cmd_rematerialize(db, args.repair, args.json);
   else if (name == "migrate") rc = cmd_migrate(upgraded, args.json);
+  else if (name == "reseed") rc = cmd_reseed(db, args.json);
   else if (args.from) rc = cmd_bulk(db, name, *args.from == "-" ? "<stdin>" : *args.from, lines, args.json);
   else if (name == "purge") rc = cmd_purge(db, *user, args.json);
   else rc = cmd_leave_or_rejoin(db, name == "leave", *user, args.json);

@@ -481,6 +481,22 @@ class Db {
   // InvalidArgument past the last seq; OK and nothing changed at or below
   // the trim point.
   Status trim_changes(std::uint64_t through_seq);
+  // Re-seeds the change feed (docs/SCALE.md, "Re-seeding a shard"): how a
+  // shard whose views went wrong (a restore from an older copy, a fresh Db
+  // for a shard with history, a gap that cannot be filled, a twin) makes
+  // every view equal its current aggregates again, without rebuilding views
+  // from every shard. In one atomic, durable step the feed gets a new
+  // incarnation, its untrimmed batches are trimmed (the snapshot supersedes
+  // them), and a snapshot of every nonzero cohort and community aggregate is
+  // appended as the next batches; a view that applies the snapshot's first
+  // batch replaces what it held of this shard by those values (exactly: the
+  // view keeps each shard's sums apart), and the Publisher publishes it over
+  // the stream's batches of the old incarnation (fenced, as every batch).
+  // Returns the seq of the snapshot's first batch. Signals, purges and
+  // repairs wait while the aggregates are read (about 1 s a million shared
+  // cells); the snapshot's bytes count against change_feed_max_bytes until
+  // published. InvalidArgument when the Db keeps no feed or is read-only.
+  Result<std::uint64_t> reseed_change_feed();
 
   // The privacy journal (Options::journal; docs/CONTRACT.md J1-J6).
   // InvalidArgument when the Db keeps none. Entries with seq > after_seq,

@@ -116,6 +116,15 @@ class GlobalView {
   //     also at a seq already applied: another Db published the shard, which
   //     must be re-seeded. A batch with an empty incarnation is not checked;
   //     the first known one is stored with the shard's applied seq;
+  //   - true: the first batch of a re-seed (Db::reseed_change_feed: its
+  //     payload's origin is 5, docs/FORMAT.md) of an incarnation other than
+  //     the shard's, at whatever seq: the shard's whole contribution is
+  //     taken out of the sums and replaced by the batch's values, and the
+  //     batch's incarnation and seq become the shard's (the view keeps each
+  //     shard's sums apart for this). Corruption, nothing changed, in a view
+  //     made before per-shard sums that applied the shard (view_format 2);
+  //   - false, nothing changed: a batch of the incarnation the shard's last
+  //     re-seed replaced (delivered late: superseded);
   //   - InvalidArgument, nothing changed: batch.seq == 0, or a read-only view;
   //   - another error of the write: the batch may or may not be stored (a
   //     failed fsync may still have reached the disk); applied_seq tells,
@@ -124,7 +133,9 @@ class GlobalView {
   Result<bool> apply(const ChangeBatch& batch);
 
   // Applies a run of batches, of any shards, in the span's order, in ONE
-  // atomic, fsynced write: one fsync for the run instead of one a batch.
+  // atomic, fsynced write: one fsync for the run instead of one a batch
+  // (a re-seed's first batch is written on its own: the batches before it,
+  // it, and those after it, each in one atomic write).
   // Each batch is judged exactly as apply(batch) would judge it right after
   // the batches before it in the span (so a batch at seq n + 1 of a shard may
   // follow that shard's seq n in the same span, and a batch repeated in the
@@ -138,8 +149,9 @@ class GlobalView {
   //   - InvalidArgument, nothing changed: a read-only view;
   //   - another error (a read of an applied seq, the write): none of the
   //     span is applied, or (a failed fsync may still have reached the disk)
-  //     all of what would have been taken; applied_seq tells, after a
-  //     reopen, and delivering the span again is safe either way.
+  //     all of what would have been taken (with a re-seed in the span: the
+  //     writes before the failed one are applied); applied_seq tells, after
+  //     a reopen, and delivering the span again is safe either way.
   // An empty span is OK with nothing taken. Applies of any shards run one
   // at a time.
   Result<ApplyOutcome> apply(std::span<const ChangeBatch> batches);

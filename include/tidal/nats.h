@@ -105,6 +105,7 @@ struct PublisherStats {
   std::uint64_t duplicates = 0;         // acks that JetStream flagged as duplicates (a batch sent again)
   std::uint64_t errors = 0;             // failed attempts (connect, stream check, publish, trim), each retried
   std::uint64_t connects = 0;           // connections made
+  std::uint64_t reseeds = 0;            // re-seeds published over another incarnation (Db::reseed_change_feed)
   bool connected = false;               // connected now, with the stream checked
   bool halted = false;                  // stopped for good by a fence (last_error and stop() say why)
   std::string last_error;               // the most recent failure, naming the server and the stream; empty if none

@@ -107,6 +107,27 @@ Status Db::Impl::trim_changes(std::uint64_t through_seq) {
   });
 }
 
+Result<std::uint64_t> Db::Impl::reseed_change_feed() {
+  return guarded("reseed_change_feed", [&]() -> Result<std::uint64_t> {
+    Call call(this, "reseed_change_feed", /*write=*/true);
+    if (!call.status().ok()) return call.status();
+    if (Status s = check_feed("reseed_change_feed"); !s.ok()) return s;
+    std::uint64_t first = 0;
+    // Under the drain lock: no writer batch, purge or repair lands between
+    // the snapshot's read of the aggregates and its write. No drain first:
+    // what the buffers hold is neither in the aggregates nor in the feed,
+    // and lands after the snapshot.
+    Status s = state_->between_batches([&]() -> Status {
+      Result<std::uint64_t> r = feed_->reseed();
+      if (!r.ok()) return r.status();
+      first = *r;
+      return Status::OK();
+    });
+    if (!s.ok()) return s;
+    return first;
+  });
+}
+
 Result<double> Db::Impl::score(AggregateKind kind, std::uint64_t owner, std::uint64_t item) const {
   return guarded("score read", [&]() -> Result<double> {
     Call call(this, "score read", /*write=*/false);
@@ -184,6 +205,7 @@ Result<std::vector<ChangeBatch>> Db::read_changes(std::uint64_t after_seq, std::
 }
 Result<std::uint64_t> Db::last_change_seq() const { return impl_->last_change_seq(); }
 Status Db::trim_changes(std::uint64_t through_seq) { return impl_->trim_changes(through_seq); }
+Result<std::uint64_t> Db::reseed_change_feed() { return impl_->reseed_change_feed(); }
 Result<std::vector<JournalEntry>> Db::read_journal(std::uint64_t after_seq, std::size_t max_bytes) const {
   return impl_->read_journal(after_seq, max_bytes);
 }

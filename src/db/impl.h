@@ -82,6 +82,7 @@ class Db::Impl {
   Result<std::vector<ChangeBatch>> read_changes(std::uint64_t after_seq, std::size_t max_bytes) const;
   Result<std::uint64_t> last_change_seq() const;
   Status trim_changes(std::uint64_t through_seq);
+  Result<std::uint64_t> reseed_change_feed();
   // The privacy journal (journal/journal.h).
   Result<std::vector<JournalEntry>> read_journal(std::uint64_t after_seq, std::size_t max_bytes) const;
   Result<std::uint64_t> last_journal_seq() const;

@@ -572,4 +572,9 @@ Status StateStore::exclusive(const std::function<Status()>& fn) {
   return fn();
 }
 
+Status StateStore::between_batches(const std::function<Status()>& fn) {
+  std::lock_guard<std::mutex> drain(drain_mu_);
+  return fn();
+}
+
 }  // namespace tidal

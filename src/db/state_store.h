@@ -208,6 +208,10 @@ class StateStore {
   // into the buffers, up to their bound. The drain's error, fn not run,
   // when the drain fails.
   Status exclusive(const std::function<Status()>& fn);
+  // Runs `fn` while holding the drain lock, without draining first: fn sees
+  // the stored aggregates and the change feed at one batch boundary (what
+  // the buffers hold is in neither, and lands after fn). A re-seed's snapshot.
+  Status between_batches(const std::function<Status()>& fn);
 
  private:
   // kind 1-3: an aggregate (a = owner, b = item). kind 4-5 (cohort or

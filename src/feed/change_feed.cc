@@ -232,36 +232,49 @@ Status ChangeFeed::room() const {
 }
 
 Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::size_t max_bytes) const {
-  std::uint64_t trimmed = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    trimmed = trimmed_through_;
-  }
-  if (after_seq < trimmed) {
-    return Status::NotFound("read_changes(after " + std::to_string(after_seq) + "): the change feed of shard " +
-                            std::to_string(shard_id_) + " is trimmed through seq " + std::to_string(trimmed) +
-                            "; batches " + std::to_string(after_seq + 1) + ".." + std::to_string(trimmed) +
-                            " are gone");
-  }
-  std::vector<ChangeBatch> out;
-  std::size_t bytes = 0;
-  auto it = storage_->iterator(storage_->feed());
-  for (it->Seek(encode_feed_key(after_seq + 1)); it->Valid() && (out.empty() || bytes < max_bytes); it->Next()) {
-    std::optional<std::uint64_t> seq = decode_feed_key(view(it->key()));
-    if (!seq || it->value().size() < kOffsetSize || *seq != after_seq + 1 + out.size()) {
-      return Status::Corruption("change feed record " + hex(view(it->key())) + " of '" + storage_->path() +
-                                "' does not decode or is out of sequence (expected seq " +
-                                std::to_string(after_seq + 1 + out.size()) + ")");
+  // A reseed() between the first lock and the last replaces the records
+  // and the incarnation: the read starts again, so no batch is labelled
+  // with another incarnation than the one it was written under.
+  for (;;) {
+    std::uint64_t trimmed = 0, generation = 0;
+    std::string incarnation;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      trimmed = trimmed_through_;
+      generation = reseeds_;
+      incarnation = incarnation_;
     }
-    ChangeBatch& b = out.emplace_back();
-    b.shard_id = shard_id_;
-    b.seq = *seq;
-    b.incarnation = incarnation_;
-    b.payload.assign(it->value().data() + kOffsetSize, it->value().size() - kOffsetSize);
-    bytes += b.payload.size();
+    if (after_seq < trimmed) {
+      return Status::NotFound("read_changes(after " + std::to_string(after_seq) + "): the change feed of shard " +
+                              std::to_string(shard_id_) + " is trimmed through seq " + std::to_string(trimmed) +
+                              "; batches " + std::to_string(after_seq + 1) + ".." + std::to_string(trimmed) +
+                              " are gone");
+    }
+    std::vector<ChangeBatch> out;
+    std::size_t bytes = 0;
+    auto it = storage_->iterator(storage_->feed());
+    for (it->Seek(encode_feed_key(after_seq + 1)); it->Valid() && (out.empty() || bytes < max_bytes); it->Next()) {
+      std::optional<std::uint64_t> seq = decode_feed_key(view(it->key()));
+      if (!seq || it->value().size() < kOffsetSize || *seq != after_seq + 1 + out.size()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (reseeds_ != generation) break;  // read again
+        return Status::Corruption("change feed record " + hex(view(it->key())) + " of '" + storage_->path() +
+                                  "' does not decode or is out of sequence (expected seq " +
+                                  std::to_string(after_seq + 1 + out.size()) + ")");
+      }
+      ChangeBatch& b = out.emplace_back();
+      b.shard_id = shard_id_;
+      b.seq = *seq;
+      b.incarnation = incarnation;
+      b.payload.assign(it->value().data() + kOffsetSize, it->value().size() - kOffsetSize);
+      bytes += b.payload.size();
+    }
+    if (Status s = from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'"); !s.ok()) {
+      return s;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reseeds_ == generation) return out;
   }
-  if (Status s = from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'"); !s.ok()) return s;
-  return out;
 }
 
 std::uint64_t ChangeFeed::last_seq() const {
@@ -317,6 +330,66 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
                                       "dropping the trimmed files of the change feed of '" + storage_->path() + "'");
   Storage::test_step("trim changes", static_cast<int>(through_seq));
   return Status::OK();
+}
+
+Result<std::uint64_t> ChangeFeed::reseed() {
+  std::lock_guard<std::mutex> one_trim(trim_mu_);
+  std::uint64_t last = 0, end = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = last_seq_;
+    end = end_offset_;
+  }
+  const std::string what = "re-seeding the change feed of shard " + std::to_string(shard_id_) + " in '" +
+                           storage_->path() + "'";
+  // One ingestion: the untrimmed batches deleted, the snapshot, the new
+  // incarnation and the trim point through the last batch before it. A
+  // crash leaves the old feed whole or the new one.
+  IngestBatch batch(storage_, "feed-reseed");
+  if (Status s = from_rocksdb(batch.delete_range(storage_->feed(), encode_feed_key(0), encode_feed_key(last + 1)), what);
+      !s.ok()) {
+    return s;
+  }
+  Appender snapshot(this, FeedOrigin::Reseed,
+                    [&](const std::string& k, const std::string& v) { return batch.put(storage_->feed(), k, v); });
+  auto it = storage_->iterator(storage_->aggregates(), /*bulk=*/true);
+  const std::string first(1, static_cast<char>(AggregateKind::Cohort));
+  for (it->Seek(first); it->Valid(); it->Next()) {
+    std::optional<Units> units = decode_units(view(it->value()));
+    if (!units) {
+      return Status::Corruption(what + ": aggregate " + hex(view(it->key())) + " has a " +
+                                std::to_string(it->value().size()) + "-byte value; expected 16");
+    }
+    if (*units != 0) snapshot.add(view(it->key()), *units);
+  }
+  if (Status s = from_rocksdb(it->status(), what); !s.ok()) return s;
+  it.reset();
+  Result<Appended> appended = snapshot.finish();
+  if (!appended.ok()) return appended.status();
+  Storage::test_step("reseed", 1);
+  // In key order (an ingested file's): "feed_incarnation" < "feed_trimmed".
+  const std::string incarnation = new_incarnation();
+  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
+    return s;
+  }
+  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedTrimmedKey, be64(last) + be64(end)), what);
+      !s.ok()) {
+    return s;
+  }
+  if (Status s = batch.ingest(what); !s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    incarnation_ = hex_digits(incarnation);
+    ++reseeds_;
+    trimmed_through_ = last;
+    trimmed_offset_ = end;
+    last_seq_ = appended->last_seq;
+    end_offset_ = appended->end_offset;
+    update_full_locked();
+  }
+  (void)storage_->drop_files_in_range(storage_->feed(), encode_feed_key(0), encode_feed_key(last),
+                                      "dropping the re-seeded files of the change feed of '" + storage_->path() + "'");
+  return last + 1;
 }
 
 ChangeFeed::Stats ChangeFeed::stats() const {

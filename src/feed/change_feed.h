@@ -104,6 +104,15 @@ class ChangeFeed {
   Status trim(std::uint64_t through_seq);
   Stats stats() const;
 
+  // Re-seeds the feed (docs/SCALE.md, "Re-seeding a shard"): in one atomic,
+  // durable step, a new random incarnation, the untrimmed batches trimmed,
+  // and a snapshot of every nonzero shared aggregate appended as the next
+  // batches (the first of origin Reseed, FeedOrigin), so a view replaces
+  // what it holds of this shard by the shard's current aggregates. Returns
+  // the seq of the snapshot's first batch. The caller holds the state
+  // store's drain lock (no writer batch lands meanwhile) and no trim runs.
+  Result<std::uint64_t> reseed();
+
  private:
   ChangeFeed(Storage* storage, std::uint64_t shard_id, std::uint64_t max_bytes)
       : storage_(storage), shard_id_(shard_id), max_bytes_(max_bytes) {}
@@ -115,7 +124,9 @@ class ChangeFeed {
   Storage* const storage_;
   const std::uint64_t shard_id_;
   const std::uint64_t max_bytes_;
-  std::string incarnation_;            // hex (empty: unknown); set by open(), then constant
+  // Guarded by mu_ once open() returned: hex (empty: unknown); changed by reseed().
+  std::string incarnation_;
+  std::uint64_t reseeds_ = 0;          // reseed() calls; guarded by mu_ (read() retries across one)
   // Serializes trim() from its check of the trim point to its write of the
   // trim record, so the record never goes backwards (two trims racing wrote
   // "through 6" after "through 10" had deleted 7..10). Not mu_, which the

@@ -89,8 +89,10 @@ std::string subject_of(const Config& config, std::uint64_t shard) {
   return config.subject_prefix + "." + std::to_string(shard);
 }
 
-std::string msg_id_of(std::uint64_t shard, std::uint64_t seq) {
-  return std::to_string(shard) + "-" + std::to_string(seq);
+std::string msg_id_of(const ChangeBatch& b) {
+  std::string id = std::to_string(b.shard_id) + "-" + std::to_string(b.seq);
+  if (!b.incarnation.empty()) id += "-" + b.incarnation;
+  return id;
 }
 
 Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config) {

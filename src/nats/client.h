@@ -31,9 +31,18 @@ inline constexpr const char* kIncarnationHeader = "Tidal-Incarnation";
 // InvalidArgument naming the field for a config no cluster could serve.
 Status check_config(const Config& config);
 
-// "<subject_prefix>.<shard>" and the JetStream message id "<shard>-<seq>".
+// "<subject_prefix>.<shard>", and the JetStream message id
+// "<shard>-<seq>-<incarnation>" ("<shard>-<seq>" when the incarnation is
+// unknown): a re-seeded or restored Db reuses seqs the stream's
+// de-duplication window may still hold, under another incarnation.
 std::string subject_of(const Config& config, std::uint64_t shard);
-std::string msg_id_of(std::uint64_t shard, std::uint64_t seq);
+std::string msg_id_of(const ChangeBatch& b);
+
+// Whether `b` is the first batch of a re-seed (Db::reseed_change_feed): its
+// payload's origin byte is 5 (docs/FORMAT.md, "The change feed").
+inline bool is_reseed(const ChangeBatch& b) {
+  return b.payload.size() >= 6 && b.payload[0] == 1 && b.payload[1] == 5 && !b.incarnation.empty();
+}
 
 // A message's batch: shard, seq and incarnation (if any) from its headers
 // (checked against the subject), the payload from its data. Corruption

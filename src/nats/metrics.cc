@@ -45,6 +45,8 @@ Result<std::string> prometheus_text(const PublisherStats& st, const MetricLabels
            "Acks JetStream flagged as duplicates (a batch sent again, checked against the stored one)."},
           {"tidal_publisher_errors_total", "counter", st.errors, "Failed attempts, each retried."},
           {"tidal_publisher_connects_total", "counter", st.connects, "Connections made."},
+          {"tidal_publisher_reseeds_total", "counter", st.reseeds,
+           "Re-seeds published over the stream's batches of another incarnation (Db::reseed_change_feed)."},
           {"tidal_publisher_connected", "gauge", st.connected ? 1u : 0u, "1 when connected with the stream checked."},
           {"tidal_publisher_halted", "gauge", st.halted ? 1u : 0u,
            "1 when a fence stopped the publisher for good (a twin, a restored Db): page an operator."},

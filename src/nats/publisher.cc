@@ -299,13 +299,28 @@ class Publisher::Impl {
                              internal::nats_error(ns));
     }
     const std::uint64_t in_stream = stored ? stored->seq : 0;
+    if (stored && stored->incarnation != st.change_feed_incarnation) {
+      // The stream's last batch of this shard is of another feed. Publishing
+      // over it is right only for a re-seed of this Db (its first batch, not
+      // yet trimmed, is next): the snapshot replaces the old incarnation in
+      // every view. Anything else is a twin or a restore: stop.
+      Result<std::vector<ChangeBatch>> next = db_->read_changes(st.change_feed_trimmed_seq, 1);
+      if (!next.ok()) return Status(next.status().code(), where(conn) + ": read_changes: " + next.status().message());
+      if (!next->empty() && internal::is_reseed(next->front())) {
+        at.seq = st.change_feed_trimmed_seq;
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        ++stats_.reseeds;
+        return at;
+      }
+    }
     if (in_stream > st.change_feed_last_seq) {
       return halt(Status::InvalidArgument(
           where(conn) + ": the stream holds this shard up to seq " + std::to_string(in_stream) + " (stream seq " +
           std::to_string(at.subject_seq) + ") but the Db's feed ends at seq " +
           std::to_string(st.change_feed_last_seq) +
           " (another Db with the same shard_id, or a Db restored from an older copy): views would skip its new "
-          "batches as already applied; publisher stopped, nothing trimmed"));
+          "batches as already applied; publisher stopped, nothing trimmed. If this Db is the shard's owner now, "
+          "re-seed it (Db::reseed_change_feed, tidalctl reseed) and start the publisher again"));
     }
     if (stored && !stored->incarnation.empty() && !st.change_feed_incarnation.empty() &&
         stored->incarnation != st.change_feed_incarnation) {
@@ -315,7 +330,8 @@ class Publisher::Impl {
           ", the Db's feed is incarnation " + st.change_feed_incarnation +
           " (seq " + std::to_string(st.change_feed_last_seq) +
           "): another Db published this shard (a Db re-created or restored for it, or a twin); views would refuse "
-          "or skip this Db's batches: publisher stopped, nothing trimmed"));
+          "or skip this Db's batches: publisher stopped, nothing trimmed. If this Db is the shard's owner now, "
+          "re-seed it (Db::reseed_change_feed, tidalctl reseed) and start the publisher again"));
     }
     if (in_stream > st.change_feed_trimmed_seq) {
       // The Db still holds the batch the stream has last: they must be the same.
@@ -355,7 +371,7 @@ class Publisher::Impl {
     natsStatus ns = natsMsg_Create(&msg, subject_.c_str(), nullptr, b.payload.data(), static_cast<int>(b.payload.size()));
     const std::string shard = std::to_string(b.shard_id);
     const std::string seq = std::to_string(b.seq);
-    const std::string id = internal::msg_id_of(b.shard_id, b.seq);
+    const std::string id = internal::msg_id_of(b);
     if (ns == NATS_OK) ns = natsMsgHeader_Set(msg, internal::kShardHeader, shard.c_str());
     if (ns == NATS_OK) ns = natsMsgHeader_Set(msg, internal::kSeqHeader, seq.c_str());
     if (ns == NATS_OK && !b.incarnation.empty()) {
@@ -429,7 +445,7 @@ class Publisher::Impl {
     }
     return halt(Status::Corruption(
         where(conn) + ": the publish of seq " + std::to_string(b.seq) + " (id " +
-        internal::msg_id_of(b.shard_id, b.seq) + ", " + describe(b) +
+        internal::msg_id_of(b) + ", " + describe(b) +
         ") was acknowledged as a duplicate of stream seq " + std::to_string(at) + ", which holds " +
         (stored.ok() ? describe(*stored) + " on " + subject : stored.status().message()) +
         ": another writer published this id with other content; publisher stopped, nothing trimmed"));

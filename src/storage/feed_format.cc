@@ -28,16 +28,24 @@ std::optional<std::uint64_t> decode_feed_key(std::string_view key) {
 
 void FeedEncoder::add(std::string_view encoded_key, Units delta) {
   if (count_ == kMaxFeedEntries) seal();
-  if (count_ == 0) {
-    current_.assign({static_cast<char>(kFeedVersion), static_cast<char>(origin_), 0, 0, 0, 0});
-  }
+  if (count_ == 0) start();
   current_.append(encoded_key);
   put_units(&current_, delta);
   ++count_;
 }
 
+void FeedEncoder::start() {
+  const FeedOrigin origin = origin_ == FeedOrigin::Reseed && sealed_ > 0 ? FeedOrigin::Seed : origin_;
+  current_.assign({static_cast<char>(kFeedVersion), static_cast<char>(origin), 0, 0, 0, 0});
+}
+
 void FeedEncoder::seal() {
-  if (count_ == 0) return;
+  if (count_ == 0) {
+    // A re-seed always has its first batch, entries or not.
+    if (origin_ != FeedOrigin::Reseed || sealed_ > 0) return;
+    start();
+  }
+  ++sealed_;
   for (unsigned i = 0; i < 4; ++i) current_[2 + i] = static_cast<char>((count_ >> (8 * i)) & 0xff);
   if (sink_) sink_(std::move(current_));
   else payloads_.push_back(std::move(current_));
@@ -60,8 +68,8 @@ bool check_feed_payload(std::string_view payload, std::string* error) {
     return false;
   }
   const auto origin = static_cast<std::uint8_t>(payload[1]);
-  if (origin < 1 || origin > 4) {
-    *error = "payload origin " + std::to_string(origin) + ", expected 1 to 4";
+  if (origin < 1 || origin > 5) {
+    *error = "payload origin " + std::to_string(origin) + ", expected 1 to 5";
     return false;
   }
   const std::uint32_t count = feed_entry_count(payload);

@@ -4,7 +4,8 @@
 //             value the payload:
 //               [version: 1 = 0x01]
 //               [origin: 1]  1 the writer's batch, 2 a purge, 3 a repair,
-//                            4 the seed (FeedOrigin)
+//                            4 the seed, 5 a re-seed's first batch
+//                            (FeedOrigin)
 //               [count: 4 LE]
 //               count entries of 33 bytes, keys strictly ascending:
 //                 [aggregate key: 17] = [kind: 1, 2 cohort / 3 community]
@@ -37,7 +38,14 @@ inline constexpr std::size_t kMaxFeedEntries = (kMaxChangePayloadBytes - kFeedHe
 // What wrote a batch: the state store's writer, a purge, a repair of
 // re-materialization, or the seed written when the feed was turned on for a
 // Db that already held shared aggregates (their values, as deltas from 0).
-enum class FeedOrigin : std::uint8_t { Writer = 1, Purge = 2, Repair = 3, Seed = 4 };
+// A re-seed (ChangeFeed::reseed) is a snapshot too, under a new
+// incarnation: its first batch has origin Reseed (a view then drops what
+// it holds of the shard and starts from this batch's values, at any seq),
+// the rest of the snapshot origin Seed.
+enum class FeedOrigin : std::uint8_t { Writer = 1, Purge = 2, Repair = 3, Seed = 4, Reseed = 5 };
+
+// The origin of a payload that check_feed_payload accepted.
+inline FeedOrigin feed_origin(std::string_view payload) { return static_cast<FeedOrigin>(payload[1]); }
 
 // [seq: 8 BE].
 std::string encode_feed_key(std::uint64_t seq);
@@ -54,7 +62,10 @@ struct FeedEntry {
 // Builds payloads from entries added in ascending key order: each payload
 // holds at most kMaxFeedEntries. Without a sink `finish` returns them all;
 // with one, each payload goes to the sink as soon as it is full (and the
-// last at `finish`), so the memory is one payload.
+// last at `finish`), so the memory is one payload. With origin Reseed the
+// first payload has origin Reseed and the later ones Seed, and there is
+// always one (with no entries when none were added: the shard contributes
+// nothing).
 class FeedEncoder {
  public:
   explicit FeedEncoder(FeedOrigin origin, std::function<void(std::string payload)> sink = nullptr)
@@ -66,7 +77,9 @@ class FeedEncoder {
 
  private:
   void seal();
+  void start();
   const FeedOrigin origin_;
+  std::size_t sealed_ = 0;  // payloads sealed so far
   const std::function<void(std::string payload)> sink_;
   std::vector<std::string> payloads_;
   std::string current_;

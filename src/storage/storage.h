@@ -215,6 +215,8 @@ class Storage {
   //                     written, before the index's marker (storage/index.cc)
   //   "trim changes"    after a trim_changes through seq n was written
   //                     (feed/change_feed.cc)
+  //   "reseed"          1: after a re-seed read the aggregates, before its
+  //                     snapshot is written (feed/change_feed.cc)
   static inline std::function<void(std::string_view task, int step)> step_for_testing;
   // Calls step_for_testing, if set.
   static void test_step(std::string_view task, int step) {

@@ -125,14 +125,16 @@ Result<bool> check_path(const std::string& path, const GlobalViewOptions& option
 }
 
 // InvalidArgument unless the database at `path` has exactly the view's
-// column families: a tidal Db (or any other RocksDB database) is refused
-// before RocksDB opens it for writing, so it is left as it was.
-Status check_column_families(const std::string& path) {
+// column families (a view made before per-shard sums lacks "shards"): a
+// tidal Db (or any other RocksDB database) is refused before RocksDB opens
+// it for writing, so it is left as it was. *has_shards: whether it has them.
+Status check_column_families(const std::string& path, bool* has_shards) {
   std::vector<std::string> names;
   rocksdb::Status s = rocksdb::DB::ListColumnFamilies(rocksdb::DBOptions(), path, &names);
   if (!s.ok()) return from_rocksdb(s, cannot_open(path) + ": listing its column families failed");
   std::sort(names.begin(), names.end());
-  if (names == std::vector<std::string>{kViewAggregatesFamily, kViewMetaFamily}) return Status::OK();
+  *has_shards = names == std::vector<std::string>{kViewAggregatesFamily, kViewMetaFamily, kViewShardsFamily};
+  if (*has_shards || names == std::vector<std::string>{kViewAggregatesFamily, kViewMetaFamily}) return Status::OK();
   std::string list;
   for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
   if (std::find(names.begin(), names.end(), "users") != names.end()) {
@@ -140,7 +142,7 @@ Status check_column_families(const std::string& path) {
                                    "), not a global view");
   }
   return Status::InvalidArgument(cannot_open(path) + ": the directory holds a RocksDB database that is not a tidal " +
-                                 "global view (column families " + list + "; a view has aggregates, default)");
+                                 "global view (column families " + list + "; a view has aggregates, default, shards)");
 }
 
 // The RocksDB options of a view: bounded memory (the block cache, index and
@@ -149,7 +151,7 @@ Status check_column_families(const std::string& path) {
 // small disk (no WAL preallocation, at most 16 MiB of WAL, two info logs).
 // The partitioned index and filters are the Db's (storage/storage.cc): a
 // point read loads one small partition, not a whole file's filter.
-rocksdb::Options view_options(const GlobalViewOptions& config,
+rocksdb::Options view_options(const GlobalViewOptions& config, bool with_shards,
                               std::vector<rocksdb::ColumnFamilyDescriptor>* descriptors) {
   rocksdb::Options options;
   options.create_if_missing = config.create_if_missing && !config.read_only;
@@ -180,6 +182,7 @@ rocksdb::Options view_options(const GlobalViewOptions& config,
   aggregates.level_compaction_dynamic_level_bytes = true;
   descriptors->emplace_back(kViewMetaFamily, meta);
   descriptors->emplace_back(kViewAggregatesFamily, aggregates);
+  if (with_shards) descriptors->emplace_back(kViewShardsFamily, aggregates);
   return options;
 }
 
@@ -278,12 +281,15 @@ Result<std::unique_ptr<GlobalView>> GlobalView::Impl::open(const std::string& pa
   }
   Result<bool> exists = check_path(path, options);
   if (!exists.ok()) return exists.status();
+  bool has_shards = false;
   if (*exists) {
-    if (Status s = check_column_families(path); !s.ok()) return s;
+    if (Status s = check_column_families(path, &has_shards); !s.ok()) return s;
   }
 
+  // A writable open adds the shards family to a view made before it; a
+  // read-only one opens what is there.
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
-  rocksdb::Options rocks = view_options(options, &descriptors);
+  rocksdb::Options rocks = view_options(options, has_shards || !options.read_only, &descriptors);
   if (env != nullptr) rocks.env = env;
   rocksdb::DB* raw = nullptr;
   const rocksdb::Status s = options.read_only
@@ -316,18 +322,32 @@ Status GlobalView::Impl::check_format(bool created) {
   std::string mark;
   rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta(), kViewFormatKey, &mark);
   if (s.ok()) {
-    if (mark == kViewFormat) return Status::OK();
-    if (mark == kViewFormatBeforeIncarnations) {
-      // Its applied records are 8 bytes, which format 2 reads too; marked 2
-      // before any 24-byte record is written (an older version refuses it).
+    if (mark == kViewFormat) {
+      per_shard_ = true;
+      return Status::OK();
+    }
+    if (mark == kViewFormatBeforeIncarnations || mark == kViewFormatBeforePerShardSums) {
+      // A view that applied batches before per-shard sums cannot tell a
+      // shard's contribution apart: it stays "2" (a re-seed of a shard it
+      // applied is refused). One that applied nothing becomes "3". A "1"'s
+      // applied records are 8 bytes, which "2" reads too; marked before any
+      // longer record is written (an older version refuses it).
       if (options_.read_only) return Status::OK();
+      const rocksdb::Slice prefix(kAppliedPrefix, kAppliedPrefixSize);
+      std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), meta()));
+      it->Seek(prefix);
+      if (Status is = from_rocksdb(it->status(), cannot_open(path_)); !is.ok()) return is;
+      per_shard_ = !(it->Valid() && it->key().starts_with(prefix));
+      it.reset();
+      const char* to = per_shard_ ? kViewFormat : kViewFormatBeforePerShardSums;
+      if (mark == to) return Status::OK();
       rocksdb::WriteOptions wo;
       wo.sync = true;
-      return from_rocksdb(db_->Put(wo, meta(), kViewFormatKey, kViewFormat),
-                          cannot_open(path_) + ": marking its view_format 2 failed");
+      return from_rocksdb(db_->Put(wo, meta(), kViewFormatKey, to),
+                          cannot_open(path_) + ": marking its view_format " + to + " failed");
     }
     return Status::InvalidArgument(cannot_open(path_) + ": its view_format is '" + mark + "'; this version reads '" +
-                                   kViewFormat + "' (docs/FORMAT.md)");
+                                   kViewFormat + "' (and the older '2' and '1'; docs/FORMAT.md)");
   }
   if (!s.IsNotFound()) return from_rocksdb(s, cannot_open(path_) + ": reading its view_format failed");
   if (!created) {
@@ -343,6 +363,7 @@ Status GlobalView::Impl::check_format(bool created) {
       }
     }
   }
+  per_shard_ = true;
   if (options_.read_only) return Status::OK();  // an empty view: it reads as one
   rocksdb::WriteOptions wo;
   wo.sync = true;
@@ -409,7 +430,7 @@ Result<AppliedRecord> GlobalView::Impl::read_applied_record(std::uint64_t shard_
   if (!record) {
     return Status::Corruption("shard " + std::to_string(shard_id) + "'s applied seq (key " + hex(key) + ") of the " +
                               view_at(path_) + " has a " + std::to_string(value.size()) +
-                              "-byte value; expected 8 or 24");
+                              "-byte value; expected 8, 24 or 40");
   }
   return std::move(*record);
 }
@@ -443,11 +464,115 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
            std::to_string(i) + " before it are)";
   };
   // Each shard's applied record as the batches taken so far leave it, and
-  // whether one of them moved it.
+  // whether one of them moved it since the last write.
   std::map<std::uint64_t, std::pair<AppliedRecord, bool>> seqs;
-  // The payloads of the batches to apply (checked whole).
-  std::vector<std::string_view> applied_payloads;
+  // The shards and payloads of the batches to apply in the next write
+  // (checked whole).
+  std::vector<std::pair<std::uint64_t, std::string_view>> pending;
   std::string error;
+  const std::string may_be_stored =
+      std::string(" failed; ") + (n == 1 ? "the batch" : "the batches") +
+      " may or may not be stored (applied_seq tells after a reopen; delivering " + (n == 1 ? "it" : "them") +
+      " again is safe)";
+
+  // Writes `pending` and the applied records they moved in one atomic,
+  // fsynced write: after a crash either all of them are there or none.
+  auto write_pending = [&]() -> Status {
+    if (pending.empty()) return Status::OK();
+    rocksdb::WriteBatch write;
+    rocksdb::Status added;
+    std::string units;
+    // One merge operand a cell for the whole write, not one a delta (a
+    // fetched run of 18 batches held ~270k deltas for 32k cells in
+    // bench/nats_sim): each payload's keys ascend, so a merge of the
+    // payloads meets a cell's deltas one after another. Integer sums
+    // (modulo 2^128, as the merge operator adds): exactly what the deltas
+    // one by one would give. The shards family gets the same per shard.
+    std::vector<std::string_view> payloads;
+    auto merge_into = [&](rocksdb::ColumnFamilyHandle* cf, std::optional<std::uint64_t> shard) {
+      merge_feed_payloads(payloads, [&](std::string_view key, Units sum) {
+        if (!added.ok()) return;
+        units.clear();
+        put_units(&units, sum);
+        added = shard ? write.Merge(cf, encode_shard_cell_key(*shard, key), slice(units))
+                      : write.Merge(cf, slice(key), slice(units));
+      });
+    };
+    for (const auto& p : pending) payloads.push_back(p.second);
+    merge_into(aggregates(), std::nullopt);
+    if (per_shard_) {
+      for (const auto& [shard, state] : seqs) {
+        if (!state.second) continue;
+        payloads.clear();
+        for (const auto& p : pending) {
+          if (p.first == shard) payloads.push_back(p.second);
+        }
+        merge_into(shards(), shard);
+      }
+    }
+    if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
+    for (auto& [shard, state] : seqs) {
+      if (!state.second) continue;
+      added = write.Put(meta(), encode_applied_key(shard), encode_applied(state.first));
+      if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
+    }
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    if (Status s = from_rocksdb(db_->Write(wo, &write), what_all + may_be_stored); !s.ok()) return s;
+    pending.clear();
+    for (auto& entry : seqs) entry.second.second = false;
+    return Status::OK();
+  };
+
+  // The first batch of a re-seed (FeedOrigin::Reseed) of a new incarnation:
+  // in one atomic, fsynced write, the shard's whole contribution is taken
+  // out of the sums and replaced by the batch's values.
+  auto write_reseed = [&](const ChangeBatch& batch, AppliedRecord* record) -> Status {
+    rocksdb::WriteBatch write;
+    rocksdb::Status added;
+    std::string units;
+    std::string prefix;
+    put_u64_be(&prefix, batch.shard_id);
+    if (per_shard_) {
+      std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), shards()));
+      for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix) && added.ok(); it->Next()) {
+        std::optional<Units> v = decode_units(view(it->value()));
+        if (!v) {
+          return Status::Corruption("re-seed of shard " + std::to_string(batch.shard_id) + " in the " +
+                                    view_at(path_) + ": its sum under key " + hex(view(it->key())) + " has a " +
+                                    std::to_string(it->value().size()) + "-byte value; expected 16; nothing changed");
+        }
+        units.clear();
+        put_units(&units, static_cast<Units>(UUnits{0} - static_cast<UUnits>(*v)));
+        added = write.Merge(aggregates(), it->key().ToString().substr(8), units);
+        if (added.ok()) added = write.Delete(shards(), it->key());
+      }
+      if (Status s = from_rocksdb(it->status(), "re-seed of shard " + std::to_string(batch.shard_id) + " in the " +
+                                                    view_at(path_) + ": reading its sums");
+          !s.ok()) {
+        return s;
+      }
+    }
+    (void)decode_feed_payload(
+        batch.payload,
+        [&](const FeedEntry& e) {
+          if (!added.ok()) return;
+          const std::string key = encode_aggregate_key(e.kind, e.owner, e.item);
+          units.clear();
+          put_units(&units, e.delta);
+          added = write.Merge(aggregates(), key, units);
+          if (added.ok() && per_shard_) added = write.Merge(shards(), encode_shard_cell_key(batch.shard_id, key), units);
+        },
+        &error);
+    AppliedRecord next{batch.seq, batch.incarnation, record->incarnation};
+    if (added.ok()) added = write.Put(meta(), encode_applied_key(batch.shard_id), encode_applied(next));
+    if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    if (Status s = from_rocksdb(db_->Write(wo, &write), what_all + may_be_stored); !s.ok()) return s;
+    *record = std::move(next);
+    return Status::OK();
+  };
 
   std::lock_guard<std::mutex> serial(apply_mu_);
   for (const ChangeBatch& batch : batches) {
@@ -482,8 +607,33 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
       if (!record.ok()) return record.status();
       it = seqs.emplace(batch.shard_id, std::make_pair(std::move(*record), false)).first;
     }
-    std::uint64_t& applied = it->second.first.seq;
-    std::string& incarnation = it->second.first.incarnation;
+    AppliedRecord& record = it->second.first;
+    std::uint64_t& applied = record.seq;
+    std::string& incarnation = record.incarnation;
+    if (!batch.incarnation.empty() && batch.incarnation == record.retired) {
+      ++out.taken;  // a batch of the incarnation a re-seed replaced, delivered late: superseded
+      continue;
+    }
+    // The first batch of a re-seed: at whatever seq, it replaces all the
+    // view holds of the shard (a view made before per-shard sums cannot
+    // tell that apart once it applied the shard).
+    if (feed_origin(batch.payload) == FeedOrigin::Reseed && !batch.incarnation.empty() &&
+        batch.incarnation != incarnation) {
+      if (applied > 0 && !per_shard_) {
+        out.refused = Status::Corruption(
+            "re-seed: shard " + std::to_string(batch.shard_id) + " has applied through seq " +
+            std::to_string(applied) + "; batch seq " + std::to_string(batch.seq) + " re-seeds it as incarnation " +
+            batch.incarnation + ", but the " + view_at(path_) +
+            " was made before views kept each shard's sums (view_format 2), so it cannot take out the shard's old "
+            "contribution; " + untouched(i) + ": build a new view (docs/SCALE.md, \"Re-seeding a shard\")");
+        break;
+      }
+      if (Status s = write_pending(); !s.ok()) return s;
+      if (Status s = write_reseed(batch, &record); !s.ok()) return s;
+      ++out.taken;
+      ++out.applied;
+      continue;
+    }
     // A batch of another feed than the one the view applied for this shard
     // (a Db restored or re-created for it, or a twin): refused, whatever its
     // seq, so that one at an applied seq is not skipped as delivered again.
@@ -492,7 +642,8 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
           "incarnation: shard " + std::to_string(batch.shard_id) + " has applied through seq " +
           std::to_string(applied) + " of incarnation " + incarnation + "; batch seq " + std::to_string(batch.seq) +
           " is of incarnation " + batch.incarnation + " (" + view_at(path_) + "); " + untouched(i) +
-          ": another Db (restored, re-created or a twin) published this shard; the shard must be re-seeded");
+          ": another Db (restored, re-created or a twin) published this shard; the shard must be re-seeded "
+          "(Db::reseed_change_feed on the Db that owns it)");
       break;
     }
     if (batch.seq <= applied) {  // delivered again
@@ -506,45 +657,14 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
                                        std::to_string(applied + 1) + " first");
       break;
     }
-    applied_payloads.push_back(batch.payload);
+    pending.emplace_back(batch.shard_id, batch.payload);
     applied = batch.seq;
     if (incarnation.empty()) incarnation = batch.incarnation;  // the first known, kept from now on
     it->second.second = true;
     ++out.taken;
     ++out.applied;
   }
-  if (out.applied == 0) return out;  // only redeliveries (or a refusal first): nothing to write
-  // The deltas and the shards' new applied seqs in one atomic, fsynced
-  // write: after a crash either all of them are there or none.
-  rocksdb::WriteBatch write;
-  rocksdb::Status added;
-  std::string units;
-  // One merge operand a cell for the whole call, not one a delta (a fetched
-  // run of 18 batches held ~270k deltas for 32k cells in bench/nats_sim):
-  // each payload's keys ascend, so a merge of the payloads meets a cell's
-  // deltas one after another. Integer sums (modulo 2^128, as the merge
-  // operator adds): exactly what the deltas one by one would give.
-  merge_feed_payloads(applied_payloads, [&](std::string_view key, Units sum) {
-    if (!added.ok()) return;
-    units.clear();
-    put_units(&units, sum);
-    added = write.Merge(aggregates(), slice(key), slice(units));
-  });
-  if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
-  for (const auto& [shard, state] : seqs) {
-    if (!state.second) continue;
-    added = write.Put(meta(), encode_applied_key(shard), encode_applied(state.first));
-    if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
-  }
-  rocksdb::WriteOptions wo;
-  wo.sync = true;
-  if (Status s = from_rocksdb(db_->Write(wo, &write),
-                              what_all + " failed; " + (n == 1 ? "the batch" : "the batches") +
-                                  " may or may not be stored (applied_seq tells after a reopen; delivering " +
-                                  (n == 1 ? "it" : "them") + " again is safe)");
-      !s.ok()) {
-    return s;
-  }
+  if (Status s = write_pending(); !s.ok()) return s;
   return out;
 }
 

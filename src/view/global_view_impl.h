@@ -50,12 +50,14 @@ class GlobalView::Impl {
   Impl(std::string path, const GlobalViewOptions& options);
   rocksdb::ColumnFamilyHandle* meta() const { return handles_[0]; }
   rocksdb::ColumnFamilyHandle* aggregates() const { return handles_[1]; }
+  // Null on a read-only open of a view made before per-shard sums.
+  rocksdb::ColumnFamilyHandle* shards() const { return handles_.size() > 2 ? handles_[2] : nullptr; }
   // The applied seq stored for the shard (0 when none); no Call of its own.
   Result<std::uint64_t> read_applied(std::uint64_t shard_id) const;
   // The shard's applied record: seq and incarnation (a zero seq when none).
   Result<AppliedRecord> read_applied_record(std::uint64_t shard_id) const;
   // Checks the format mark; writes it on a new view, and on one whose
-  // creation stopped before the mark (nothing else stored).
+  // creation stopped before the mark (nothing else stored); sets per_shard_.
   Status check_format(bool created);
   // Closes RocksDB: with `flush`, first writes the memtables to SST files.
   Status shut_down(bool flush);
@@ -63,7 +65,11 @@ class GlobalView::Impl {
   const std::string path_;
   const GlobalViewOptions options_;
   std::unique_ptr<rocksdb::DB> db_;
-  std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // default (meta), aggregates
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;  // default (meta), aggregates, shards
+  // Format 3: every applied delta is also kept per shard (the shards
+  // family), so a re-seed can replace one shard's contribution. Set by
+  // check_format.
+  bool per_shard_ = false;
   // The directory's (st_dev, st_ino) in the registry of views open for
   // writing in this process, while this handle holds it.
   std::optional<std::pair<dev_t, ino_t>> registry_id_;

@@ -464,20 +464,21 @@ TEST(NatsFence, AMessageIdStoredWithOtherContentIsCorruptionAndNothingIsTrimmed)
   Js js(cluster);
   ASSERT_TRUE(js.ok());
   ASSERT_EQ(js.add_stream("DUPID", [](jsStreamConfig&) {}), "");
-  // Another writer publishes id 9-1 (shard 9's first batch) with other content.
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  const std::string id = "9-1-" + db->stats().change_feed_incarnation;
+  // Another writer publishes the id of shard 9's first batch with other content.
   natsMsg* m = nullptr;
   ASSERT_EQ(natsMsg_Create(&m, "tidal.DUPID.elsewhere", nullptr, "not the Db's batch", 18), NATS_OK);
   ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
   ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", "1"), NATS_OK);
   jsPubOptions po;
   jsPubOptions_Init(&po);
-  po.MsgId = "9-1";
+  po.MsgId = id.c_str();
   ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, &po, nullptr), NATS_OK);
   natsMsg_Destroy(m);
 
-  TempDir dir;
-  auto db = open_shard(dir.sub("db"), 9);
-  ASSERT_NE(db, nullptr);
   ASSERT_TRUE(db->signal_with_context({1, 1, 2.5}, {{3}}).ok());
   ASSERT_OK(db->flush());
   const std::string before = feed_after(db.get(), 0);
@@ -494,7 +495,8 @@ TEST(NatsFence, AMessageIdStoredWithOtherContentIsCorruptionAndNothingIsTrimmed)
     stopped = p.status();
   }
   EXPECT_EQ(stopped.code(), StatusCode::Corruption) << stopped.to_string();
-  for (const char* word : {"shard 9", "stream DUPID", "seq 1", "id 9-1", "duplicate", "nothing trimmed"}) {
+  for (const std::string& word : {std::string("shard 9"), std::string("stream DUPID"), std::string("seq 1"), "id " + id,
+                                 std::string("duplicate"), std::string("nothing trimmed")}) {
     EXPECT_NE(stopped.message().find(word), std::string::npos) << word << ": " << stopped.to_string();
   }
   EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u);
@@ -650,6 +652,76 @@ TEST(NatsFence, ARestoredDbStopsWhereTheStreamIsNoLongerAheadAndNeverTrims) {
   EXPECT_EQ(restored->stats().change_feed_trimmed_seq, trimmed);
   // The stream still holds the original shard's batches only.
   EXPECT_EQ(stream_messages(cluster, config.stream), stream_last);
+}
+
+// The repair of the case above: the restored Db is re-seeded, its
+// Publisher publishes the snapshot over the stream's batches of the lost
+// copy, and every view, the one that applied the lost batches and a new one
+// that reads the stream from its start, equals the restored shard bit for
+// bit, a purge made after the restore included.
+TEST(NatsReseed, ARestoredDbReseededMakesEveryViewEqualItsCurrentAggregates) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "RESEED", 3);
+  auto db = open_shard(dir.sub("db"), 3);
+  ASSERT_NE(db, nullptr);
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  Workload w(71, 40);
+  ASSERT_EQ(w.setup({db.get()}, nullptr), "");
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(w.step({db.get()}, nullptr), "");
+  {
+    auto p = start_publisher(db.get(), config);
+    ASSERT_NE(p, nullptr);
+    ASSERT_TRUE(all_published(db.get(), *p));
+    EXPECT_OK(p->stop());
+  }
+  ASSERT_OK(db->close());
+  db.reset();
+  copy_dir(dir.sub("db"), dir.sub("backup"));
+  db = open_shard(dir.sub("db"), 3);
+  ASSERT_NE(db, nullptr);
+  for (int i = 0; i < 600; ++i) ASSERT_EQ(w.step({db.get()}, nullptr), "");
+  {
+    auto p = start_publisher(db.get(), config);
+    ASSERT_NE(p, nullptr);
+    ASSERT_TRUE(all_published(db.get(), *p));
+    EXPECT_OK(p->stop());
+  }
+  ASSERT_TRUE(eventually([&] { return caught_up({db.get()}, *view); }, 20s)) << f->stats().last_error;
+  ASSERT_OK(db->close());
+  db.reset();
+
+  // Restored from the backup: refused until re-seeded.
+  auto restored = open_shard(dir.sub("backup"), 3);
+  ASSERT_NE(restored, nullptr);
+  auto refused = Publisher::start(restored.get(), config);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("re-seed"), std::string::npos) << refused.status().to_string();
+  ASSERT_OK(restored->reseed_change_feed());
+  Workload w2(72, 40);
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(w2.step({restored.get()}, nullptr), "");
+  (void)restored->leave_community_layer(5);
+  ASSERT_OK(restored->purge_community_contributions(5));
+  ASSERT_OK(restored->flush());
+  auto p = start_publisher(restored.get(), config);
+  ASSERT_NE(p, nullptr);
+  ASSERT_TRUE(all_published(restored.get(), *p)) << p->stats().last_error;
+  EXPECT_EQ(p->stats().reseeds, 1u);
+  EXPECT_FALSE(p->stats().halted);
+  ASSERT_TRUE(eventually([&] { return caught_up({restored.get()}, *view); }, 20s)) << f->stats().last_error;
+  EXPECT_EQ(compare(*view, *restored), "");
+  // A view that reads the whole stream: the lost copy's batches, then the re-seed.
+  auto fresh = open_view(dir.sub("fresh"));
+  auto g = start_follower(fresh.get(), config, "fresh");
+  ASSERT_TRUE(fresh && g);
+  ASSERT_TRUE(eventually([&] { return caught_up({restored.get()}, *fresh); }, 20s)) << g->stats().last_error;
+  EXPECT_EQ(compare(*fresh, *restored), "");
+  EXPECT_OK(p->stop());
+  EXPECT_OK(f->stop());
+  EXPECT_OK(g->stop());
 }
 
 // A batch of another incarnation of shard 9 (a Db re-created for it) in the
