@@ -92,6 +92,7 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
             seq = journal_retry_seq();
             return Status::OK();
           }
+          if (Status s = check_no_unfinished_purge("rejoin_community_layer", user_id); !s.ok()) return s;
 
           const Result<std::uint64_t> at = clock_.now();  // on error nothing is written and the gate stays closed
           if (!at.ok()) return annotate(at.status(), "rejoin_community_layer(" + user_text(user_id) + ")");
@@ -280,6 +281,9 @@ Status Db::Impl::rejoin_locked(const std::vector<std::uint64_t>& users, std::uin
     CommunityMembership current{u, MembershipStatus::Active, std::nullopt};
     leave_status_.find(u, current);
     if (current.status == MembershipStatus::Left || gate_.closed_for(u)) todo.push_back(u);  // see the single form
+  }
+  for (std::uint64_t u : todo) {
+    if (Status s = check_no_unfinished_purge("rejoin_community_layer", u); !s.ok()) return s;
   }
   return write_bulk(todo, MembershipStatus::Active, "rejoin_community_layer", seq);
 }
