@@ -150,6 +150,15 @@ Result<std::string> prometheus_text(const Stats& st, const MetricLabels& labels)
        "Payload bytes of the untrimmed batches; at Options::change_feed_max_bytes signals get Busy."},
       {"tidal_db_change_feed_refused_signals_total", "counter", st.change_feed_refused_signals,
        "Signals refused (Busy, not applied) while the feed was at its bound: its consumers do not trim."},
+      {"tidal_db_journal", "gauge", st.journal ? 1u : 0u, "1 when the Db keeps a privacy journal."},
+      {"tidal_db_journal_last_seq", "gauge", st.journal_last_seq, "The last leave, rejoin or purge journaled."},
+      {"tidal_db_journal_confirmed_seq", "gauge", st.journal_confirmed_seq,
+       "The journal is confirmed replicated through it (confirm_journal)."},
+      {"tidal_db_journal_pending_entries", "gauge", st.journal_pending_entries,
+       "Journal entries not yet confirmed replicated: privacy events a lost disk would lose."},
+      {"tidal_db_journal_pending_bytes", "gauge", st.journal_pending_bytes, "Their payload bytes."},
+      {"tidal_db_journal_wait_timeouts_total", "counter", st.journal_wait_timeouts,
+       "Calls that returned NotReplicated: durable here, not confirmed within Options::journal_wait."},
   };
   for (const Row& row : rows) {
     if (Status s = out->family(row.name, row.type, row.help); !s.ok()) return s;

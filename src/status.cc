@@ -11,6 +11,7 @@ const char* status_code_name(StatusCode code) {
     case StatusCode::IOError: return "IOError";
     case StatusCode::Busy: return "Busy";
     case StatusCode::Closed: return "Closed";
+    case StatusCode::NotReplicated: return "NotReplicated";
   }
   return "Unknown";
 }

@@ -55,6 +55,13 @@
 //     Opens the Db (a format-2 one, with the change feed of shard 7), and
 //     SIGKILLs itself when the upgrade to format 3 reaches <step>
 //     (Storage::step_for_testing); exits 0 if it never does.
+//   tidal_crash_child journal-purge <db-path> <user>
+//     Opens the Db with the privacy journal on (shard 3), joins <user> and
+//     <user> + 1 to community <user>, signals <user> on items 1 (weight 1.5)
+//     and 2 (0.25) and <user> + 1 on item 1 (0.5), each with cohort <user>,
+//     flushes, leaves <user>, prints "R", and purges it with a hook
+//     (Db::Impl::after_purge_intent_for_testing) that prints "I" and SIGKILLs
+//     the process once the purge's intent is durable, before its batch.
 //   tidal_crash_child open <db-path> [<backfill-batch>]
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
@@ -70,8 +77,10 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
+#include "db/impl.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
 
@@ -318,6 +327,32 @@ int run_purges(const std::string& path, std::uint64_t first) {
   }
 }
 
+int run_journal_purge(const std::string& path, std::uint64_t user) {
+  tidal::Options options;
+  options.journal = true;
+  options.shard_id = 3;
+  auto db = tidal::Db::open(path, options);
+  if (!db.ok()) fail("open", db.status());
+  for (std::uint64_t u : {user, user + 1}) {
+    if (tidal::Status s = (*db)->join_community(u, user); !s.ok()) fail("join", s);
+  }
+  for (auto [u, item, weight] : {std::tuple<std::uint64_t, std::uint64_t, double>{user, 1, 1.5}, {user, 2, 0.25},
+                                 {user + 1, 1, 0.5}}) {
+    auto out = (*db)->signal_with_context({u, item, weight}, tidal::SignalContext{{user}});
+    if (!out.ok()) fail("signal", out.status());
+  }
+  if (tidal::Status s = (*db)->flush(); !s.ok()) fail("flush", s);
+  if (tidal::Status s = (*db)->leave_community_layer(user); !s.ok()) fail("leave", s);
+  say("R");
+  tidal::Db::Impl::after_purge_intent_for_testing = [] {
+    say("I");
+    ::raise(SIGKILL);
+  };
+  auto receipt = (*db)->purge_community_contributions(user);
+  say(receipt.ok() ? "E the purge returned without running the hook" : "E purge: " + receipt.status().to_string());
+  return 3;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -328,6 +363,7 @@ int main(int argc, char** argv) {
   if (mode == "stamps" && argc == 4) return run_stamps(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "open" && (argc == 3 || argc == 4)) return run_open(argv[2], argc == 4 ? std::atoi(argv[3]) : 0);
   if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
+  if (mode == "journal-purge" && argc == 4) return run_journal_purge(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "signals" && (argc == 4 || (argc == 5 && std::string(argv[4]) == "scans"))) {
     return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10), argc == 5);
   }
@@ -338,6 +374,6 @@ int main(int argc, char** argv) {
   if (mode == "feed" && argc == 5) {
     return run_feed(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | journal-purge <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step>");
   return 2;
 }

@@ -35,6 +35,7 @@
 #include "raw_db.h"
 #include "reliability_util.h"
 #include "storage/format.h"
+#include "storage/journal_format.h"
 #include "tidal/db.h"
 
 #ifndef TIDAL_CRASH_CHILD
@@ -888,6 +889,57 @@ TEST(CrashTest, PurgesAreAllOrNothingAndAcknowledgedOnesSurviveSigkill) {
             << " not done, none half; every purged ledger erased after the reopen); I1 and re-materialization clean "
                "after every round; " << secs << " s\n";
   EXPECT_GT(acked, 0u);
+}
+
+// J6: a process killed once a purge's intent is journaled (durable) and
+// before the purge's batch: the next open finishes the purge, with the
+// receipt the intent names, and erases the ledger.
+TEST(CrashTest, APurgeKilledBetweenItsJournaledIntentAndItsBatchIsFinishedByTheNextOpen) {
+  TempDir dir;
+  const std::string path = dir.path() + "/db";
+  const std::uint64_t user = 40;
+  bool intent = false;
+  {
+    Child child({"journal-purge", path, std::to_string(user)});
+    std::vector<std::string> lines;
+    while (child.read_lines(std::chrono::milliseconds(100), &lines)) {
+    }
+    for (const std::string& line : lines) {
+      if (line == "I") intent = true;
+      else if (line != "R") ADD_FAILURE() << "child said: " << line;
+    }
+    const int status = child.wait();
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  }
+  ASSERT_TRUE(intent) << "the child never reached the purge's intent";
+  Options options;
+  options.journal = true;
+  options.shard_id = 3;
+  auto db = Db::open(path, options);
+  ASSERT_TRUE(db.ok()) << db.status().to_string();
+  Result<std::vector<JournalEntry>> entries = (*db)->read_journal(0, 1 << 20);
+  ASSERT_OK(entries);
+  ASSERT_EQ(entries->size(), 2u);  // the leave, the purge's intent
+  std::optional<JournalRecord> r = decode_journal_payload((*entries)[1].payload);
+  ASSERT_TRUE(r.has_value());
+  ASSERT_EQ(r->kind, JournalKind::Purge);
+  EXPECT_EQ(r->user_id, user);
+  Result<std::vector<PurgeReceipt>> receipts = (*db)->purge_receipts(user);
+  ASSERT_OK(receipts);
+  ASSERT_EQ(receipts->size(), 1u) << "the reopen did not finish the journaled purge";
+  EXPECT_EQ((*receipts)[0].purged_at_ns, r->at_ns);
+  EXPECT_EQ((*receipts)[0].left_at_ns, r->left_at_ns);
+  EXPECT_EQ((*receipts)[0].entries_removed, 4u);
+  EXPECT_TRUE((*receipts)[0].erasure_complete);
+  for (const std::string& f : testing::scan_files(path, user).found) ADD_FAILURE() << "purged ledger still in " << f;
+  // Only user + 1's contribution is left, exactly.
+  EXPECT_EQ(testing::value_of((*db)->cohort_score(user, 1)), 0.5);
+  EXPECT_EQ(testing::value_of((*db)->community_score(user, 1)), 0.5);
+  EXPECT_EQ(testing::value_of((*db)->cohort_score(user, 2)), 0.0);
+  Result<RematerializeReport> remat = (*db)->rematerialize_shared_aggregates();
+  ASSERT_OK(remat);
+  EXPECT_TRUE(remat->mismatches.empty());
+  ASSERT_OK((*db)->close());
 }
 
 }  // namespace

@@ -27,6 +27,7 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   TempDir dir;
   Options options;
   options.change_feed = true;
+  options.journal = true;
   options.shard_id = 7;
   auto db = open_db(dir.path(), options);
   ASSERT_NE(db, nullptr);
@@ -40,7 +41,7 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   ASSERT_OK(text.status());
   const std::vector<Sample> samples = parse(*text);
   ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
-  EXPECT_EQ(samples.size(), 30u);
+  EXPECT_EQ(samples.size(), 36u);
   for (const Sample& s : samples) {
     EXPECT_EQ(s.labels, (MetricLabels{{"shard", "7"}, {"db", odd}})) << s.name;
   }
@@ -63,6 +64,13 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   EXPECT_EQ(one(samples, "tidal_db_change_feed_last_seq").value, st.change_feed_last_seq);
   EXPECT_GE(st.change_feed_last_seq, 1u);
   EXPECT_EQ(one(samples, "tidal_db_change_feed_pending_bytes").value, st.change_feed_pending_bytes);
+  EXPECT_EQ(one(samples, "tidal_db_journal").value, 1u);
+  EXPECT_EQ(one(samples, "tidal_db_journal_last_seq").value, 1u);  // the leave
+  EXPECT_EQ(one(samples, "tidal_db_journal_confirmed_seq").value, 0u);
+  EXPECT_EQ(one(samples, "tidal_db_journal_pending_entries").value, 1u);
+  EXPECT_EQ(one(samples, "tidal_db_journal_pending_bytes").value, st.journal_pending_bytes);
+  EXPECT_EQ(st.journal_pending_bytes, 26u);
+  EXPECT_EQ(one(samples, "tidal_db_journal_wait_timeouts_total").value, 0u);
 }
 
 TEST(Metrics, AViewsProgressRendersOneSamplePerShard) {

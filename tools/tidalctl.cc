@@ -955,22 +955,27 @@ int run(int argc, char** argv) {
     upgraded = !probe.ok() && probe.status().message().find("in format 2") != std::string::npos;
   }
   tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(path, options);
-  if (!opened.ok() && !options.read_only && opened.status().code() == tidal::StatusCode::InvalidArgument &&
-      opened.status().message().find("keeps a change feed") != std::string::npos) {
-    // A Db with a change feed: a write must go into its feed too. Its shard
-    // id, which the refusal names (a read-only open would refuse a format-2
-    // Db, and the refused open did not upgrade it), then the writable open
-    // with the feed.
+  // A Db with a change feed or a privacy journal: a write must go into them
+  // too. Their shard id, which the refusal names (a read-only open would
+  // refuse a format-2 Db, and the refused open did not upgrade it), then the
+  // writable open with them (the feed is checked first, then the journal).
+  for (int attempt = 0; attempt < 2 && !opened.ok() && !options.read_only &&
+                        opened.status().code() == tidal::StatusCode::InvalidArgument;
+       ++attempt) {
     const std::string& message = opened.status().message();
+    const bool feed = message.find("keeps a change feed") != std::string::npos;
+    const bool journal = message.find("keeps a privacy journal") != std::string::npos;
+    if (!feed && !journal) break;
     const std::string marker = "shard_id = ";
     std::uint64_t shard = 0;
-    if (const std::size_t at = message.rfind(marker);
-        at != std::string::npos &&
-        std::from_chars(message.data() + at + marker.size(), message.data() + message.size(), shard).ec == std::errc()) {
-      options.change_feed = true;
-      options.shard_id = shard;
-      opened = tidal::Db::open(path, options);
+    const std::size_t at = message.rfind(marker);
+    if (at == std::string::npos ||
+        std::from_chars(message.data() + at + marker.size(), message.data() + message.size(), shard).ec != std::errc()) {
+      break;
     }
+    (feed ? options.change_feed : options.journal) = true;
+    options.shard_id = shard;
+    opened = tidal::Db::open(path, options);
   }
   if (!opened.ok()) {
     const tidal::Status& s = opened.status();

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "tidal/change_batch.h"
+#include "tidal/journal_entry.h"
 #include "tidal/status.h"
 #include "tidal/version.h"
 
@@ -197,6 +198,23 @@ struct Options {
   // payload of at most write_buffer_bytes / 2 of signals) plus the purges
   // and repairs made meanwhile. Nothing is ever dropped. Default: 1 GiB.
   std::uint64_t change_feed_max_bytes = std::uint64_t{1} << 30;
+
+  // Keep a privacy journal: every leave, rejoin and purge as an entry
+  // numbered 1, 2, 3, ... (JournalEntry, read_journal), written in the same
+  // atomic, durable write as the record it journals; a purge's entry is its
+  // intent, durable before the purge starts (docs/CONTRACT.md J1-J6). The
+  // entries carry shard_id (the same id as the change feed's; 0 is a valid
+  // id, as for the feed), stored at the first open with journal: another id
+  // later is InvalidArgument. Once a Db keeps a journal, every writable open
+  // must set it (else InvalidArgument). Default: off.
+  bool journal = false;
+  // > 0: a leave, rejoin or purge returns OK only once confirm_journal
+  // covers its entry (replicated on return); after journal_wait it returns
+  // StatusCode::NotReplicated: durable and in effect here, not yet confirmed
+  // replicated, and a retry of the same call is safe. 0: replication is
+  // asynchronous, and Stats shows the unconfirmed backlog. Needs journal.
+  // Default: 0.
+  std::chrono::milliseconds journal_wait{0};
 };
 
 // Counters a host would export. Each is a sum since open except users_left,
@@ -246,6 +264,15 @@ struct Stats {
   std::uint64_t change_feed_refused_signals = 0;  // signals refused (Busy) while the feed was at its bound
   std::string change_feed_incarnation;          // 32 hex digits, fixed when the feed was created
   bool recovering = false;                      // opened from a backup, finish_recovery() not yet called
+  // The privacy journal (all 0 without one): what is not yet confirmed
+  // replicated is last_seq - confirmed_seq entries of pending_bytes.
+  bool journal = false;                         // the Db keeps a privacy journal
+  std::uint64_t journal_shard_id = 0;           // its shard
+  std::uint64_t journal_last_seq = 0;           // the last entry written
+  std::uint64_t journal_confirmed_seq = 0;      // confirm_journal reached this seq
+  std::uint64_t journal_pending_entries = 0;    // entries written and not yet confirmed
+  std::uint64_t journal_pending_bytes = 0;      // their payload bytes
+  std::uint64_t journal_wait_timeouts = 0;      // calls that returned NotReplicated (journal_wait)
 };
 
 // What the gate held back for one user since their last leave (in memory only).
@@ -354,6 +381,12 @@ class Db {
   // with left_at_ns above every earlier contribution's forwarded_at_ns (G3).
   // OK and no change when already Left (G7). On a storage error the error is
   // returned and the gate stays closed for the user (G6).
+  // With Options::journal, the leave, and each rejoin or bulk change below
+  // that changes state, appends a journal entry in the same write (a call
+  // that changes nothing appends none). With journal_wait, OK comes once
+  // the entry is confirmed (a call that changes nothing: once every entry
+  // written before it is), NotReplicated after journal_wait: durable and
+  // effective all the same, and a retry is safe (docs/CONTRACT.md J4).
   Status leave_community_layer(std::uint64_t user_id);
   // Resumes forwarding; keeps left_at_ns and the history (G4). OK and no
   // change when already Active. On error the gate stays closed.
@@ -411,6 +444,14 @@ class Db {
   // Locking: the user's leaves and rejoins wait for the durable batch only,
   // not for the erasure (a rejoin during it keeps its fresh ledger). Purges
   // erase one at a time.
+  //
+  // With Options::journal, the purge's intent (a journal entry naming the
+  // receipt's purged_at_ns) is written durably before anything is purged; a
+  // crash or error after it is finished by the next writable open, with
+  // that receipt (docs/CONTRACT.md J6); until then a rejoin of its users
+  // returns Busy. With journal_wait, OK comes once the
+  // intent is confirmed, NotReplicated after journal_wait (the purge is
+  // done; a retry writes another intent and removes nothing more).
   Result<PurgeReceipt> purge_community_contributions(std::uint64_t user_id);
   // Bulk form: every listed user must be Left (else InvalidArgument, nothing
   // changed); one flush, atomic batches of up to 1,000 whole users (built in
@@ -478,6 +519,21 @@ class Db {
   // every view replaces the shard's contribution by the restored Db's) and
   // removes the manifest, durably. OK and nothing done when not recovering.
   Status finish_recovery();
+  // The privacy journal (Options::journal; docs/CONTRACT.md J1-J6).
+  // InvalidArgument when the Db keeps none. Entries with seq > after_seq,
+  // oldest first, up to about max_bytes of payload (at least one when there
+  // is one; empty when none is newer); NotFound when some of them were
+  // confirmed and removed already. An entry is readable once its write is
+  // durable.
+  Result<std::vector<JournalEntry>> read_journal(std::uint64_t after_seq, std::size_t max_bytes) const;
+  // The last entry's seq; 0 before the first.
+  Result<std::uint64_t> last_journal_seq() const;
+  // The journal is replicated through through_seq: the point is stored
+  // durably, the entries up to it are removed, and leaves, rejoins and
+  // purges waiting for them (Options::journal_wait) return OK.
+  // InvalidArgument past the last seq; OK and nothing changed at or below
+  // the confirmed point.
+  Status confirm_journal(std::uint64_t through_seq);
 
   class Impl;
 

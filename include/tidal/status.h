@@ -10,7 +10,21 @@
 
 namespace tidal {
 
-enum class StatusCode { Ok, InvalidArgument, NotFound, Corruption, IOError, Busy, Closed };
+enum class StatusCode {
+  Ok,
+  InvalidArgument,
+  NotFound,
+  Corruption,
+  IOError,
+  Busy,
+  Closed,
+  // Only with Options::journal_wait: a leave, rejoin or purge that is durable
+  // and in effect on this Db, but whose journal entry was not confirmed
+  // replicated (Db::confirm_journal) within journal_wait. Not a failure of
+  // the call: a retry of the same call is safe and returns OK once the entry
+  // is confirmed (docs/CONTRACT.md J4).
+  NotReplicated,
+};
 
 // Returns "Ok", "InvalidArgument", ... for `code`.
 const char* status_code_name(StatusCode code);
@@ -29,6 +43,7 @@ class [[nodiscard]] Status {
   static Status IOError(std::string msg) { return {StatusCode::IOError, std::move(msg)}; }
   static Status Busy(std::string msg) { return {StatusCode::Busy, std::move(msg)}; }
   static Status Closed(std::string msg) { return {StatusCode::Closed, std::move(msg)}; }
+  static Status NotReplicated(std::string msg) { return {StatusCode::NotReplicated, std::move(msg)}; }
 
   [[nodiscard]] bool ok() const { return code_ == StatusCode::Ok; }
   [[nodiscard]] StatusCode code() const { return code_; }

@@ -60,6 +60,16 @@ Stats Db::Impl::stats() const {
     out.change_feed_refused_signals = st.feed_refused_signals;
     out.change_feed_incarnation = f.incarnation;
   }
+  if (journal_) {
+    const Journal::Stats j = journal_->stats();
+    out.journal = true;
+    out.journal_shard_id = j.shard_id;
+    out.journal_last_seq = j.last_seq;
+    out.journal_confirmed_seq = j.confirmed_seq;
+    out.journal_pending_entries = j.last_seq - j.confirmed_seq;
+    out.journal_pending_bytes = j.pending_bytes;
+    out.journal_wait_timeouts = journal_wait_timeouts_.load(std::memory_order_relaxed);
+  }
   return out;
 }
 
@@ -199,5 +209,10 @@ Status Db::trim_changes(std::uint64_t through_seq) { return impl_->trim_changes(
 Result<std::uint64_t> Db::reseed_change_feed() { return impl_->reseed_change_feed(); }
 Status Db::backup(const std::string& dir) const { return impl_->backup(dir); }
 Status Db::finish_recovery() { return impl_->finish_recovery(); }
+Result<std::vector<JournalEntry>> Db::read_journal(std::uint64_t after_seq, std::size_t max_bytes) const {
+  return impl_->read_journal(after_seq, max_bytes);
+}
+Result<std::uint64_t> Db::last_journal_seq() const { return impl_->last_journal_seq(); }
+Status Db::confirm_journal(std::uint64_t through_seq) { return impl_->confirm_journal(through_seq); }
 
 }  // namespace tidal

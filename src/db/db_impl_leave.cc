@@ -1,7 +1,9 @@
 // Db::Impl: the community layer. Leave and rejoin (single and bulk), then
 // the reads: status, history, gate activity, for_each_left. A leave closes
 // the gate, waits out the signals that passed it, reads the clock and writes
-// one atomic batch (0x11, its index copy, 0x12, the stripe's clock floor).
+// one atomic batch (0x11, its index copy, 0x12, the stripe's clock floor,
+// and with Options::journal the journal entry). With journal_wait, the call
+// then waits, holding no stripe, until the entry is confirmed replicated.
 #include <algorithm>
 
 #include "db/grace.h"
@@ -36,29 +38,42 @@ Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
     Call call(this, "leave_community_layer", /*write=*/true);
     if (!call.status().ok()) return call.status();
     if (recovering()) return recovering_status("leave_community_layer");
-    std::lock_guard<std::mutex> lock(user_lock(user_id));
-    CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
-    leave_status_.find(user_id, current);
-    if (current.status == MembershipStatus::Left) return Status::OK();  // G7: the first left_at_ns stands
+    std::uint64_t seq = 0;  // the journal entry replication waits for
+    if (Status written = [&]() -> Status {
+          std::lock_guard<std::mutex> lock(user_lock(user_id));
+          CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
+          leave_status_.find(user_id, current);
+          if (current.status == MembershipStatus::Left) {
+            // G7: the first left_at_ns stands, and no second entry is
+            // written; a retry after NotReplicated waits for the first.
+            seq = journal_retry_seq();
+            return Status::OK();
+          }
 
-    // Close the gate, then wait out every signal that may have passed it
-    // while open (G2). Only then read the clock: every contribution already
-    // forwarded carries an earlier reading (G3).
-    held_back_.erase(user_id);
-    gate_.close(user_id);
-    // Only sections of this user (or of an unknown one) can have seen its
-    // gate open. If the barrier fails the gate stays closed (G6).
-    if (Status s = grace_.synchronize(user_id); !s.ok()) return s;
-    // On error (here: a clock that cannot issue a later time; below: the
-    // write) the gate stays closed (G6) and the map keeps the last durable
-    // state, so a retry writes again instead of reporting a no-op.
-    const Result<std::uint64_t> left_at = clock_.now();
-    if (!left_at.ok()) return annotate(left_at.status(), "leave_community_layer(" + user_text(user_id) + ")");
-    const CommunityMembership left{user_id, MembershipStatus::Left, *left_at};
-    if (Status s = write_membership(user_id, left, *left_at, "leave_community_layer"); !s.ok()) return s;
-    leave_status_.insert_or_assign(user_id, left);
-    leaves_.fetch_add(1, std::memory_order_relaxed);
-    return Status::OK();
+          // Close the gate, then wait out every signal that may have passed it
+          // while open (G2). Only then read the clock: every contribution already
+          // forwarded carries an earlier reading (G3).
+          held_back_.erase(user_id);
+          gate_.close(user_id);
+          // Only sections of this user (or of an unknown one) can have seen its
+          // gate open. If the barrier fails the gate stays closed (G6).
+          if (Status s = grace_.synchronize(user_id); !s.ok()) return s;
+          // On error (here: a clock that cannot issue a later time; below: the
+          // write) the gate stays closed (G6) and the map keeps the last durable
+          // state, so a retry writes again instead of reporting a no-op.
+          const Result<std::uint64_t> left_at = clock_.now();
+          if (!left_at.ok()) return annotate(left_at.status(), "leave_community_layer(" + user_text(user_id) + ")");
+          const CommunityMembership left{user_id, MembershipStatus::Left, *left_at};
+          if (Status s = write_membership(user_id, left, *left_at, "leave_community_layer", &seq); !s.ok()) return s;
+          leave_status_.insert_or_assign(user_id, left);
+          leaves_.fetch_add(1, std::memory_order_relaxed);
+          return Status::OK();
+        }();
+        !written.ok()) {
+      return written;
+    }
+    // Durable and in effect (G1, G2) whatever the wait returns.
+    return await_replication(seq, "leave_community_layer(" + user_text(user_id) + ")");
   });
 }
 
@@ -67,34 +82,81 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
     Call call(this, "rejoin_community_layer", /*write=*/true);
     if (!call.status().ok()) return call.status();
     if (recovering()) return recovering_status("rejoin_community_layer");
-    const auto lock = lock_stripes({&user_id, 1}, /*wait_for_purges=*/true);
-    CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
-    leave_status_.find(user_id, current);
-    // Active and ungated: nothing to do (G7). Active but gated happens only
-    // after a failed leave; the rejoin is then written, as its outcome is unknown.
-    if (current.status == MembershipStatus::Active && !gate_.closed_for(user_id)) return Status::OK();
+    std::uint64_t seq = 0;  // the journal entry replication waits for
+    if (Status written = [&]() -> Status {
+          const auto lock = lock_stripes({&user_id, 1}, /*wait_for_purges=*/true);
+          CommunityMembership current{user_id, MembershipStatus::Active, std::nullopt};
+          leave_status_.find(user_id, current);
+          // Active and ungated: nothing to do (G7), no entry written. Active but
+          // gated happens only after a failed leave; the rejoin is then
+          // written, as its outcome is unknown.
+          if (current.status == MembershipStatus::Active && !gate_.closed_for(user_id)) {
+            seq = journal_retry_seq();
+            return Status::OK();
+          }
+          if (Status s = check_no_unfinished_purge("rejoin_community_layer", user_id); !s.ok()) return s;
 
-    const Result<std::uint64_t> at = clock_.now();  // on error nothing is written and the gate stays closed
-    if (!at.ok()) return annotate(at.status(), "rejoin_community_layer(" + user_text(user_id) + ")");
-    const CommunityMembership active{user_id, MembershipStatus::Active, current.left_at_ns};
-    if (Status s = write_membership(user_id, active, *at, "rejoin_community_layer"); !s.ok()) return s;
-    leave_status_.insert_or_assign(user_id, active);
-    gate_.open(user_id);
-    rejoins_.fetch_add(1, std::memory_order_relaxed);
-    return Status::OK();
+          const Result<std::uint64_t> at = clock_.now();  // on error nothing is written and the gate stays closed
+          if (!at.ok()) return annotate(at.status(), "rejoin_community_layer(" + user_text(user_id) + ")");
+          const CommunityMembership active{user_id, MembershipStatus::Active, current.left_at_ns};
+          if (Status s = write_membership(user_id, active, *at, "rejoin_community_layer", &seq); !s.ok()) return s;
+          leave_status_.insert_or_assign(user_id, active);
+          gate_.open(user_id);
+          rejoins_.fetch_add(1, std::memory_order_relaxed);
+          return Status::OK();
+        }();
+        !written.ok()) {
+      return written;
+    }
+    return await_replication(seq, "rejoin_community_layer(" + user_text(user_id) + ")");
   });
+}
+
+// ---- the journal's waits ----
+
+Status Db::Impl::await_replication(std::uint64_t seq, const std::string& what) {
+  if (!journal_ || options_.journal_wait.count() <= 0 || seq == 0) return Status::OK();
+  if (journal_->wait_confirmed(seq, options_.journal_wait)) return Status::OK();
+  journal_wait_timeouts_.fetch_add(1, std::memory_order_relaxed);
+  const bool closing = closed_.load(std::memory_order_acquire);
+  return Status::NotReplicated(
+      what + ": durable and in effect on this Db ('" + storage_->path() + "'), but its journal entry (seq " +
+      std::to_string(seq) + " of shard " + std::to_string(options_.shard_id) + ") was not confirmed replicated " +
+      (closing ? std::string("before the Db was closed")
+               : "within Options::journal_wait (" + std::to_string(options_.journal_wait.count()) + " ms)") +
+      "; the journal is confirmed through seq " + std::to_string(journal_->confirmed_seq()) +
+      ". A retry of the same call is safe: it writes no second leave or rejoin entry and returns OK once the entry "
+      "is confirmed (is the journal's publisher running?)");
+}
+
+Result<std::uint64_t> Db::Impl::write_journaled(const Journal::Fill& fill, std::span<const JournalRecord> entries,
+                                                const std::string& what) {
+  if (journal_) return journal_->write(fill, entries, what);
+  rocksdb::WriteBatch batch;
+  fill(&batch, 0);
+  if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::durable_if(options_.sync_writes), what); !s.ok()) {
+    return s;
+  }
+  return std::uint64_t{0};
 }
 
 // ---- the batch a leave or rejoin writes ----
 
 // One atomic WriteBatch: the 0x11 record, its index copy, the 0x12 history
-// entry and the stripe's clock floor; fsynced when sync_writes.
+// entry, the stripe's clock floor and the journal entry; fsynced when
+// sync_writes.
 Status Db::Impl::write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns,
-                                  const char* what) {
-  rocksdb::WriteBatch batch;
-  put_membership(&batch, user_id, m, at_ns);
-  put_clock_floor(&batch, user_id, at_ns);
-  return storage_->write(Storage::Engine::Users, &batch, Storage::durable_if(options_.sync_writes), std::string(what) + "(" + user_text(user_id) + ")");
+                                  const char* what, std::uint64_t* seq) {
+  const Journal::Fill fill = [&](rocksdb::WriteBatch* batch, std::uint64_t) {
+    put_membership(batch, user_id, m, at_ns);
+    put_clock_floor(batch, user_id, at_ns);
+  };
+  const JournalRecord entry{m.status == MembershipStatus::Left ? JournalKind::Leave : JournalKind::Rejoin, user_id,
+                            at_ns, m.left_at_ns.value_or(0)};
+  Result<std::uint64_t> written = write_journaled(fill, {&entry, 1}, std::string(what) + "(" + user_text(user_id) + ")");
+  if (!written.ok()) return written.status();
+  *seq = *written;
+  return Status::OK();
 }
 
 // Appends the 0x11 record, its index copy and the 0x12 history entry.
@@ -177,8 +239,12 @@ Status Db::Impl::bulk(const char* what, std::span<const std::uint64_t> user_ids,
     std::vector<std::uint64_t> users(user_ids.begin(), user_ids.end());
     std::sort(users.begin(), users.end());
     users.erase(std::unique(users.begin(), users.end()), users.end());  // duplicates: G7
-    const auto locks = lock_stripes(users, /*wait_for_purges=*/!leave);
-    return leave ? leave_locked(users) : rejoin_locked(users);
+    std::uint64_t seq = 0;  // the last journal entry replication waits for
+    {
+      const auto locks = lock_stripes(users, /*wait_for_purges=*/!leave);
+      if (Status s = leave ? leave_locked(users, &seq) : rejoin_locked(users, &seq); !s.ok()) return s;
+    }
+    return await_replication(seq, std::string(what) + " of " + std::to_string(users.size()) + " users");
   });
 }
 
@@ -191,7 +257,7 @@ void Db::Impl::put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<st
 // As leave_community_layer(user) for each user, with one grace period for
 // all: every gate is closed, then every signal that may have passed one is
 // waited out (G2), and only then is the clock read, once per user (G3).
-Status Db::Impl::leave_locked(const std::vector<std::uint64_t>& users) {
+Status Db::Impl::leave_locked(const std::vector<std::uint64_t>& users, std::uint64_t* seq) {
   std::vector<std::uint64_t> todo;
   todo.reserve(users.size());
   for (std::uint64_t u : users) {
@@ -206,12 +272,12 @@ Status Db::Impl::leave_locked(const std::vector<std::uint64_t>& users) {
   if (Status s = grace_.synchronize(std::span<const std::uint64_t>(todo)); !s.ok()) return s;  // gates stay closed
   // On error every gate stays closed (G6) and the map keeps the last durable
   // state of the users not yet written, as in the single form.
-  return write_bulk(todo, MembershipStatus::Left, "leave_community_layer");
+  return write_bulk(todo, MembershipStatus::Left, "leave_community_layer", seq);
 }
 
 // As rejoin_community_layer(user) for each user; a gate opens only once its
 // user's batch is durable.
-Status Db::Impl::rejoin_locked(const std::vector<std::uint64_t>& users) {
+Status Db::Impl::rejoin_locked(const std::vector<std::uint64_t>& users, std::uint64_t* seq) {
   std::vector<std::uint64_t> todo;
   todo.reserve(users.size());
   for (std::uint64_t u : users) {
@@ -219,21 +285,32 @@ Status Db::Impl::rejoin_locked(const std::vector<std::uint64_t>& users) {
     leave_status_.find(u, current);
     if (current.status == MembershipStatus::Left || gate_.closed_for(u)) todo.push_back(u);  // see the single form
   }
-  return write_bulk(todo, MembershipStatus::Active, "rejoin_community_layer");
+  for (std::uint64_t u : todo) {
+    if (Status s = check_no_unfinished_purge("rejoin_community_layer", u); !s.ok()) return s;
+  }
+  return write_bulk(todo, MembershipStatus::Active, "rejoin_community_layer", seq);
 }
 
 // Writes `status` for every user of `todo` in synced batches of
 // kBulkBatchUsers, each user with its own clock reading; a batch's users
 // change in memory only once it is durable (a rejoin opens their gates then).
-// A leave records its time as left_at_ns; a rejoin keeps the last one.
-Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipStatus status, const char* what) {
+// A leave records its time as left_at_ns; a rejoin keeps the last one. With
+// a journal each batch holds its users' entries, in user order.
+Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipStatus status, const char* what,
+                            std::uint64_t* seq) {
   const bool leave = status == MembershipStatus::Left;
+  // Users already in the target state wrote no entry: a retry after
+  // NotReplicated waits for what was written before it.
+  *seq = journal_retry_seq();
   std::vector<CommunityMembership> written;
+  std::vector<std::uint64_t> at_of;
+  std::vector<JournalRecord> entries;
   for (std::size_t begin = 0; begin < todo.size(); begin += kBulkBatchUsers) {
     const std::size_t end = std::min(todo.size(), begin + kBulkBatchUsers);
-    rocksdb::WriteBatch batch;
     std::vector<std::uint64_t> floors(user_locks_.size(), 0);
     written.clear();
+    at_of.clear();
+    entries.clear();
     for (std::size_t i = begin; i < end; ++i) {
       const Result<std::uint64_t> at = clock_.now();
       if (!at.ok()) return bulk_failure(at.status(), what, begin, todo.size());
@@ -246,15 +323,19 @@ Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipSt
         m.left_at_ns = current.left_at_ns;
       }
       written.push_back(m);
-      put_membership(&batch, todo[i], m, *at);
+      at_of.push_back(*at);
+      if (journal_) {
+        entries.push_back({leave ? JournalKind::Leave : JournalKind::Rejoin, todo[i], *at, m.left_at_ns.value_or(0)});
+      }
       floors[todo[i] % floors.size()] = *at;
     }
-    put_clock_floors(&batch, floors);
-    if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::durable_if(options_.sync_writes),
-                                   bulk_text(what, todo, begin, end));
-        !s.ok()) {
-      return bulk_failure(s, what, begin, todo.size());
-    }
+    const Journal::Fill fill = [&](rocksdb::WriteBatch* batch, std::uint64_t) {
+      for (std::size_t i = 0; i < written.size(); ++i) put_membership(batch, written[i].user_id, written[i], at_of[i]);
+      put_clock_floors(batch, floors);
+    };
+    Result<std::uint64_t> w = write_journaled(fill, entries, bulk_text(what, todo, begin, end));
+    if (!w.ok()) return bulk_failure(w.status(), what, begin, todo.size());
+    if (journal_) *seq = *w;
     for (const CommunityMembership& m : written) {
       leave_status_.insert_or_assign(m.user_id, m);
       if (!leave) gate_.open(m.user_id);

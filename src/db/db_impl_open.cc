@@ -157,6 +157,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     // format 2 keeps the same way).
     if (Status s = StateStore::check_format(st); !s.ok()) return s;
     if (Status s = impl->check_feed_options(); !s.ok()) return s;
+    if (Status s = impl->check_journal_options(); !s.ok()) return s;
     if (Status s = ensure_index(st); !s.ok()) return s;
     if (Status s = rebuild_community_memberships(st, &impl->communities_); !s.ok()) return s;
     LeaveRebuildResult leaves;
@@ -171,10 +172,14 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     if (Result<std::uint64_t> epoch = StateStore::stored_epoch(st); !epoch.ok()) return epoch.status();
     if (Status s = st.finish_upgrade(); !s.ok()) return s;
     if (Status s = impl->open_feed(); !s.ok()) return s;
+    if (Status s = impl->open_journal(); !s.ok()) return s;
     if (Status s = impl->load_recovery_state(); !s.ok()) return s;
     impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
     if (!options.read_only) {
       if (Status s = impl->state_->start(); !s.ok()) return s;
+      // A purge whose intent is journaled but whose batch a crash (or an
+      // error) cut off: finished before any call can see the user.
+      if (Status s = impl->finish_journaled_purges(); !s.ok()) return s;
       // A purge whose erasure failed or was cut short by a crash: finish it.
       // If it fails again the Db still opens; the receipts keep showing
       // erasure_complete == false until a later purge or open finishes it.
@@ -213,6 +218,44 @@ Status Db::Impl::open_feed() {
   if (!feed.ok()) return feed.status();
   feed_ = std::move(*feed);
   state_->set_feed(feed_.get());
+  return Status::OK();
+}
+
+Status Db::Impl::check_journal_options() {
+  const std::string where = "cannot open tidal Db at '" + storage_->path() + "'";
+  if (options_.journal_wait.count() < 0) {
+    return Status::InvalidArgument(where + ": Options::journal_wait is " + std::to_string(options_.journal_wait.count()) +
+                                   " ms; it must be 0 (asynchronous replication) or more");
+  }
+  if (options_.journal_wait.count() > 0 && !options_.journal) {
+    return Status::InvalidArgument(where + ": Options::journal_wait (" + std::to_string(options_.journal_wait.count()) +
+                                   " ms) waits for the privacy journal's confirmation, and Options::journal is off");
+  }
+  Result<std::optional<std::uint64_t>> stored = Journal::stored_shard(*storage_);
+  if (!stored.ok()) return stored.status();
+  if (!options_.journal && *stored && !options_.read_only) {
+    return Status::InvalidArgument(where + ": it keeps a privacy journal (shard " + std::to_string(**stored) +
+                                   "), and a writable open without Options::journal would leave leaves, rejoins and "
+                                   "purges out of it; open it with journal = true and shard_id = " +
+                                   std::to_string(**stored));
+  }
+  if (!options_.journal && !*stored) return Status::OK();
+  if (options_.read_only && !*stored) {
+    return Status::InvalidArgument(where + " read-only with Options::journal: it keeps no privacy journal yet");
+  }
+  return Journal::check(*storage_, options_.journal ? options_.shard_id : **stored);
+}
+
+Status Db::Impl::open_journal() {
+  Result<std::optional<std::uint64_t>> stored = Journal::stored_shard(*storage_);
+  if (!stored.ok()) return stored.status();
+  if (!options_.journal && !*stored) return Status::OK();
+  // Read-only without journal: the stored journal, to read (nothing is written).
+  const std::uint64_t shard = options_.journal ? options_.shard_id : **stored;
+  Result<std::unique_ptr<Journal>> journal =
+      Journal::open(storage_.get(), shard, Storage::durable_if(options_.sync_writes));
+  if (!journal.ok()) return journal.status();
+  journal_ = std::move(*journal);
   return Status::OK();
 }
 
@@ -260,6 +303,8 @@ Status Db::Impl::close() {
     }
     std::lock_guard<std::mutex> closing(close_mu_);
     if (closed_.exchange(true, std::memory_order_seq_cst)) return Status::OK();
+    // Calls waiting for the journal's confirmation return now (NotReplicated).
+    if (journal_) journal_->shutdown();
     {
       std::unique_lock<std::mutex> lock(drain_mu_);
       drained_.wait(lock, [&] { return calls_.load(std::memory_order_seq_cst) == 0; });

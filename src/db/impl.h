@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <span>
 #include <string>
@@ -27,6 +28,7 @@
 #include "db/maps.h"
 #include "db/state_store.h"
 #include "feed/change_feed.h"
+#include "journal/journal.h"
 #include "storage/receipt.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
@@ -88,6 +90,10 @@ class Db::Impl {
   Result<std::uint64_t> last_change_seq() const;
   Status trim_changes(std::uint64_t through_seq);
   Result<std::uint64_t> reseed_change_feed();
+  // The privacy journal (journal/journal.h).
+  Result<std::vector<JournalEntry>> read_journal(std::uint64_t after_seq, std::size_t max_bytes) const;
+  Result<std::uint64_t> last_journal_seq() const;
+  Status confirm_journal(std::uint64_t through_seq);
 
   // Closes every Db still open; run once by std::atexit (see db_impl_open.cc).
   static void close_all_at_exit();
@@ -97,6 +103,10 @@ class Db::Impl {
   // Tests only: run by every purge between its durable batches and their
   // physical erasure, with no lock held. Set it while no purge runs.
   static inline std::function<void()> before_erasure_for_testing;
+  // Tests only: run by every purge of a Db with a journal once its intents
+  // are durable, before its first batch, with no lock held (a test kills
+  // the process or throws there). Set it while no purge runs.
+  static inline std::function<void()> after_purge_intent_for_testing;
   // Aggregate cells a purge batch sums in memory at once (one pass over the
   // purged users' ledgers per this many cells). Tests lower it.
   static inline std::size_t purge_pass_cells = 1 << 18;
@@ -142,6 +152,27 @@ class Db::Impl {
   Status open_feed();
   // InvalidArgument naming `what` when the Db keeps no change feed.
   Status check_feed(const char* what) const;
+  // At open, before anything is written: what open_journal() can refuse.
+  Status check_journal_options();
+  // At open: the privacy journal, when the Db keeps one or Options::journal asks for it.
+  Status open_journal();
+  // At a writable open, once the writer runs: finishes every purge whose
+  // intent is journaled and whose batch a crash (or an error) cut off.
+  Status finish_journaled_purges();
+  // InvalidArgument naming `what` when the Db keeps no journal.
+  Status check_journal(const char* what) const;
+  // Writes `fill`'s records with one journal entry per record of `entries`
+  // in one atomic write (the journal's group commit), or `fill`'s records
+  // alone without a journal. The last entry's seq (0 without a journal).
+  Result<std::uint64_t> write_journaled(const Journal::Fill& fill, std::span<const JournalRecord> entries,
+                                        const std::string& what);
+  // With Options::journal_wait: waits until confirm_journal covers `seq`;
+  // NotReplicated naming `what` after journal_wait. OK at once otherwise.
+  // Called holding no lock stripe.
+  Status await_replication(std::uint64_t seq, const std::string& what);
+  // What a call that changes nothing waits for (a retry after
+  // NotReplicated): every entry written before it.
+  std::uint64_t journal_retry_seq() const { return journal_ ? journal_->last_seq() : 0; }
   // Checks that apply to every write: open, writable, not inside a sink callback.
   Status check_writable(const char* what) const;
   // Busy when the calling thread is inside a ContributionSink callback (a
@@ -159,7 +190,9 @@ class Db::Impl {
   void put_clock_floor(rocksdb::WriteBatch* batch, std::uint64_t user_id, std::uint64_t ts);
   // Writes the clock's lease record (Clock::StoreFloor).
   Status store_clock_lease(std::uint64_t floor);
-  Status write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns, const char* what);
+  // `seq`: the journal entry's seq (0 without a journal).
+  Status write_membership(std::uint64_t user_id, const CommunityMembership& m, std::uint64_t at_ns, const char* what,
+                          std::uint64_t* seq);
   // Appends the 0x11 record (and its index copy) and the 0x12 history entry.
   void put_membership(rocksdb::WriteBatch* batch, std::uint64_t user_id, const CommunityMembership& m,
                       std::uint64_t at_ns) const;
@@ -167,21 +200,39 @@ class Db::Impl {
   // ascending order and runs leave_locked or rejoin_locked.
   Status bulk(const char* what, std::span<const std::uint64_t> user_ids, bool leave);
   // `users` sorted and distinct, their stripes locked.
-  Status leave_locked(const std::vector<std::uint64_t>& users);
-  Status rejoin_locked(const std::vector<std::uint64_t>& users);
-  // The batched write both bulk forms share.
-  Status write_bulk(const std::vector<std::uint64_t>& todo, MembershipStatus status, const char* what);
+  // `seq`: the seq the call's replication waits for (journal_wait).
+  Status leave_locked(const std::vector<std::uint64_t>& users, std::uint64_t* seq);
+  Status rejoin_locked(const std::vector<std::uint64_t>& users, std::uint64_t* seq);
+  // The batched write both bulk forms share; `seq`: the last entry's.
+  Status write_bulk(const std::vector<std::uint64_t>& todo, MembershipStatus status, const char* what,
+                    std::uint64_t* seq);
   // Appends the clock floor records of the stripes in `floors` (0 = untouched).
   void put_clock_floors(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& floors);
   CounterStripe& counters();
   // The signals accepted since open (the stripes' sum).
   std::uint64_t signals_accepted() const;
+  // db/purge.cc: with a journal, writes the purge intents of `users`
+  // (their boundary `left_at`, their receipts' `purged_at`) and their
+  // marks, durably, before anything is purged; `seq`: the last entry's.
+  Status write_purge_intents(const char* what, const std::vector<std::uint64_t>& users,
+                             const std::vector<std::uint64_t>& left_at, const std::vector<std::uint64_t>& purged_at,
+                             std::uint64_t* seq);
+  // Deletes every intent mark of `users` once a purge of them is durable
+  // (not synced: a mark a crash keeps makes the next open check that purge
+  // again), and forgets them in unfinished_purges_.
+  Status delete_purge_marks(const std::vector<std::uint64_t>& users);
+  // Busy naming `what` when a purge of the user with a journaled intent
+  // failed in this session and was not finished since: a rejoin then would
+  // hide it from the next open.
+  Status check_no_unfinished_purge(const char* what, std::uint64_t user) const;
   // db/purge.cc: `users` sorted, distinct, Left since `left_at` (same
-  // order), registered in purging_. Writes the durable batches; adds to
+  // order), registered in purging_; each receipt's time is `purged_at`
+  // (same order, chosen before the intent). Writes the durable batches; adds to
   // `to_erase` every user whose ledger bytes may still be in a file
   // (including on error).
   Result<std::vector<PurgeReceipt>> purge_registered(const char* what, const std::vector<std::uint64_t>& users,
                                                      const std::vector<std::uint64_t>& left_at,
+                                                     const std::vector<std::uint64_t>& purged_at,
                                                      std::vector<std::uint64_t>* to_erase);
   // One purge batch, ingested atomically (storage/ingest_batch.h): per
   // aggregate cell the users touched a merge operand of minus their exact
@@ -235,10 +286,15 @@ class Db::Impl {
   LeaveGate gate_;
   grace::Domain grace_;  // this Db's read sections: one per signal, tagged with its user
   std::unique_ptr<ChangeFeed> feed_;   // null without Options::change_feed
+  std::unique_ptr<Journal> journal_;   // null without Options::journal (or, read-only, a stored one)
   std::array<CounterStripe, 16> stripes_;  // before state_: its writer reads them (signals_accepted)
   std::unique_ptr<StateStore> state_;  // after grace_ and feed_: its writer waits out read sections and writes the feed
 
   std::atomic<std::uint64_t> leaves_{0}, rejoins_{0}, corrupt_treated_as_left_{0};
+  std::atomic<std::uint64_t> journal_wait_timeouts_{0};
+  // Users of a purge that failed after its intents were written (db/purge.cc).
+  mutable std::mutex unfinished_mu_;
+  std::unordered_set<std::uint64_t> unfinished_purges_;
 
   // Opened from a backup (its manifest in the directory) and not yet
   // finished: signals and user-status calls are Busy (db/backup.cc).

@@ -30,6 +30,15 @@
 //      and SSTs are deleted before the call returns, and the mark goes.
 // A mark left by an erasure that failed, or by a crash, is finished by the
 // user's next purge and by the next writable open.
+//
+// With a journal, step 0 comes first: under the users' stripes (so the
+// intent's seq falls between the user's leave and any later rejoin, and the
+// stripes' clock floors only grow), each receipt's time is read and the
+// purge's intent is written, durably, with a mark "journal_purge/<user>
+// <purged_at>" (storage/journal_format.h). The mark goes once the purge's
+// batch is durable; a mark a crash or an error left is finished by the next
+// writable open (finish_journaled_purges), with the intent's purged_at, so
+// the receipt is the one the journal names.
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -43,6 +52,7 @@
 #include "db/guarded.h"
 #include "db/impl.h"
 #include "storage/ingest_batch.h"
+#include "storage/journal_format.h"
 #include "storage/receipt.h"
 
 namespace tidal {
@@ -111,12 +121,28 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
     std::sort(users.begin(), users.end());
     users.erase(std::unique(users.begin(), users.end()), users.end());
     std::vector<std::uint64_t> to_erase;  // users whose ledger bytes may still be in a file
+    std::uint64_t intent_seq = 0;         // the last intent's journal seq (0: none written)
     Result<std::vector<PurgeReceipt>> receipts = [&]() -> Result<std::vector<PurgeReceipt>> {
       // Under the users' stripes, only long enough to check that each is
       // Left and register it in purging_: from then on a rejoin of one of
       // them waits for this purge, and nobody else does (no leave, join or
       // exit waits for the state engine).
       std::vector<std::uint64_t> left_at(users.size());
+      std::vector<std::uint64_t> purged_at(users.size());  // the receipts' times, named by the intents
+      // From the intents' write until the purge is durable, an error (or an
+      // exception) leaves intents the journal holds and this Db has not
+      // done: their users cannot rejoin until a purge or a reopen finishes
+      // them (a rejoin would let the next open think them done).
+      struct Unfinished {
+        Impl* impl;
+        const std::vector<std::uint64_t>& users;
+        bool armed = false;
+        ~Unfinished() {
+          if (!armed) return;
+          std::lock_guard<std::mutex> lock(impl->unfinished_mu_);
+          impl->unfinished_purges_.insert(users.begin(), users.end());
+        }
+      } unfinished{this, users};
       {
         const auto locks = lock_stripes(users, /*wait_for_purges=*/false);
         for (std::size_t i = 0; i < users.size(); ++i) {
@@ -130,6 +156,16 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
           }
           left_at[i] = m.left_at_ns.value_or(0);
         }
+        for (std::size_t i = 0; i < users.size(); ++i) {
+          const Result<std::uint64_t> now = clock_.now();
+          if (!now.ok()) {
+            return Status(now.status().code(), std::string(what) + "(" + user_text(users[i]) + "): " +
+                                                   now.status().message() + "; nothing changed");
+          }
+          purged_at[i] = *now;
+        }
+        unfinished.armed = journal_ != nullptr;
+        if (Status s = write_purge_intents(what, users, left_at, purged_at, &intent_seq); !s.ok()) return s;
         std::lock_guard<std::mutex> lock(purging_mu_);
         for (std::uint64_t u : users) ++purging_[u];
       }
@@ -147,7 +183,17 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
           impl->purge_ended_.notify_all();
         }
       } unregister{this, users};
-      return purge_registered(what, users, left_at, &to_erase);
+      if (journal_ && after_purge_intent_for_testing) after_purge_intent_for_testing();
+      Result<std::vector<PurgeReceipt>> done = purge_registered(what, users, left_at, purged_at, &to_erase);
+      // Durable: the intents are done, and so is every earlier unfinished
+      // one of these users (this purge removed everything before the same
+      // boundary). A mark a crash keeps is checked again at the next open,
+      // which finds the receipt or the empty ledger and changes nothing.
+      if (done.ok() && journal_) {
+        unfinished.armed = false;
+        (void)delete_purge_marks(users);
+      }
+      return done;
     }();
     // Erase what the batches made durable, even when a later batch failed:
     // what is not erased now stays marked for the next purge or open.
@@ -160,12 +206,155 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
                                                        "stays marked and the next purge of the user or the next open "
                                                        "completes it: " + erased.message());
     }
+    // The purge is done whatever the wait returns; a retry writes another
+    // intent, which removes nothing more.
+    if (Status s = await_replication(intent_seq, std::string(what) + " (purge intents through journal seq " +
+                                                     std::to_string(intent_seq) + ")");
+        !s.ok()) {
+      return s;
+    }
     return receipts;
   });
 }
 
+namespace {
+
+// Users per intent batch of a bulk purge.
+constexpr std::size_t kIntentBatchUsers = 10'000;
+
+}  // namespace
+
+Status Db::Impl::write_purge_intents(const char* what, const std::vector<std::uint64_t>& users,
+                                     const std::vector<std::uint64_t>& left_at,
+                                     const std::vector<std::uint64_t>& purged_at, std::uint64_t* seq) {
+  if (!journal_) return Status::OK();
+  std::vector<JournalRecord> entries;
+  for (std::size_t begin = 0; begin < users.size(); begin += kIntentBatchUsers) {
+    const std::size_t end = std::min(users.size(), begin + kIntentBatchUsers);
+    entries.clear();
+    std::vector<std::uint64_t> floors(user_locks_.size(), 0);
+    for (std::size_t i = begin; i < end; ++i) {
+      entries.push_back({JournalKind::Purge, users[i], purged_at[i], left_at[i]});
+      std::uint64_t& floor = floors[users[i] % floors.size()];
+      floor = std::max(floor, purged_at[i]);
+    }
+    // The marks and the stripes' clock floors (a reopened clock starts
+    // above every purged_at an intent names), in the intents' write.
+    const Journal::Fill fill = [&](rocksdb::WriteBatch* batch, std::uint64_t first_seq) {
+      for (std::size_t i = begin; i < end; ++i) {
+        batch->Put(storage_->meta(), encode_journal_purge_key(users[i], purged_at[i]),
+                   encode_journal_purge_value(first_seq + (i - begin), left_at[i]));
+      }
+      put_clock_floors(batch, floors);
+    };
+    const std::string ids = end - begin == 1 ? user_text(users[begin])
+                                             : std::to_string(end - begin) + " users (ids " +
+                                                   std::to_string(users[begin]) + ".." + std::to_string(users[end - 1]) + ")";
+    Result<std::uint64_t> w = journal_->write(fill, entries, std::string(what) + ": the purge intent of " + ids);
+    if (!w.ok()) {
+      return Status(w.status().code(),
+                    w.status().message() + "; nothing purged" +
+                        (begin == 0 ? std::string()
+                                    : " (the intents of the " + std::to_string(begin) +
+                                          " users before them are journaled: the next open purges them)"));
+    }
+    *seq = *w;
+  }
+  return Status::OK();
+}
+
+Status Db::Impl::delete_purge_marks(const std::vector<std::uint64_t>& users) {
+  if (!journal_ || users.empty()) return Status::OK();
+  rocksdb::WriteBatch batch;
+  {
+    auto it = storage_->iterator(storage_->meta());
+    for (std::uint64_t u : users) {
+      const std::string prefix = encode_journal_purge_key(u, 0).substr(0, std::string_view(kJournalPurgePrefix).size() + 8);
+      for (it->Seek(prefix); it->Valid() && view(it->key()).starts_with(prefix); it->Next()) {
+        batch.Delete(storage_->meta(), it->key());
+      }
+    }
+    if (Status s = from_rocksdb(it->status(), "scan of the journaled purge marks of '" + storage_->path() + "'");
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Async,
+                                 "deleting the journaled purge marks of " + std::to_string(users.size()) + " users");
+      !s.ok()) {
+    return s;
+  }
+  std::lock_guard<std::mutex> lock(unfinished_mu_);
+  for (std::uint64_t u : users) unfinished_purges_.erase(u);
+  return Status::OK();
+}
+
+Status Db::Impl::check_no_unfinished_purge(const char* what, std::uint64_t user) const {
+  if (!journal_) return Status::OK();
+  std::lock_guard<std::mutex> lock(unfinished_mu_);
+  if (!unfinished_purges_.contains(user)) return Status::OK();
+  return Status::Busy(std::string(what) + "(" + user_text(user) + "): a purge of " + user_text(user) +
+                      " whose intent is in the privacy journal did not finish (its call returned the error); purge "
+                      "the user again, or reopen the Db (which finishes it), then rejoin; nothing changed");
+}
+
+Status Db::Impl::finish_journaled_purges() {
+  if (!journal_) return Status::OK();
+  std::vector<JournalPurgeMark> marks;
+  {
+    auto it = storage_->iterator(storage_->meta());
+    const std::string_view prefix(kJournalPurgePrefix);
+    for (it->Seek(rocksdb::Slice(prefix.data(), prefix.size())); it->Valid() && view(it->key()).starts_with(prefix);
+         it->Next()) {
+      std::optional<JournalPurgeMark> m = decode_journal_purge(view(it->key()), view(it->value()));
+      if (!m) {
+        return Status::Corruption("cannot open tidal Db at '" + storage_->path() + "': journaled purge mark " +
+                                  hex(view(it->key())) + " does not decode (" + std::to_string(it->value().size()) +
+                                  "-byte value; expected 16)");
+      }
+      marks.push_back(*m);
+    }
+    if (Status s = from_rocksdb(it->status(), "scan of the journaled purge marks of '" + storage_->path() + "'");
+        !s.ok()) {
+      return s;
+    }
+  }
+  for (const JournalPurgeMark& m : marks) {
+    const std::string what = "finishing the purge of " + user_text(m.user_id) + " journaled as seq " +
+                             std::to_string(m.seq) + " (purged_at_ns " + std::to_string(m.purged_at_ns) + ")";
+    std::string receipt;
+    Status found = storage_->get(storage_->receipts(), encode_receipt_key(m.user_id, m.purged_at_ns), &receipt);
+    if (!found.ok() && found.code() != StatusCode::NotFound) return found;
+    CommunityMembership status{m.user_id, MembershipStatus::Active, std::nullopt};
+    leave_status_.find(m.user_id, status);
+    // Not done when its receipt is missing and the user is still Left since
+    // the intent's boundary: nothing else can have happened to the user in
+    // between (a rejoin waits for the purge, and the open is not over). A
+    // purge that had nothing to remove wrote no receipt: it runs again and
+    // finds nothing again.
+    if (found.code() == StatusCode::NotFound && status.status == MembershipStatus::Left &&
+        status.left_at_ns.value_or(0) == m.left_at_ns) {
+      std::vector<std::uint64_t> to_erase;
+      Result<std::vector<PurgeReceipt>> r =
+          purge_registered(what.c_str(), {m.user_id}, {m.left_at_ns}, {m.purged_at_ns}, &to_erase);
+      if (!r.ok()) {
+        return Status(r.status().code(), "cannot open tidal Db at '" + storage_->path() + "': " + what +
+                                             " failed (the journal holds its intent, so the Db does not open "
+                                             "without it; a read-only open works): " + r.status().message());
+      }
+      // An erasure that fails stays marked for the next purge or open, as always.
+      (void)erase_purged(to_erase);
+    }
+    rocksdb::WriteBatch batch;
+    batch.Delete(storage_->meta(), encode_journal_purge_key(m.user_id, m.purged_at_ns));
+    if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Async, what); !s.ok()) return s;
+  }
+  return Status::OK();
+}
+
 Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, const std::vector<std::uint64_t>& users,
                                                              const std::vector<std::uint64_t>& left_at,
+                                                             const std::vector<std::uint64_t>& purged_at,
                                                              std::vector<std::uint64_t>* to_erase) {
   // The leave each receipt cites must outlive the purge (E2): without
   // sync_writes it may still be an unsynced write of the users engine,
@@ -205,8 +394,7 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
         }
         Result<std::optional<std::uint64_t>> marked = erasure_pending_since(u);
         if (!marked.ok()) return marked.status();
-        const Result<std::uint64_t> now = clock_.now();
-        if (!now.ok()) return Status(now.status().code(), std::string(what) + "(" + user_text(u) + "): " + now.status().message());
+        const std::uint64_t* now = &purged_at[i];
         const ReceiptRecord record{left_at[i], *now, totals.entries, totals.cohort, totals.community};
         pending.push_back(to_public(u, record, /*erasure_complete=*/true));  // returned once erased
         // Nothing to remove, nothing written; an earlier purge's erasure

@@ -206,6 +206,12 @@ t --db "$WORK/restored" finish-recovery; rc_is 0; out_has 'was not recovering'
 t --db "$WORK/restored" status 4; rc_is 0; out_has 'Left'
 [ -f "$WORK/backups/$newest/TIDAL_BACKUP" ] || fail "the restore must leave the backup as it was"
 t --db "$DB" reseed; rc_is 1; err_has 'keeps no change feed'
+# A Db with a change feed and a privacy journal: write commands go into both.
+JDB=$WORK/journaldb
+"$HOLDER" "$JDB" --seed --feed 9 --journal </dev/null >/dev/null || { echo "FAIL: could not seed $JDB"; exit 1; }
+t --db "$JDB" leave 4; rc_is 0
+t --db "$JDB" --json purge 4; rc_is 0; json 'd["entries_removed"] == 3'
+t --db "$JDB" --prometheus stats; rc_is 0; out_has '^tidal_db_journal_last_seq\{.*\} 5$'; out_has '^tidal_db_journal_pending_entries\{.*\} 5$'
 t --db "$DB" rematerialize; rc_is 0; out_has '^rematerialize: [0-9]+ aggregates checked, [0-9]+ ledger entries read, 0 mismatches$'
 t --db "$DB" --json rematerialize --repair; rc_is 0; json 'd["mismatches"] == [] and d["repaired"] is False'
 

@@ -8,6 +8,9 @@
 //   db_holder PATH [--seed] --feed SHARD
 //                           the same with the change feed on (shard SHARD);
 //                           with --seed user 4 also signals item 1 (cohort 7)
+//   db_holder PATH [--seed] [--feed SHARD] --journal
+//                           the same with the privacy journal on (the feed's
+//                           shard, or 0)
 #include <tidal/db.h>
 
 #include <cstdio>
@@ -26,7 +29,7 @@ int fail(const char* what, const tidal::Status& s) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: db_holder PATH [--seed] [--feed SHARD]\n");
+    std::fprintf(stderr, "usage: db_holder PATH [--seed] [--feed SHARD] [--journal]\n");
     return 2;
   }
   bool seed = false;
@@ -35,11 +38,13 @@ int main(int argc, char** argv) {
     const std::string_view arg = argv[i];
     if (arg == "--seed") {
       seed = true;
+    } else if (arg == "--journal") {
+      options.journal = true;
     } else if (arg == "--feed" && i + 1 < argc) {
       options.change_feed = true;
       options.shard_id = std::stoull(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: db_holder PATH [--seed] [--feed SHARD]\n");
+      std::fprintf(stderr, "usage: db_holder PATH [--seed] [--feed SHARD] [--journal]\n");
       return 2;
     }
   }

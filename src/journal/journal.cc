@@ -1,0 +1,287 @@
+#include "journal/journal.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "storage/format.h"
+
+namespace tidal {
+namespace {
+
+std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
+
+std::string be64(std::uint64_t v) {
+  std::string out;
+  put_u64_be(&out, v);
+  return out;
+}
+
+// An entry record's value: [end_offset: 8 BE][payload].
+constexpr std::size_t kOffsetSize = 8;
+// A group stops growing past this many entries (one bulk call of 10,000
+// users is always written whole): a batch stays near a few MB.
+constexpr std::size_t kMaxGroupEntries = 20'000;
+// A confirm that removes more entries than this writes one range deletion
+// instead of a deletion per entry.
+constexpr std::uint64_t kPointDeletes = 1024;
+
+}  // namespace
+
+Result<std::optional<std::uint64_t>> Journal::stored_shard(const Storage& storage) {
+  std::string value;
+  Status s = storage.get(storage.meta(), kJournalShardKey, &value);
+  if (s.code() == StatusCode::NotFound) return std::optional<std::uint64_t>();
+  if (!s.ok()) return s;
+  if (value.size() != 8) {
+    return Status::Corruption("the privacy journal's shard id record of '" + storage.path() + "' has " +
+                              std::to_string(value.size()) + " bytes; expected 8");
+  }
+  return std::optional<std::uint64_t>(get_u64_be(value.data()));
+}
+
+namespace {
+
+Status check_shard(const Storage& storage, std::optional<std::uint64_t> stored, std::uint64_t shard_id) {
+  if (!stored || *stored == shard_id) return Status::OK();
+  return Status::InvalidArgument("cannot open tidal Db at '" + storage.path() + "' with Options::shard_id " +
+                                 std::to_string(shard_id) + ": its privacy journal belongs to shard " +
+                                 std::to_string(*stored) + "; nothing changed");
+}
+
+}  // namespace
+
+Status Journal::check(const Storage& storage, std::uint64_t shard_id) {
+  Result<std::optional<std::uint64_t>> stored = stored_shard(storage);
+  if (!stored.ok()) return stored.status();
+  if (Status s = check_shard(storage, *stored, shard_id); !s.ok() || !*stored) return s;
+  Journal probe(const_cast<Storage*>(&storage), shard_id, Storage::WriteMode::Sync);
+  return probe.load();
+}
+
+Result<std::unique_ptr<Journal>> Journal::open(Storage* storage, std::uint64_t shard_id, Storage::WriteMode mode) {
+  Result<std::optional<std::uint64_t>> stored = stored_shard(*storage);
+  if (!stored.ok()) return stored.status();
+  if (Status s = check_shard(*storage, *stored, shard_id); !s.ok()) return s;
+  std::unique_ptr<Journal> journal(new Journal(storage, shard_id, mode));
+  if (!*stored) {
+    if (storage->read_only()) {
+      return Status::InvalidArgument("cannot open tidal Db at '" + storage->path() +
+                                     "' read-only with Options::journal: it keeps no privacy journal yet");
+    }
+    // Synced: once the shard id is stored, every writable open must keep
+    // the journal (and the same shard id), so no leave escapes it.
+    rocksdb::WriteBatch batch;
+    batch.Put(storage->meta(), kJournalShardKey, be64(shard_id));
+    if (Status s = storage->write(Storage::Engine::Users, &batch, Storage::WriteMode::Sync,
+                                  "creating the privacy journal of '" + storage->path() + "'");
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (Status s = journal->load(); !s.ok()) return s;
+  return journal;
+}
+
+Status Journal::load() {
+  std::string confirmed;
+  Status s = storage_->get(storage_->meta(), kJournalConfirmedKey, &confirmed);
+  if (s.ok()) {
+    if (confirmed.size() != 16) {
+      return Status::Corruption("the privacy journal's confirmed point of '" + storage_->path() + "' has " +
+                                std::to_string(confirmed.size()) + " bytes; expected 16");
+    }
+    confirmed_seq_ = get_u64_be(confirmed.data());
+    confirmed_offset_ = get_u64_be(confirmed.data() + 8);
+  } else if (s.code() != StatusCode::NotFound) {
+    return s;
+  }
+  last_seq_ = confirmed_seq_;
+  end_offset_ = confirmed_offset_;
+  auto it = storage_->iterator(storage_->meta());
+  it->SeekForPrev(encode_journal_key(std::numeric_limits<std::uint64_t>::max()));
+  if (it->Valid() && view(it->key()).starts_with(kJournalEntryPrefix)) {
+    std::optional<std::uint64_t> seq = decode_journal_key(view(it->key()));
+    if (!seq || it->value().size() < kOffsetSize) {
+      return Status::Corruption("privacy journal record " + hex(view(it->key())) + " of '" + storage_->path() +
+                                "' does not decode");
+    }
+    if (*seq > last_seq_) {
+      last_seq_ = *seq;
+      end_offset_ = get_u64_be(it->value().data());
+    }
+  }
+  return from_rocksdb(it->status(), "reading the privacy journal of '" + storage_->path() + "'");
+}
+
+Result<std::uint64_t> Journal::write(const Fill& fill, std::span<const JournalRecord> entries,
+                                     const std::string& what) {
+  Writer w{&fill, entries, &what, Status::OK()};
+  std::unique_lock<std::mutex> lock(mu_);
+  queue_.push_back(&w);
+  written_.wait(lock, [&] { return w.done || (!leading_ && queue_.front() == &w); });
+  if (!w.done) {
+    // The leader: the group is this writer and those queued behind it.
+    leading_ = true;
+    std::vector<Writer*> group;
+    std::size_t total = 0;
+    while (!queue_.empty() && (group.empty() || total + queue_.front()->entries.size() <= kMaxGroupEntries)) {
+      total += queue_.front()->entries.size();
+      group.push_back(queue_.front());
+      queue_.pop_front();
+    }
+    std::uint64_t seq = last_seq_, offset = end_offset_;
+    lock.unlock();
+    const Status s = write_group(group, &seq, &offset);
+    lock.lock();
+    if (s.ok()) {
+      last_seq_ = seq;
+      end_offset_ = offset;
+    }
+    for (Writer* g : group) {
+      g->status = s.ok() || group.size() == 1
+                      ? s
+                      : Status(s.code(), *g->what + ": the journal's write of a group of " +
+                                             std::to_string(group.size()) + " calls failed: " + s.message());
+      g->done = true;
+    }
+    leading_ = false;
+    written_.notify_all();
+  }
+  if (!w.status.ok()) return w.status;
+  return w.last_seq;
+}
+
+Status Journal::write_group(const std::vector<Writer*>& group, std::uint64_t* seq, std::uint64_t* offset) {
+  // No exception may leave the leader: its followers would wait forever.
+  try {
+    rocksdb::WriteBatch batch;
+    for (Writer* g : group) {
+      (*g->fill)(&batch, *seq + 1);
+      for (const JournalRecord& r : g->entries) {
+        const std::string payload = encode_journal_payload(r);
+        *offset += payload.size();
+        ++*seq;
+        batch.Put(storage_->meta(), encode_journal_key(*seq), be64(*offset) + payload);
+      }
+      g->last_seq = *seq;
+    }
+    return storage_->write(Storage::Engine::Users, &batch, mode_, *group.front()->what);
+  } catch (const std::exception& e) {
+    return Status::IOError(*group.front()->what + ": building the journal's write failed: " + e.what());
+  }
+}
+
+Result<std::vector<JournalEntry>> Journal::read(std::uint64_t after_seq, std::size_t max_bytes) const {
+  std::uint64_t confirmed = 0, last = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    confirmed = confirmed_seq_;
+    last = last_seq_;
+  }
+  if (after_seq < confirmed) {
+    return Status::NotFound("read_journal(after " + std::to_string(after_seq) + "): the privacy journal of shard " +
+                            std::to_string(shard_id_) + " is confirmed through seq " + std::to_string(confirmed) +
+                            "; entries " + std::to_string(after_seq + 1) + ".." + std::to_string(confirmed) +
+                            " are removed");
+  }
+  std::vector<JournalEntry> out;
+  std::size_t bytes = 0;
+  if (after_seq >= last) return out;
+  auto it = storage_->iterator(storage_->meta());
+  for (it->Seek(encode_journal_key(after_seq + 1));
+       it->Valid() && after_seq + out.size() < last && (out.empty() || bytes < max_bytes); it->Next()) {
+    const std::uint64_t expected = after_seq + 1 + out.size();
+    std::optional<std::uint64_t> seq = decode_journal_key(view(it->key()));
+    if (!seq || it->value().size() < kOffsetSize || *seq != expected) {
+      return Status::Corruption("privacy journal record " + hex(view(it->key())) + " of '" + storage_->path() +
+                                "' does not decode or is out of sequence (expected seq " + std::to_string(expected) +
+                                ")");
+    }
+    JournalEntry& e = out.emplace_back();
+    e.shard_id = shard_id_;
+    e.seq = *seq;
+    e.payload.assign(it->value().data() + kOffsetSize, it->value().size() - kOffsetSize);
+    bytes += e.payload.size();
+  }
+  if (Status s = from_rocksdb(it->status(), "reading the privacy journal of '" + storage_->path() + "'"); !s.ok()) {
+    return s;
+  }
+  if (out.empty()) {
+    return Status::Corruption("the privacy journal of '" + storage_->path() + "' has no record of seq " +
+                              std::to_string(after_seq + 1) + " (it ends at seq " + std::to_string(last) + ")");
+  }
+  return out;
+}
+
+std::uint64_t Journal::last_seq() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_seq_;
+}
+
+std::uint64_t Journal::confirmed_seq() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return confirmed_seq_;
+}
+
+Status Journal::confirm(std::uint64_t through_seq) {
+  std::lock_guard<std::mutex> one_confirm(confirm_mu_);
+  std::uint64_t last = 0, confirmed = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = last_seq_;
+    confirmed = confirmed_seq_;
+  }
+  if (through_seq > last) {
+    return Status::InvalidArgument("confirm_journal(" + std::to_string(through_seq) +
+                                   "): the privacy journal of shard " + std::to_string(shard_id_) +
+                                   " ends at seq " + std::to_string(last) + "; nothing confirmed");
+  }
+  if (through_seq <= confirmed) return Status::OK();
+  std::string value;
+  if (Status s = storage_->get(storage_->meta(), encode_journal_key(through_seq), &value); !s.ok()) return s;
+  if (value.size() < kOffsetSize) {
+    return Status::Corruption("privacy journal record of seq " + std::to_string(through_seq) + " in '" +
+                              storage_->path() + "' does not decode");
+  }
+  const std::uint64_t offset = get_u64_be(value.data());
+  rocksdb::WriteBatch batch;
+  if (through_seq - confirmed > kPointDeletes) {
+    batch.DeleteRange(storage_->meta(), encode_journal_key(confirmed + 1), encode_journal_key(through_seq + 1));
+  } else {
+    for (std::uint64_t seq = confirmed + 1; seq <= through_seq; ++seq) batch.Delete(storage_->meta(), encode_journal_key(seq));
+  }
+  batch.Put(storage_->meta(), kJournalConfirmedKey, be64(through_seq) + be64(offset));
+  if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Sync,
+                                 "confirm_journal(" + std::to_string(through_seq) + ") of '" + storage_->path() + "'");
+      !s.ok()) {
+    return s;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    confirmed_seq_ = std::max(confirmed_seq_, through_seq);
+    confirmed_offset_ = std::max(confirmed_offset_, offset);
+  }
+  confirmed_.notify_all();
+  return Status::OK();
+}
+
+bool Journal::wait_confirmed(std::uint64_t seq, std::chrono::milliseconds wait) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  confirmed_.wait_for(lock, wait, [&] { return confirmed_seq_ >= seq || shutdown_; });
+  return confirmed_seq_ >= seq;
+}
+
+void Journal::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_ = true;
+  }
+  confirmed_.notify_all();
+}
+
+Journal::Stats Journal::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {shard_id_, last_seq_, confirmed_seq_, end_offset_ - confirmed_offset_};
+}
+
+}  // namespace tidal
