@@ -177,6 +177,17 @@ struct FollowerStats {
   std::uint64_t apply_micros = 0;        // time spent in those calls
   std::uint64_t first_deliveries = 0;    // messages delivered to this consumer for the first time
   std::uint64_t stored_to_fetched_micros = 0;  // summed over those: from stored in the stream to fetched here
+  // What this Follower read from the stream (cumulative since start): every
+  // message fetched, by the consumer, by parked shards' reads and by the
+  // backfill probes below, and their payload bytes. A view opened from a
+  // checkpoint reads about what the checkpoint lacks.
+  std::uint64_t fetched_messages = 0;
+  std::uint64_t fetched_bytes = 0;
+  // Set when this Follower created the durable consumer: the stream seq it
+  // starts at (0: the stream's first message: the view held nothing, or
+  // nothing could be skipped), and the messages read to find it.
+  std::uint64_t backfill_start_seq = 0;
+  std::uint64_t backfill_probes = 0;
 };
 
 // The stats above in the Prometheus text format (tidal/metrics.h), `labels`
@@ -278,11 +289,23 @@ class Publisher {
 // max_backoff) until the missing batch appears (a republish); it unparks s
 // once it read to the stream's end with nothing refused. A batch is never
 // skipped: the stream keeps every terminated message for that read. Other
-// shards keep applying meanwhile. The consumer, created when missing,
-// delivers the whole stream from its start with explicit acks
-// (MaxAckPending = Config::max_ack_pending, AckWait = Config::ack_wait,
-// redelivered until acked), so a new view (empty, or opened from another
-// view's checkpoint) catches up from whatever the stream retains.
+// shards keep applying meanwhile.
+//
+// The consumer, created when missing, has explicit acks (MaxAckPending =
+// Config::max_ack_pending, AckWait = Config::ack_wait, redelivered until
+// acked). For an empty view it delivers the stream from its first message.
+// For a view that holds batches already (opened from another view's
+// GlobalView::checkpoint) it starts at the first stream sequence the view
+// may still need (docs/SCALE.md, "A new view from a checkpoint"): the least,
+// over the shard subjects in the stream, of the first message of a shard
+// the view never applied, of the first message of the view's incarnation of
+// a shard with a seq above the view's applied seq, or, for a shard
+// re-seeded since, of the re-seed's first batch (which replaces all the view
+// held of the shard). Found by binary search over stream sequences, a few
+// one-message reads per subject (FollowerStats::backfill_probes); where
+// anything is uncertain it starts earlier, at worst at the stream's first
+// message, never past a batch the view needs. An existing consumer keeps
+// its position.
 class Follower {
  public:
   // InvalidArgument for a null or read-only view, an empty consumer name or

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "nats/backfill.h"
 #include "nats/client.h"
 #include "tidal/nats.h"
 
@@ -121,15 +122,23 @@ class Follower::Impl {
   // MaxAckPending) or with another ack_wait gets this config's: otherwise
   // the client refuses to bind to it and the view could never follow.
   // Anything else that differs (the filter, push delivery, the ack policy)
-  // is left for subscribe() to report.
-  Status align_consumer(Connection& conn) {
+  // is left for subscribe() to report. NotFound when the consumer is
+  // missing; otherwise sets *deliver and *start_seq to the existing
+  // consumer's (binding asks for what it has).
+  Status align_consumer(Connection& conn, jsDeliverPolicy* deliver, std::uint64_t* start_seq) {
     jsConsumerInfo* ci = nullptr;
     jsErrCode jerr = static_cast<jsErrCode>(0);
-    if (js_GetConsumerInfo(&ci, conn.js(), config_.stream.c_str(), consumer_.c_str(), nullptr, &jerr) != NATS_OK) {
-      return Status::OK();  // missing: subscribe() creates it (or reports why not)
+    natsStatus got = js_GetConsumerInfo(&ci, conn.js(), config_.stream.c_str(), consumer_.c_str(), nullptr, &jerr);
+    if (got != NATS_OK) {
+      if (got == NATS_NOT_FOUND && jerr != JSStreamNotFoundErr) return Status::NotFound("no consumer");
+      return Status::OK();  // subscribe() reports why (a missing stream, the cluster)
     }
     std::unique_ptr<jsConsumerInfo, void (*)(jsConsumerInfo*)> guard(ci, jsConsumerInfo_Destroy);
     const jsConsumerConfig* c = ci->Config;
+    if (c != nullptr) {
+      *deliver = c->DeliverPolicy;
+      *start_seq = c->OptStartSeq;
+    }
     const std::int64_t ack_wait = static_cast<std::int64_t>(config_.ack_wait.count()) * 1'000'000;
     if (c == nullptr || c->FilterSubject == nullptr || filter_ != c->FilterSubject || c->DeliverSubject != nullptr ||
         c->AckPolicy != js_AckExplicit || (c->MaxAckPending == config_.max_ack_pending && c->AckWait == ack_wait)) {
@@ -150,13 +159,50 @@ class Follower::Impl {
     return Status::OK();
   }
 
+  // Binds the durable consumer, creating it when missing: for a view that
+  // holds batches already (opened from a checkpoint) it then starts at the
+  // first stream seq the view may need (internal::backfill_start), else at
+  // the stream's first message. An existing consumer keeps its position.
   Status subscribe(Connection& conn, natsSubscription** sub) {
-    if (Status s = align_consumer(conn); !s.ok()) return s;
+    Status last;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      jsDeliverPolicy deliver = js_DeliverAll;
+      std::uint64_t start_seq = 0;
+      Status s = align_consumer(conn, &deliver, &start_seq);
+      const bool missing = s.code() == StatusCode::NotFound;
+      if (!s.ok() && !missing) return s;
+      if (missing) {
+        Result<std::vector<ShardProgress>> applied = view_->applied_shards();
+        if (!applied.ok()) return applied.status();
+        Result<internal::BackfillStart> from = internal::backfill_start(conn, config_, *applied, where(conn));
+        if (!from.ok()) return from.status();
+        {
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          stats_.backfill_probes += from->probes;
+          stats_.fetched_messages += from->probes;
+          stats_.fetched_bytes += from->probe_bytes;
+          stats_.backfill_start_seq = from->stream_seq;
+        }
+        if (from->stream_seq > 0) {
+          deliver = js_DeliverByStartSequence;
+          start_seq = from->stream_seq;
+        }
+      }
+      last = bind(conn, sub, deliver, start_seq);
+      // A consumer another Follower of the same name created meanwhile
+      // (with another start): bind to it as it is.
+      if (last.ok() || !missing || deliver == js_DeliverAll) return last;
+    }
+    return last;
+  }
+
+  Status bind(Connection& conn, natsSubscription** sub, jsDeliverPolicy deliver, std::uint64_t start_seq) {
     jsSubOptions so;
     jsSubOptions_Init(&so);
     so.Stream = config_.stream.c_str();
     so.Config.Durable = consumer_.c_str();
-    so.Config.DeliverPolicy = js_DeliverAll;
+    so.Config.DeliverPolicy = deliver;
+    so.Config.OptStartSeq = start_seq;
     so.Config.AckPolicy = js_AckExplicit;
     so.Config.AckWait = static_cast<std::int64_t>(config_.ack_wait.count()) * 1'000'000;
     // A message is delivered again until it is acked (a Follower that died
@@ -276,6 +322,7 @@ class Follower::Impl {
   std::vector<Delivered> decode(natsMsg* const* msgs, std::size_t n, bool from_consumer) {
     const auto fetched_at = std::chrono::system_clock::now();
     std::vector<Delivered> out(n);
+    note_fetched(msgs, n);
     for (std::size_t i = 0; i < n; ++i) {
       Delivered& d = out[i];
       d.msg = msgs[i];
@@ -558,6 +605,15 @@ class Follower::Impl {
       if (count) ++s.refused;
       s.last_error = text;
     }
+  }
+
+  // Messages read from the stream (the consumer's and parked shards' reads).
+  void note_fetched(natsMsg* const* msgs, std::size_t n) {
+    std::uint64_t bytes = 0;
+    for (std::size_t i = 0; i < n; ++i) bytes += static_cast<std::uint64_t>(std::max(natsMsg_GetDataLength(msgs[i]), 0));
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.fetched_messages += n;
+    stats_.fetched_bytes += bytes;
   }
 
   void note_seen(std::uint64_t shard, std::uint64_t seq) {

@@ -77,6 +77,13 @@ Result<std::string> prometheus_text(const FollowerStats& st, const MetricLabels&
            "1 when the last message seen was a gap: the view waits for the missing batch."},
           {"tidal_follower_view_writes_total", "counter", st.view_writes, "GlobalView::apply calls."},
           {"tidal_follower_apply_microseconds_total", "counter", st.apply_micros, "Time spent in those calls."},
+          {"tidal_follower_fetched_messages_total", "counter", st.fetched_messages,
+           "Messages read from the stream (consumer, parked shards' reads, backfill probes)."},
+          {"tidal_follower_fetched_bytes_total", "counter", st.fetched_bytes, "Payload bytes of those messages."},
+          {"tidal_follower_backfill_start_seq", "gauge", st.backfill_start_seq,
+           "Stream seq the consumer was created at for a view from a checkpoint (0: the stream's first message)."},
+          {"tidal_follower_backfill_probes_total", "counter", st.backfill_probes,
+           "Messages read to find where a new consumer starts."},
       },
       {});
   if (!s.ok()) return s;

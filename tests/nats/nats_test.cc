@@ -133,6 +133,23 @@ std::uint64_t stream_messages(const NatsCluster& cluster, const std::string& str
   return n;
 }
 
+// Bytes the stream holds (payloads, headers and JetStream's own).
+std::uint64_t stream_bytes(const NatsCluster& cluster, const std::string& stream) {
+  std::uint64_t n = 0;
+  natsConnection* nc = nullptr;
+  jsCtx* js = nullptr;
+  if (natsConnection_ConnectTo(&nc, cluster.servers().c_str()) != NATS_OK) return 0;
+  jsStreamInfo* si = nullptr;
+  if (natsConnection_JetStream(&js, nc, nullptr) == NATS_OK &&
+      js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK) {
+    n = si->State.Bytes;
+  }
+  if (si != nullptr) jsStreamInfo_Destroy(si);
+  if (js != nullptr) jsCtx_Destroy(js);
+  natsConnection_Destroy(nc);
+  return n;
+}
+
 // A child process (tests/nats/nats_child.cc), SIGKILLed by the destructor.
 class Child {
  public:
@@ -1535,7 +1552,192 @@ TEST(NatsCheckpoint, ANewViewJoinsFromACheckpointAndConvergesWithoutAGap) {
   EXPECT_EQ(compare(*view_b, *reference), "");
   FollowerStats sb = fb->stats();
   EXPECT_EQ(sb.gaps, 0u) << sb.last_error;
-  EXPECT_GT(sb.redeliveries_skipped, 0u);  // what the checkpoint held, skipped
+  EXPECT_GT(sb.backfill_start_seq, 1u);  // the new consumer skipped what the checkpoint held
+}
+
+// Runs `steps` workload steps, flushing every shard every other step: a
+// batch a flush, so thousands of batches in seconds.
+std::string batches(Workload& w, const std::vector<Db*>& shards, Db* reference, int steps) {
+  for (int i = 0; i < steps; ++i) {
+    if (std::string e = w.step(shards, reference); !e.empty()) return e;
+    if (i % 2 == 1) {
+      for (Db* db : shards) {
+        if (Status s = db->flush(); !s.ok()) return "flush: " + s.to_string();
+      }
+    }
+  }
+  return {};
+}
+
+// Sum over the shards of their feed's last seq.
+std::uint64_t total_seq(const std::vector<Db*>& shards) {
+  std::uint64_t n = 0;
+  for (Db* db : shards) n += db->stats().change_feed_last_seq;
+  return n;
+}
+
+// Probes the backfill may make: per subject, the last message, two binary
+// searches over the stream's sequences and one more read.
+std::uint64_t probe_bound(std::uint64_t subjects, std::uint64_t stream_total) {
+  std::uint64_t log2 = 1;
+  while ((std::uint64_t{1} << log2) < stream_total) ++log2;
+  return subjects * (2 * (log2 + 1) + 2);
+}
+
+TEST(NatsCheckpoint, ANewViewFromACheckpointReadsOnlyWhatTheCheckpointLacks) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "BACKFILL", 3);
+  constexpr std::uint64_t kShards = 4;
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (std::uint64_t s = 0; s < kShards; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+    pubs.push_back(start_publisher(shards.back().get(), config));
+    ASSERT_TRUE(shards.back() && pubs.back());
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view_a = open_view(dir.sub("view_a"));
+  auto fa = start_follower(view_a.get(), config, "view-a");
+  ASSERT_TRUE(reference && view_a && fa);
+  Workload w(43, 80);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  ASSERT_EQ(batches(w, raw(shards), reference.get(), 5000), "");
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+  // Every published batch is applied by view A: the checkpoints hold the
+  // stream's first `held` messages, and nothing else.
+  const std::uint64_t held = stream_messages(cluster, config.stream);
+  ASSERT_EQ(held, total_seq(raw(shards)));
+  ASSERT_GE(held, 2000u);
+  ASSERT_OK(view_a->checkpoint(dir.sub("view_b")));
+  ASSERT_OK(view_a->checkpoint(dir.sub("view_c")));
+  ASSERT_EQ(batches(w, raw(shards), reference.get(), 600), "");
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+  const std::uint64_t total_b = stream_messages(cluster, config.stream);
+  const std::uint64_t lacks_b = total_b - held;
+  ASSERT_GE(lacks_b, 100u);
+
+  // A new view from the checkpoint: its consumer starts right after what
+  // the checkpoint holds, and it reads about what it lacks.
+  {
+    auto view_b = open_view(dir.sub("view_b"));
+    auto fb = start_follower(view_b.get(), config, "view-b");
+    ASSERT_TRUE(view_b && fb);
+    ASSERT_TRUE(converge(raw(shards), *view_b, *fb));
+    EXPECT_EQ(compare(*view_b, *reference), "");
+    FollowerStats sb = fb->stats();
+    std::cout << "backfill: stream " << total_b << " messages (" << stream_bytes(cluster, config.stream)
+              << " bytes stored), the checkpoint lacks " << lacks_b << "; fetched "
+              << sb.fetched_messages << " messages (" << sb.backfill_probes << " probes), " << sb.fetched_bytes
+              << " bytes; starts at stream seq " << sb.backfill_start_seq << std::endl;
+    EXPECT_EQ(sb.gaps, 0u) << sb.last_error;
+    EXPECT_EQ(sb.backfill_start_seq, held + 1);
+    EXPECT_LE(sb.backfill_probes, probe_bound(kShards, total_b));
+    EXPECT_LE(sb.fetched_messages, lacks_b + sb.backfill_probes);
+    EXPECT_LT(sb.fetched_messages * 4, total_b);  // far below the stream's total
+    // The consumer keeps its position: a restarted Follower binds to it
+    // and reads on from there.
+    EXPECT_OK(fb->stop());
+    fb.reset();
+    ASSERT_EQ(batches(w, raw(shards), reference.get(), 100), "");
+    fb = start_follower(view_b.get(), config, "view-b");
+    ASSERT_NE(fb, nullptr);
+    ASSERT_TRUE(converge(raw(shards), *view_b, *fb));
+    EXPECT_EQ(compare(*view_b, *reference), "");
+    sb = fb->stats();
+    EXPECT_EQ(sb.backfill_probes, 0u);
+    EXPECT_LE(sb.fetched_messages, stream_messages(cluster, config.stream) - total_b);
+    EXPECT_OK(fb->stop());
+  }
+
+  // Shard 1 re-seeded after the checkpoint: a new view from the checkpoint
+  // applies the re-seed's snapshot in place of what it held of shard 1.
+  auto incarnation = [](const GlobalView& v, std::uint64_t shard) {
+    Result<std::vector<ShardProgress>> all = v.applied_shards();
+    EXPECT_TRUE(all.ok()) << all.status().to_string();
+    for (const ShardProgress& p : all.ok() ? *all : std::vector<ShardProgress>{}) {
+      if (p.shard_id == shard) return p.incarnation;
+    }
+    return std::string();
+  };
+  const std::string old_incarnation = incarnation(*view_a, 1);
+  ASSERT_FALSE(old_incarnation.empty());
+  ASSERT_TRUE(shards[1]->reseed_change_feed().ok());
+  ASSERT_EQ(batches(w, raw(shards), reference.get(), 300), "");
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+  ASSERT_NE(incarnation(*view_a, 1), old_incarnation);
+  const std::uint64_t total_c = stream_messages(cluster, config.stream);
+  {
+    auto view_c = open_view(dir.sub("view_c"));
+    auto fc = start_follower(view_c.get(), config, "view-c");
+    ASSERT_TRUE(view_c && fc);
+    ASSERT_TRUE(converge(raw(shards), *view_c, *fc));
+    EXPECT_EQ(compare(*view_c, *reference), "");
+    EXPECT_EQ(incarnation(*view_c, 1), incarnation(*view_a, 1));
+    FollowerStats sc = fc->stats();
+    std::cout << "backfill after a re-seed: stream " << total_c << " messages (" << stream_bytes(cluster, config.stream)
+              << " bytes stored), the checkpoint lacks "
+              << total_c - held << "; fetched " << sc.fetched_messages << " messages (" << sc.backfill_probes
+              << " probes), " << sc.fetched_bytes << " bytes; starts at stream seq " << sc.backfill_start_seq
+              << std::endl;
+    EXPECT_EQ(sc.gaps, 0u) << sc.last_error;
+    EXPECT_EQ(sc.backfill_start_seq, held + 1);
+    EXPECT_LE(sc.fetched_messages, total_c - held + sc.backfill_probes);
+    EXPECT_OK(fc->stop());
+  }
+  EXPECT_EQ(compare(*view_a, *reference), "");
+  EXPECT_OK(fa->stop());
+  for (auto& p : pubs) EXPECT_OK(p->stop());
+}
+
+// One shard, re-seeded after the checkpoint: the new consumer starts at the
+// re-seed's first batch, which replaces all the view held of the shard, and
+// skips the old incarnation's batches after the checkpoint too.
+TEST(NatsCheckpoint, AShardReseededAfterTheCheckpointIsReadFromItsReseed) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "BACKFILL1", 3);
+  auto db = open_shard(dir.sub("shard"), 7);
+  auto pub = start_publisher(db.get(), config);
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view_a = open_view(dir.sub("view_a"));
+  auto fa = start_follower(view_a.get(), config, "view-a");
+  ASSERT_TRUE(db && pub && reference && view_a && fa);
+  Workload w(44, 40);
+  ASSERT_EQ(w.setup({db.get()}, reference.get()), "");
+  ASSERT_EQ(batches(w, {db.get()}, reference.get(), 1500), "");
+  ASSERT_TRUE(converge({db.get()}, *view_a, *fa));
+  ASSERT_OK(view_a->checkpoint(dir.sub("view_b")));
+  const std::uint64_t held = stream_messages(cluster, config.stream);
+  ASSERT_EQ(batches(w, {db.get()}, reference.get(), 400), "");
+  ASSERT_TRUE(converge({db.get()}, *view_a, *fa));
+  const std::uint64_t before_reseed = stream_messages(cluster, config.stream);
+  ASSERT_GT(before_reseed, held + 50);
+  ASSERT_TRUE(db->reseed_change_feed().ok());
+  ASSERT_EQ(batches(w, {db.get()}, reference.get(), 200), "");
+  ASSERT_TRUE(converge({db.get()}, *view_a, *fa));
+  const std::uint64_t total = stream_messages(cluster, config.stream);
+
+  auto view_b = open_view(dir.sub("view_b"));
+  auto fb = start_follower(view_b.get(), config, "view-b");
+  ASSERT_TRUE(view_b && fb);
+  ASSERT_TRUE(converge({db.get()}, *view_b, *fb));
+  EXPECT_EQ(compare(*view_b, *reference), "");
+  FollowerStats sb = fb->stats();
+  std::cout << "backfill of a re-seeded shard: stream " << total << " messages (" << stream_bytes(cluster, config.stream)
+            << " bytes stored), the checkpoint holds " << held << ", re-seed at stream seq "
+            << before_reseed + 1 << "; fetched " << sb.fetched_messages << " messages (" << sb.backfill_probes
+            << " probes), " << sb.fetched_bytes << " bytes; starts at stream seq " << sb.backfill_start_seq
+            << std::endl;
+  EXPECT_EQ(sb.gaps, 0u) << sb.last_error;
+  EXPECT_EQ(sb.backfill_start_seq, before_reseed + 1);
+  EXPECT_LE(sb.fetched_messages, total - before_reseed + sb.backfill_probes);
+  EXPECT_LE(sb.backfill_probes, probe_bound(1, total));
+  EXPECT_OK(fb->stop());
+  EXPECT_OK(fa->stop());
+  EXPECT_OK(pub->stop());
 }
 
 // ---- A gap is reported and never skipped ----
@@ -1922,6 +2124,10 @@ TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
   f.gaps = 5;
   f.lag_messages = 9;
   f.stalled_on_gap = true;
+  f.fetched_messages = 1507;
+  f.fetched_bytes = 123456789;
+  f.backfill_start_seq = 4001;
+  f.backfill_probes = 31;
   FollowerShardStats parked_shard;
   parked_shard.shard_id = 3;
   parked_shard.applied_seq = 2;
@@ -1943,6 +2149,10 @@ TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
   EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_gaps_total").value, 5u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_lag_messages").value, 9u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_stalled_on_gap").value, 1u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_fetched_messages_total").value, 1507u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_fetched_bytes_total").value, 123456789u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_backfill_start_seq").value, 4001u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_backfill_probes_total").value, 31u);
   std::map<std::string, std::uint64_t> applied;
   for (const auto& s : samples) {
     if (s.name == "tidal_follower_applied_seq") applied[s.labels.at(0).second] = s.value;
