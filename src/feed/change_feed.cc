@@ -64,6 +64,26 @@ Result<std::optional<std::uint64_t>> ChangeFeed::stored_shard(const Storage& sto
 
 namespace {
 
+}  // namespace
+
+// Every nonzero cohort and community aggregate, in key order, as a delta
+// from 0: the seed's and a re-seed's snapshot.
+Status ChangeFeed::add_shared_aggregates(const Storage& storage, Appender* to, const std::string& what) {
+  auto it = storage.iterator(storage.aggregates(), /*bulk=*/true);
+  const std::string first(1, static_cast<char>(AggregateKind::Cohort));
+  for (it->Seek(first); it->Valid(); it->Next()) {
+    std::optional<Units> units = decode_units(view(it->value()));
+    if (!units) {
+      return Status::Corruption(what + ": aggregate " + hex(view(it->key())) + " has a " +
+                                std::to_string(it->value().size()) + "-byte value; expected 16");
+    }
+    if (*units != 0) to->add(view(it->key()), *units);
+  }
+  return from_rocksdb(it->status(), what);
+}
+
+namespace {
+
 Status check_shard(const Storage& storage, std::optional<std::uint64_t> stored, std::uint64_t shard_id) {
   if (!stored || *stored == shard_id) return Status::OK();
   return Status::InvalidArgument("cannot open tidal Db at '" + storage.path() + "' with Options::shard_id " +
@@ -101,18 +121,7 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   IngestBatch batch(storage, "feed-seed");
   Appender seed(feed.get(), FeedOrigin::Seed,
                 [&](const std::string& k, const std::string& v) { return batch.put(storage->feed(), k, v); });
-  auto it = storage->iterator(storage->aggregates(), /*bulk=*/true);
-  const std::string first(1, static_cast<char>(AggregateKind::Cohort));
-  for (it->Seek(first); it->Valid(); it->Next()) {
-    std::optional<Units> units = decode_units(view(it->value()));
-    if (!units) {
-      return Status::Corruption(what + ": aggregate " + hex(view(it->key())) + " has a " +
-                                std::to_string(it->value().size()) + "-byte value; expected 16");
-    }
-    if (*units != 0) seed.add(view(it->key()), *units);
-  }
-  if (Status s = from_rocksdb(it->status(), what); !s.ok()) return s;
-  it.reset();
+  if (Status s = add_shared_aggregates(*storage, &seed, what); !s.ok()) return s;
   Result<Appended> appended = seed.finish();
   if (!appended.ok()) return appended.status();
   // In key order (an ingested file's): "feed_incarnation" < "feed_shard_id".
@@ -352,18 +361,7 @@ Result<std::uint64_t> ChangeFeed::reseed() {
   }
   Appender snapshot(this, FeedOrigin::Reseed,
                     [&](const std::string& k, const std::string& v) { return batch.put(storage_->feed(), k, v); });
-  auto it = storage_->iterator(storage_->aggregates(), /*bulk=*/true);
-  const std::string first(1, static_cast<char>(AggregateKind::Cohort));
-  for (it->Seek(first); it->Valid(); it->Next()) {
-    std::optional<Units> units = decode_units(view(it->value()));
-    if (!units) {
-      return Status::Corruption(what + ": aggregate " + hex(view(it->key())) + " has a " +
-                                std::to_string(it->value().size()) + "-byte value; expected 16");
-    }
-    if (*units != 0) snapshot.add(view(it->key()), *units);
-  }
-  if (Status s = from_rocksdb(it->status(), what); !s.ok()) return s;
-  it.reset();
+  if (Status s = add_shared_aggregates(*storage_, &snapshot, what); !s.ok()) return s;
   Result<Appended> appended = snapshot.finish();
   if (!appended.ok()) return appended.status();
   Storage::test_step("reseed", 1);

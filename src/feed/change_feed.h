@@ -117,6 +117,7 @@ class ChangeFeed {
   ChangeFeed(Storage* storage, std::uint64_t shard_id, std::uint64_t max_bytes)
       : storage_(storage), shard_id_(shard_id), max_bytes_(max_bytes) {}
   Status load();  // last seq, trim point and offsets, from disk
+  static Status add_shared_aggregates(const Storage& storage, Appender* to, const std::string& what);
   // The stored incarnation, or a new one written (a feed made before
   // incarnations; left unknown, empty, on a read-only open).
   Status load_incarnation();
