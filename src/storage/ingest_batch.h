@@ -3,7 +3,9 @@
 // database together (Storage::ingest): after a crash or a power cut either
 // every file is there or none. The state store's writer stores its batches
 // so, and a purge its subtraction, ledger deletion and receipt. Building the
-// files streams to disk: the memory does not grow with the batch.
+// files streams to disk: the memory does not grow with the batch. One thread
+// builds a batch; two batches built on two threads can be ingested together
+// (ingest(what, with)), as the writer does with the change feed's file.
 #ifndef TIDAL_STORAGE_INGEST_BATCH_H_
 #define TIDAL_STORAGE_INGEST_BATCH_H_
 
@@ -38,8 +40,8 @@ class IngestBatch {
   // ingesting one do that work.
   Status finish(std::string_view what);
   // Finishes the files and ingests them, with those of `with` (another
-  // batch, of other column families; null: none), in one atomic, durable
-  // step.
+  // batch of the same Db, of other column families; null: none), in one
+  // atomic, durable step.
   Status ingest(std::string_view what, IngestBatch* with = nullptr);
 
  private:
