@@ -13,7 +13,9 @@
 //      index once, so all of its cells land in one buffer and one batch;
 //   3. write the frozen buffer as two SST files, a merge operand per
 //      aggregate cell and one ledger record per user named by the batch's
-//      epoch (a synced meta record takes it first), and ingest them into
+//      epoch (a synced meta record takes it first), and with a change feed
+//      a third, its records, built by a second thread meanwhile (from the
+//      cohort and community cells, which sort into one run); ingest them into
 //      RocksDB in one atomic step that fsyncs the files and the MANIFEST
 //      (Storage::ingest); then readers switch to the latest state and the
 //      frozen buffer is cleared.

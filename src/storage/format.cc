@@ -2,12 +2,18 @@
 
 namespace tidal {
 
+// One append of 8 bytes, not 8 push_backs (which the writer's batches,
+// and the change feed's payloads, spent a measurable share of their time on).
 void put_u64_be(std::string* out, std::uint64_t v) {
-  for (int shift = 56; shift >= 0; shift -= 8) out->push_back(static_cast<char>((v >> shift) & 0xff));
+  char bytes[8];
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((v >> (56 - 8 * i)) & 0xff);
+  out->append(bytes, 8);
 }
 
 void put_u64_le(std::string* out, std::uint64_t v) {
-  for (int shift = 0; shift < 64; shift += 8) out->push_back(static_cast<char>((v >> shift) & 0xff));
+  char bytes[8];
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  out->append(bytes, 8);
 }
 
 std::uint64_t get_u64_be(const char* p) {

@@ -39,12 +39,22 @@ rocksdb::Status IngestBatch::delete_range(rocksdb::ColumnFamilyHandle* cf, std::
   return f.writer ? f.writer->DeleteRange(slice(begin), slice(end)) : f.open_status;
 }
 
-Status IngestBatch::ingest(std::string_view what) {
-  std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>> done;
+Status IngestBatch::finish(std::string_view what) {
   for (File& f : files_) {
+    if (f.finished) continue;
     if (!f.writer) return from_rocksdb(f.open_status, what);
     if (rocksdb::Status s = f.writer->Finish(); !s.ok()) return from_rocksdb(s, what);
-    done.emplace_back(f.cf, f.path);
+    f.finished = true;
+  }
+  return Status::OK();
+}
+
+Status IngestBatch::ingest(std::string_view what, IngestBatch* with) {
+  std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>> done;
+  for (IngestBatch* batch : {this, with}) {
+    if (batch == nullptr) continue;
+    if (Status s = batch->finish(what); !s.ok()) return s;
+    for (const File& f : batch->files_) done.emplace_back(f.cf, f.path);
   }
   return storage_->ingest(done, what);
 }

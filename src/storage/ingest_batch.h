@@ -3,7 +3,9 @@
 // database together (Storage::ingest): after a crash or a power cut either
 // every file is there or none. The state store's writer stores its batches
 // so, and a purge its subtraction, ledger deletion and receipt. Building the
-// files streams to disk: the memory does not grow with the batch.
+// files streams to disk: the memory does not grow with the batch. One thread
+// builds a batch; two batches built on two threads can be ingested together
+// (ingest(what, with)), as the writer does with the change feed's file.
 #ifndef TIDAL_STORAGE_INGEST_BATCH_H_
 #define TIDAL_STORAGE_INGEST_BATCH_H_
 
@@ -33,8 +35,14 @@ class IngestBatch {
   rocksdb::Status delete_range(rocksdb::ColumnFamilyHandle* cf, std::string_view begin, std::string_view end);
 
   bool empty() const { return files_.empty(); }
-  // Finishes the files and ingests them in one atomic, durable step.
-  Status ingest(std::string_view what);
+  // Finishes the files: each is written out and fsynced. Optional (ingest()
+  // finishes what is not finished yet); it lets another thread than the
+  // ingesting one do that work.
+  Status finish(std::string_view what);
+  // Finishes the files and ingests them, with those of `with` (another
+  // batch of the same Db, of other column families; null: none), in one
+  // atomic, durable step.
+  Status ingest(std::string_view what, IngestBatch* with = nullptr);
 
  private:
   struct File {
@@ -42,6 +50,7 @@ class IngestBatch {
     std::string path;
     std::unique_ptr<rocksdb::SstFileWriter> writer;  // null when Open failed
     rocksdb::Status open_status;
+    bool finished = false;
   };
   // The column family's file, opened at its first entry.
   File& file(rocksdb::ColumnFamilyHandle* cf);

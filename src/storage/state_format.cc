@@ -118,8 +118,9 @@ std::string units_to_string(Units units) {
 
 void put_units(std::string* out, Units units) {
   const auto u = static_cast<UUnits>(units);
-  put_u64_le(out, static_cast<std::uint64_t>(u));
-  put_u64_le(out, static_cast<std::uint64_t>(u >> 64));
+  char bytes[kUnitsSize];  // 16 LE bytes, in one append (a feed entry's and every aggregate value's)
+  for (unsigned i = 0; i < kUnitsSize; ++i) bytes[i] = static_cast<char>(static_cast<std::uint8_t>(u >> (8 * i)));
+  out->append(bytes, kUnitsSize);
 }
 
 Units get_units(const char* p) {
