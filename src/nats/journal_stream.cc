@@ -64,13 +64,22 @@ Result<std::vector<JournalEntry>> read_journal_stream(Connection& conn, const Co
     reader.sub = nullptr;
     return Status::IOError(where + ": cannot read the entries: " + nats_error(ns));
   }
+  // The subject's messages still to deliver: each fetch asks for no more
+  // than remain, so it returns once they came (a fetch for more waits until
+  // it expires).
+  jsConsumerInfo* ci = nullptr;
+  jerr = static_cast<jsErrCode>(0);
+  ns = natsSubscription_GetConsumerInfo(&ci, reader.sub, nullptr, &jerr);
+  if (ns != NATS_OK) return Status::IOError(where + ": cannot read the reader's state: " + nats_error(ns));
+  std::uint64_t remaining = ci->NumPending;
+  jsConsumerInfo_Destroy(ci);
   std::uint64_t next = after_seq + 1;
   std::uint64_t read_to = 0;  // the stream sequence read through
-  while (read_to < end_at) {
+  while (read_to < end_at && remaining > 0) {
     MsgList got;
     jsFetchRequest req;
     jsFetchRequest_Init(&req);
-    req.Batch = std::max(journal.fetch_batch, 1);
+    req.Batch = static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(journal.fetch_batch, 1)), remaining));
     req.MaxBytes = journal.fetch_max_bytes;
     req.Expires = static_cast<std::int64_t>(journal.request_timeout.count()) * 1'000'000;
     ns = natsSubscription_FetchRequest(&got.list, reader.sub, &req);
@@ -78,6 +87,7 @@ Result<std::vector<JournalEntry>> read_journal_stream(Connection& conn, const Co
       return Status::IOError(where + ": reading the entries after seq " + std::to_string(next - 1) + " (through seq " +
                              std::to_string(end->seq) + ") failed: " + nats_error(ns == NATS_OK ? NATS_TIMEOUT : ns));
     }
+    remaining -= std::min<std::uint64_t>(remaining, static_cast<std::uint64_t>(got.list.Count));
     for (int i = 0; i < got.list.Count; ++i) {
       natsMsg* m = got.list.Msgs[i];
       jsMsgMetaData* meta = nullptr;

@@ -14,6 +14,8 @@
 #include <nats/nats.h>
 
 #include "../test_util.h"
+#include "nats/client.h"
+#include "nats/journal_stream.h"
 #include "nats_cluster.h"
 #include "nats_test_util.h"
 #include "tidal/nats.h"
@@ -361,6 +363,66 @@ TEST(NatsJournal, TheJournalStreamIsRefusedAsTheChangeFeedsIsAndNeedsANameOfItsO
   EXPECT_EQ(r.status().code(), StatusCode::InvalidArgument);
   EXPECT_NE(r.status().message().find("Options::journal"), std::string::npos) << r.status().to_string();
   EXPECT_EQ(JournalPublisher::start(nullptr, c).status().code(), StatusCode::InvalidArgument);
+}
+
+// What recover_shard reads: a shard's entries after a seq, in order, from
+// the journal's stream; a hole in them is Corruption naming the seqs.
+TEST(NatsJournal, TheStreamReadsBackAShardsEntriesAfterASeqAndAHoleIsCorruption) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = journal_test_config(cluster, "JREAD");
+  auto db = open_journal_db(dir.sub("db"), 8);
+  ASSERT_NE(db, nullptr);
+  privacy_events(db.get(), 1, 12);
+  const std::vector<JournalEntry> written = journal_after(db.get(), 0);
+  ASSERT_EQ(written.size(), 20u);
+  {
+    auto p = JournalPublisher::start(db.get(), config);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    ASSERT_TRUE(all_confirmed(db.get(), **p));
+    EXPECT_OK((*p)->stop());
+  }
+  Result<Config> jc = internal::journal_config(config);
+  ASSERT_TRUE(jc.ok());
+  internal::Connection conn;
+  ASSERT_OK(conn.connect(*jc, "test-reader"));
+  auto same = [&](const std::vector<JournalEntry>& got, std::size_t from) {
+    ASSERT_EQ(got.size(), written.size() - from);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].shard_id, 8u);
+      EXPECT_EQ(got[i].seq, written[from + i].seq);
+      EXPECT_EQ(got[i].payload, written[from + i].payload);
+    }
+  };
+  for (std::size_t after : {0u, 7u, 19u, 20u}) {
+    auto got = internal::read_journal_stream(conn, *jc, 8, after);
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    same(*got, after);
+  }
+  // Another shard has nothing; so has a stream that does not exist.
+  auto none = internal::read_journal_stream(conn, *jc, 9, 0);
+  ASSERT_TRUE(none.ok()) << none.status().to_string();
+  EXPECT_TRUE(none->empty());
+  Config missing = *jc;
+  missing.stream = "NOSUCH";
+  none = internal::read_journal_stream(conn, missing, 8, 0);
+  ASSERT_TRUE(none.ok()) << none.status().to_string();
+  EXPECT_TRUE(none->empty());
+
+  // Entry 10 deleted from the stream: a read that needs it is Corruption.
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js_DeleteMsg(js.js(), "JREAD_J", 10, nullptr, nullptr), NATS_OK);
+  auto holed = internal::read_journal_stream(conn, *jc, 8, 5);
+  ASSERT_FALSE(holed.ok());
+  EXPECT_EQ(holed.status().code(), StatusCode::Corruption) << holed.status().to_string();
+  for (const char* word : {"stream JREAD_J", "shard 8", "entries 10..10 are missing"}) {
+    EXPECT_NE(holed.status().message().find(word), std::string::npos) << word << ": " << holed.status().to_string();
+  }
+  auto past = internal::read_journal_stream(conn, *jc, 8, 10);
+  ASSERT_TRUE(past.ok()) << past.status().to_string();
+  same(*past, 10);
 }
 
 }  // namespace
