@@ -19,6 +19,14 @@
 // has applied), a gap is reported and never skipped. The guarantees and
 // their tests: docs/CONTRACT.md ("NATS JetStream").
 //
+//   shard Db --read_journal--> JournalPublisher --journal stream
+//            <--confirm_journal-- (after the stream's ack)
+//
+// A Db's privacy journal (Options::journal: leaves, rejoins, purge intents)
+// goes the same way, with the same engine, to a stream of its own
+// (Config::journal_stream, subject "<journal_subject_prefix>.<shard_id>"):
+// JournalPublisher below; docs/SCALE.md, "The privacy journal's stream".
+//
 // Thread safety: start, stop and stats may be called from any thread; each
 // Publisher and Follower runs one background thread of its own.
 #ifndef TIDAL_NATS_H_
