@@ -365,6 +365,70 @@ TEST(NatsJournal, TheJournalStreamIsRefusedAsTheChangeFeedsIsAndNeedsANameOfItsO
   EXPECT_EQ(JournalPublisher::start(nullptr, c).status().code(), StatusCode::InvalidArgument);
 }
 
+// Publishes `data` on `subject` with tidal's headers (`log`: the Tidal-Log
+// header, none if empty) and message id `id`, as another writer would.
+void publish_foreign(Js& js, const std::string& subject, const std::string& data, const std::string& shard,
+                     const std::string& seq, const std::string& log, const std::string& id) {
+  natsMsg* m = nullptr;
+  ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, data.data(), static_cast<int>(data.size())), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", shard.c_str()), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", seq.c_str()), NATS_OK);
+  if (!log.empty()) {
+    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Log", log.c_str()), NATS_OK);
+  }
+  jsPubOptions po;
+  jsPubOptions_Init(&po);
+  po.MsgId = id.c_str();
+  ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, &po, nullptr), NATS_OK);
+  natsMsg_Destroy(m);
+}
+
+// The halt of a JournalPublisher, found at start or just after.
+Status halted_status(Result<std::unique_ptr<JournalPublisher>> p) {
+  if (!p.ok()) return p.status();
+  if (!eventually([&] { return (*p)->stats().halted; }, 20s)) return Status::OK();
+  return (*p)->stop();
+}
+
+TEST(NatsJournal, AReusedIdOrAMessageOfAnotherLogOnTheSubjectHaltsItAndNothingIsConfirmed) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  TempDir dir;
+  auto db = open_journal_db(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_OK(db->leave_community_layer(1));
+  ASSERT_EQ(db->stats().journal_last_seq, 1u);
+
+  // Another writer stored the id of shard 9's first entry with other content.
+  ASSERT_EQ(js.add_stream("JDUP", [](jsStreamConfig&) {}), "");
+  publish_foreign(js, "tidal.JDUP.elsewhere", "not the Db's entry", "9", "1", "journal", "j-9-1");
+  Config c = testing::test_config(cluster, "FEED", 3);
+  c.journal_stream = "JDUP";
+  c.journal_subject_prefix = "tidal.JDUP";
+  Status dup = halted_status(JournalPublisher::start(db.get(), c));
+  EXPECT_EQ(dup.code(), StatusCode::Corruption) << dup.to_string();
+  for (const char* word : {"shard 9", "stream JDUP", "id j-9-1", "duplicate", "nothing confirmed"}) {
+    EXPECT_NE(dup.message().find(word), std::string::npos) << word << ": " << dup.to_string();
+  }
+  EXPECT_EQ(db->stats().journal_confirmed_seq, 0u);
+
+  // A change feed's batch (no Tidal-Log header) last on the shard's subject.
+  ASSERT_EQ(js.add_stream("JOTHER", [](jsStreamConfig&) {}), "");
+  publish_foreign(js, "tidal.JOTHER.9", "a batch", "9", "1", "", "9-1");
+  c.journal_stream = "JOTHER";
+  c.journal_subject_prefix = "tidal.JOTHER";
+  Status other = halted_status(JournalPublisher::start(db.get(), c));
+  EXPECT_EQ(other.code(), StatusCode::Corruption) << other.to_string();
+  for (const char* word : {"shard 9", "stream JOTHER", "Tidal-Log ''", "another tidal log", "nothing confirmed"}) {
+    EXPECT_NE(other.message().find(word), std::string::npos) << word << ": " << other.to_string();
+  }
+  EXPECT_EQ(db->stats().journal_confirmed_seq, 0u);
+  EXPECT_EQ(db->read_journal(0, 1 << 20)->size(), 1u);
+}
+
 // What recover_shard reads: a shard's entries after a seq, in order, from
 // the journal's stream; a hole in them is Corruption naming the seqs.
 TEST(NatsJournal, TheStreamReadsBackAShardsEntriesAfterASeqAndAHoleIsCorruption) {
