@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -62,6 +64,20 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
   rematerialize --repair
                    as rematerialize, and rewrite each mismatching aggregate
                    from the ledger (one synced batch)
+  backup DIR [--keep N]
+                   a consistent copy of the Db (both engines, hard links where
+                   the file system allows) into DIR/<UTC time>; with --keep N,
+                   then delete all but the N newest backups in DIR (old
+                   backups still hold what later purges erased: keep few)
+  restore BACKUP   make --db PATH (which must not exist) a copy of BACKUP (table
+                   files hard-linked, the rest copied; BACKUP stays usable). The
+                   Db is then recovering: it refuses signals and user-status
+                   calls until the privacy journal's entries after the backup
+                   are replayed and finish-recovery runs
+  finish-recovery  end a recovery: re-seed the change feed (views replace the
+                   shard's contribution) and serve again. Only after the
+                   journal was replayed: leaves and purges made after the
+                   backup are otherwise forgotten
   reseed           re-seed the change feed: a new incarnation whose first batches
                    are a snapshot of the shard's shared aggregates; every view
                    replaces the shard's contribution once it applies them (watch
@@ -87,6 +103,7 @@ Options:
                    (tidal_db_* / tidal_view_*, labelled db="PATH" or view="PATH")
   --from FILE      bulk input for leave/rejoin/purge
   --repair         with rematerialize: rewrite the mismatching aggregates
+  --keep N         with backup: how many backups to keep in DIR (N >= 1)
   -h, --help       this help
 
 USER is an unsigned 64-bit decimal integer (0..18446744073709551615).
@@ -107,6 +124,7 @@ constexpr Command kCommands[] = {
     {"purge", true, true},      {"receipts", true, false}, {"rematerialize", false, false},
     {"view", false, false},  // view PATH ...: a GlobalView, not a Db (cmd_view)
     {"changes", false, false},  {"migrate", false, true},    {"reseed", false, true},
+    {"backup", false, true},    {"restore", false, false},   {"finish-recovery", false, true},
 };
 
 struct Args {
@@ -116,6 +134,7 @@ struct Args {
   bool prometheus = false;
   bool help = false;
   bool repair = false;
+  std::optional<std::uint64_t> keep;    // backup --keep N
   std::vector<std::string> positional;  // command, then its operands
 };
 
@@ -156,6 +175,10 @@ std::optional<std::string> parse_args(int argc, char** argv, Args* args) {
     } else if (is("--from")) {
       args->from = value_of("--from");
       if (!args->from || args->from->empty()) return "--from needs a FILE (or '-' for stdin)";
+    } else if (is("--keep")) {
+      std::optional<std::string> v = value_of("--keep");
+      args->keep = v ? tidal::cli::parse_u64(*v) : std::nullopt;
+      if (!args->keep || *args->keep == 0) return "--keep needs a number of backups, at least 1";
     } else if (arg.starts_with("--")) {
       return "unknown option '" + std::string(arg) + "'";
     } else {
@@ -276,6 +299,137 @@ int cmd_changes(tidal::Db& db, bool json) {
               static_cast<unsigned long long>(st.change_feed_last_seq),
               static_cast<unsigned long long>(st.change_feed_trimmed_seq),
               static_cast<unsigned long long>(st.change_feed_pending_bytes), st.change_feed_incarnation.c_str());
+  return kExitOk;
+}
+
+// The backups in `root`, oldest first: subdirectories whose names sort by
+// time (backup names them by UTC time) holding a backup manifest.
+std::vector<std::string> backups_in(const std::string& root) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+    if (e.is_directory(ec) && std::filesystem::exists(e.path() / "TIDAL_BACKUP", ec)) {
+      names.push_back(e.path().filename().string());
+    }
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+int cmd_backup(tidal::Db& db, const std::string& root, std::optional<std::uint64_t> keep, bool json) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(root, ec)) {
+    std::fprintf(stderr, "tidalctl: backup: '%s' is not a directory (create it first)\n", root.c_str());
+    return kExitFailed;
+  }
+  // UTC time to the millisecond: names sort by age.
+  const auto now = std::chrono::system_clock::now();
+  const auto ns = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count());
+  std::string name = iso8601_utc(ns);
+  std::replace(name.begin(), name.end(), ':', '-');
+  const std::string dir = (std::filesystem::path(root) / name).string();
+  const auto start = std::chrono::steady_clock::now();
+  if (tidal::Status s = db.backup(dir); !s.ok()) return db_failure("backup", s);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::string files = "copied";
+  {
+    std::ifstream manifest(dir + "/TIDAL_BACKUP");
+    for (std::string line; std::getline(manifest, line);) {
+      if (line.rfind("files ", 0) == 0) files = line.substr(6);
+    }
+  }
+  std::vector<std::string> deleted;
+  if (keep) {
+    std::vector<std::string> all = backups_in(root);
+    for (std::size_t i = 0; i + *keep < all.size(); ++i) {
+      std::filesystem::remove_all(std::filesystem::path(root) / all[i], ec);
+      if (ec) {
+        std::fprintf(stderr, "tidalctl: backup: deleting the old backup '%s' failed: %s\n",
+                     (std::filesystem::path(root) / all[i]).c_str(), ec.message().c_str());
+        return kExitFailed;
+      }
+      deleted.push_back(all[i]);
+    }
+  }
+  if (json) {
+    std::string list;
+    for (const std::string& d : deleted) list += (list.empty() ? "" : ",") + json_string(d);
+    std::printf("{\"action\":\"backup\",\"dir\":%s,\"files\":%s,\"seconds\":%.3f,\"deleted\":[%s]}\n",
+                json_string(dir).c_str(), json_string(files).c_str(), seconds, list.c_str());
+  } else {
+    std::printf("backup: %s (files %s, %.3f s)\n", dir.c_str(), files.c_str(), seconds);
+    for (const std::string& d : deleted) std::printf("deleted old backup: %s\n", d.c_str());
+  }
+  return kExitOk;
+}
+
+// Table files hard-linked (immutable), every other file copied (RocksDB
+// appends to its MANIFEST and logs, which must stay the backup's own).
+int cmd_restore(const std::string& backup, const std::string& path, bool json) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(fs::path(backup) / "TIDAL_BACKUP", ec)) {
+    std::fprintf(stderr, "tidalctl: restore: '%s' is not a tidal backup (no TIDAL_BACKUP manifest)\n", backup.c_str());
+    return kExitUsage;
+  }
+  if (fs::exists(fs::symlink_status(path, ec))) {
+    std::fprintf(stderr, "tidalctl: restore: '%s' already exists; restore into a new directory\n", path.c_str());
+    return kExitUsage;
+  }
+  std::uint64_t linked = 0, copied = 0;
+  fs::create_directories(path, ec);
+  for (auto it = fs::recursive_directory_iterator(backup, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    const fs::path to = fs::path(path) / fs::relative(it->path(), backup, ec);
+    if (it->is_directory(ec)) {
+      fs::create_directories(to, ec);
+      continue;
+    }
+    if (it->path().extension() == ".sst") {
+      fs::create_hard_link(it->path(), to, ec);
+      if (!ec) {
+        ++linked;
+        continue;
+      }
+      ec.clear();
+    }
+    fs::copy_file(it->path(), to, ec);
+    ++copied;
+  }
+  if (ec) {
+    std::fprintf(stderr, "tidalctl: restore of '%s' into '%s' failed: %s\n", backup.c_str(), path.c_str(),
+                 ec.message().c_str());
+    fs::remove_all(path, ec);
+    return kExitFailed;
+  }
+  if (json) {
+    std::printf("{\"action\":\"restore\",\"db\":%s,\"linked\":%llu,\"copied\":%llu,\"recovering\":true}\n",
+                json_string(path).c_str(), static_cast<unsigned long long>(linked),
+                static_cast<unsigned long long>(copied));
+  } else {
+    std::printf("restore: %s is a copy of %s (%llu files linked, %llu copied). It is recovering: replay the privacy\n"
+                "journal's entries after the backup (tidal::nats::recover_shard), then run finish-recovery.\n",
+                path.c_str(), backup.c_str(), static_cast<unsigned long long>(linked),
+                static_cast<unsigned long long>(copied));
+  }
+  return kExitOk;
+}
+
+int cmd_finish_recovery(tidal::Db& db, bool json) {
+  const bool was = db.stats().recovering;
+  if (tidal::Status s = db.finish_recovery(); !s.ok()) return db_failure("finish-recovery", s);
+  const tidal::Stats st = db.stats();
+  if (json) {
+    std::printf("{\"action\":\"finish-recovery\",\"was_recovering\":%s,\"incarnation\":%s}\n", was ? "true" : "false",
+                json_string(st.change_feed_incarnation).c_str());
+  } else if (was) {
+    std::printf("finish-recovery: done; the Db serves again%s%s\n",
+                st.change_feed ? ", its change feed re-seeded as incarnation " : "",
+                st.change_feed ? st.change_feed_incarnation.c_str() : "");
+  } else {
+    std::printf("finish-recovery: the Db was not recovering; nothing done\n");
+  }
   return kExitOk;
 }
 
@@ -772,9 +926,16 @@ int run(int argc, char** argv) {
     if (operands.size() != 1) return usage_error(name + " takes exactly one USER (got " + std::to_string(operands.size()) + ")");
     user = tidal::cli::parse_u64(operands[0]);
     if (!user) return usage_error(invalid_user_text(operands[0]));
+  } else if (name == "backup" || name == "restore") {
+    if (operands.size() != 1) {
+      return usage_error(name + " takes exactly one " + (name == "backup" ? "DIR" : "BACKUP") + " (got " +
+                         std::to_string(operands.size()) + ")");
+    }
   } else if (!operands.empty()) {
     return usage_error(name + " takes no arguments (got '" + operands[0] + "')");
   }
+  if (args.keep && name != "backup") return usage_error("--keep applies to backup only, not " + name);
+  if (name == "restore") return cmd_restore(operands[0], *args.db, args.json);
 
   // The library refuses, before touching anything, a path that does not
   // exist, holds no database, or is held read-write by another process.
@@ -837,6 +998,8 @@ int run(int argc, char** argv) {
   else if (name == "rematerialize") rc = cmd_rematerialize(db, args.repair, args.json);
   else if (name == "migrate") rc = cmd_migrate(upgraded, args.json);
   else if (name == "reseed") rc = cmd_reseed(db, args.json);
+  else if (name == "backup") rc = cmd_backup(db, operands[0], args.keep, args.json);
+  else if (name == "finish-recovery") rc = cmd_finish_recovery(db, args.json);
   else if (args.from) rc = cmd_bulk(db, name, *args.from == "-" ? "<stdin>" : *args.from, lines, args.json);
   else if (name == "purge") rc = cmd_purge(db, *user, args.json);
   else rc = cmd_leave_or_rejoin(db, name == "leave", *user, args.json);

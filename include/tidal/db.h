@@ -263,6 +263,7 @@ struct Stats {
   std::uint64_t change_feed_pending_bytes = 0;  // payload bytes of the untrimmed batches
   std::uint64_t change_feed_refused_signals = 0;  // signals refused (Busy) while the feed was at its bound
   std::string change_feed_incarnation;          // 32 hex digits, fixed when the feed was created
+  bool recovering = false;                      // opened from a backup, finish_recovery() not yet called
   // The privacy journal (all 0 without one): what is not yet confirmed
   // replicated is last_seq - confirmed_seq entries of pending_bytes.
   bool journal = false;                         // the Db keeps a privacy journal
@@ -498,6 +499,26 @@ class Db {
   // published. InvalidArgument when the Db keeps no feed or is read-only.
   Result<std::uint64_t> reseed_change_feed();
 
+  // Backup and restore (docs/CONTRACT.md, "Backup and restore").
+  //
+  // Writes a consistent point-in-time copy of both engines into directory
+  // `dir`, which must not exist (its parent must): everything acknowledged
+  // before the call, in the Db's own layout, with a manifest (TIDAL_BACKUP:
+  // the change feed's shard, incarnation and seqs, whether the files were
+  // hard-linked or copied, how long it took). SST files are hard-linked
+  // where the file system allows (the same one as the Db), copied
+  // otherwise. Signals, leaves and purges go on meanwhile. InvalidArgument
+  // naming what was wrong (dir exists, no parent, a read-only Db); nothing of
+  // `dir` is left when it fails.
+  Status backup(const std::string& dir) const;
+  // A Db opened from a backup (a directory holding its manifest) is
+  // recovering: signals and every call that reads or changes a user's
+  // community status are Busy, naming the steps, until the journal entries
+  // after the backup's position are replayed and finish_recovery() is
+  // called. finish_recovery() re-seeds the change feed (a new incarnation:
+  // every view replaces the shard's contribution by the restored Db's) and
+  // removes the manifest, durably. OK and nothing done when not recovering.
+  Status finish_recovery();
   // The privacy journal (Options::journal; docs/CONTRACT.md J1-J6).
   // InvalidArgument when the Db keeps none. Entries with seq > after_seq,
   // oldest first, up to about max_bytes of payload (at least one when there

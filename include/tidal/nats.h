@@ -67,6 +67,30 @@ struct Config {
   // needs replicas set to its size). Default: 3.
   int replicas = 3;
 
+  // -- Authentication and TLS (optional; docs/SCALE.md, "Authentication and
+  // TLS"). Without them anyone who can publish on <subject_prefix>.* can
+  // inject deltas into every view. --
+  // User and password (the server's `authorization { user, password }`);
+  // both or neither. Default: none.
+  std::string user;
+  std::string password;
+  // A token (`authorization { token }`), instead of user and password.
+  // Default: none.
+  std::string token;
+  // A NATS credentials file (JWT and NKey seed, decentralized
+  // authentication), instead of the two above. Default: none.
+  std::string creds_file;
+  // TLS: on when `tls` is true, when any file below is set, or for tls://
+  // URLs. tls_ca_file: the PEM CA certificates the servers' certificates
+  // must chain to (empty: the client's default); tls_cert_file and
+  // tls_key_file: a client certificate for servers that verify clients
+  // (both or neither). The server's certificate must name the host of the
+  // URL. Default: off, none.
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+
   // -- Beyond the pinned fields --
   // The stream the Publisher creates: limits retention, file storage,
   // discard-new (a full stream refuses a publish, the Publisher retries and
@@ -86,7 +110,9 @@ struct Config {
   // Default: 0.
   std::chrono::seconds stream_max_age{0};
   // Longest wait for one request to the cluster (a publish's ack, a stream
-  // lookup, a connect); also the bound of stop(). Default: 5 s.
+  // lookup, a connect attempt over every server, whatever they do: silent,
+  // frozen, greeting and then silent); also the bound of stop().
+  // Default: 5 s.
   std::chrono::milliseconds request_timeout{5000};
   // Retry delays after a failure: doubling from min_backoff up to
   // max_backoff. Default: 50 ms to 2 s.
@@ -104,8 +130,17 @@ struct Config {
   std::int64_t fetch_max_bytes = 8 << 20;
   // Follower: how long the cluster waits for an ack before it delivers a
   // message again (after a Follower died holding it). Set on the durable
-  // consumer when the Follower creates it. Default: 30 s.
+  // consumer when the Follower creates it, and on an existing one that has
+  // another (with max_ack_pending). Default: 30 s.
   std::chrono::milliseconds ack_wait{30000};
+  // Follower: the most messages the durable consumer hands out unacked
+  // (MaxAckPending, set when the Follower creates it or binds to one that
+  // has another, e.g. the server's default 1,000 an older tidal left;
+  // at least fetch_batch).
+  // The Follower acks or terminates every message of a fetch before the
+  // next, so it holds at most fetch_batch; the bound matters for a Follower
+  // that died holding messages. Default: 1024.
+  int max_ack_pending = 1024;
 };
 
 // A publisher's progress, for a host to export.
@@ -125,29 +160,54 @@ struct PublisherStats {
   std::string last_error;               // the most recent failure, naming the server and the stream; empty if none
 };
 
+// One shard as a follower sees it.
+struct FollowerShardStats {
+  std::uint64_t shard_id = 0;
+  std::uint64_t applied_seq = 0;   // the view's applied seq of the shard
+  std::uint64_t stream_seq = 0;    // the highest seq of the shard this Follower has seen in the stream
+  std::uint64_t lag_batches = 0;   // stream_seq - applied_seq (0 when not ahead)
+  bool parked = false;             // a refused batch parked the shard: its batches wait, the others flow
+  std::uint64_t refused = 0;       // messages of the shard refused since start (a gap, another incarnation, undecodable)
+  std::string last_error;          // the shard's most recent refusal (naming server, stream, consumer, shard, seqs);
+                                   // kept after the shard caught up; empty if none
+};
+
 // A follower's progress, for a host to export.
 struct FollowerStats {
   std::vector<ShardProgress> applied;    // the view's applied seq of every shard it has seen
+  std::vector<FollowerShardStats> shards;  // per shard: applied, seen, lag, parked, refusals (by shard_id)
   std::uint64_t applied_batches = 0;     // messages applied since start
   std::uint64_t redeliveries_skipped = 0;  // messages the view had applied already (acked, nothing changed)
-  std::uint64_t gaps = 0;                // messages refused (a gap, another incarnation, undecodable): not acked, delivered again later
+  std::uint64_t gaps = 0;                // messages refused (a gap, another incarnation, undecodable), every shard
   std::uint64_t errors = 0;              // failed attempts (connect, consumer, fetch, apply), each retried
-  std::uint64_t lag_messages = 0;        // stream messages not yet delivered to this consumer
+  std::uint64_t lag_messages = 0;        // stream messages the consumer has not delivered yet (asked of the
+                                         // server after an empty fetch, so messages held back count)
   std::uint64_t connects = 0;            // connections made
   bool connected = false;                // connected now, with the consumer bound
-  bool stalled_on_gap = false;           // the last message seen was a gap: the view waits for the missing batch
-  std::string last_error;                // the most recent failure (a gap names the shard and both seqs, another
-                                         // incarnation both incarnations too); empty if none
+  bool stalled_on_gap = false;           // some shard is parked (shards[].parked says which)
+  std::string last_error;                // the most recent failure or refusal, any shard; empty if none
   // Where a follower's time goes (cumulative since start):
   std::uint64_t view_writes = 0;         // GlobalView::apply calls: one fsynced write each, for a run of messages
   std::uint64_t apply_micros = 0;        // time spent in those calls
   std::uint64_t first_deliveries = 0;    // messages delivered to this consumer for the first time
   std::uint64_t stored_to_fetched_micros = 0;  // summed over those: from stored in the stream to fetched here
+  // What this Follower read from the stream (cumulative since start): every
+  // message fetched, by the consumer, by parked shards' reads and by the
+  // backfill probes below, and their payload bytes. A view opened from a
+  // checkpoint reads about what the checkpoint lacks.
+  std::uint64_t fetched_messages = 0;
+  std::uint64_t fetched_bytes = 0;
+  // Set when this Follower created the durable consumer: the stream seq it
+  // starts at (0: the stream's first message: the view held nothing, or
+  // nothing could be skipped), and the messages read to find it.
+  std::uint64_t backfill_start_seq = 0;
+  std::uint64_t backfill_probes = 0;
 };
 
 // The stats above in the Prometheus text format (tidal/metrics.h), `labels`
 // on every sample: tidal_publisher_* (shard="<id>" on each) and
-// tidal_follower_* (tidal_follower_applied_seq per shard="<id>"). What to
+// tidal_follower_* (tidal_follower_shard_* per shard="<id>": applied seq,
+// seen seq, lag, parked, refusals). What to
 // alert on: docs/SCALE.md, "What to monitor". InvalidArgument for a bad label.
 Result<std::string> prometheus_text(const PublisherStats& stats, const MetricLabels& labels = {});
 Result<std::string> prometheus_text(const FollowerStats& stats, const MetricLabels& labels = {});
@@ -201,8 +261,10 @@ class Publisher {
   // idle; a publish in flight is abandoned by closing the connection, and
   // is sent again by the next Publisher, which JetStream de-duplicates).
   // Idempotent. Returns the error that halted the publisher (a fence, see
-  // above), OK otherwise (transient failures are in stats().last_error);
-  // the Db is left open.
+  // above); else the thread's last error when it stopped while failing (no
+  // connection, a stream check or publish that failed: what
+  // stats().last_error said, not yet overcome); OK when it was connected
+  // and working. The Db is left open.
   Status stop();
 
   PublisherStats stats() const;
@@ -277,16 +339,45 @@ class JournalPublisher {
 };
 
 // Background thread: a durable JetStream pull consumer named consumer_name
-// (one per view) -> GlobalView::apply -> ack, only after apply returned. It
-// waits for one message, then takes whatever else is ready (up to
-// fetch_batch) and applies the run in one GlobalView::apply of a span (one
-// fsynced write), acking each message once that write returned. A
-// message the view applied already is acked (exactly once); a gap (or a
-// batch of another incarnation than the view applied for its shard) is not
-// acked, is reported (stats) and is delivered again later: never skipped.
-// The consumer, created when missing, delivers the whole stream from its
-// start with explicit acks, so a new view (empty, or opened from another
-// view's checkpoint) catches up from whatever the stream retains.
+// (one per view, over <subject_prefix>.*) -> GlobalView::apply -> ack, only
+// after apply returned. It waits for one message, then takes whatever else
+// is ready (up to fetch_batch), decodes each message once and applies the
+// run in one GlobalView::apply of a span (one fsynced write), acking each
+// message once that write returned. A message the view applied already is
+// acked (exactly once).
+//
+// A gap parks its shard only (docs/SCALE.md, "Gaps and parked shards"):
+// when the view refuses a batch of shard s (a gap, another incarnation, a
+// payload that does not decode), shard s is parked: that message and every
+// later one of s the consumer delivers are terminated on the consumer (so
+// they never fill MaxAckPending and never hold back other shards), and the
+// Follower reads s from the stream itself, on a consumer of its own over
+// <subject_prefix>.<s> (ephemeral, no acks), from the first refused message
+// (from the subject's first message on the first park of s since start:
+// an earlier Follower may have terminated some of s). It applies whatever
+// continues the view's seq of s, reads again from the first refused message
+// whenever something new was applied after a refusal, and otherwise follows
+// the subject's tail with a bounded backoff (min_backoff doubling to
+// max_backoff) until the missing batch appears (a republish); it unparks s
+// once it read to the stream's end with nothing refused. A batch is never
+// skipped: the stream keeps every terminated message for that read. Other
+// shards keep applying meanwhile.
+//
+// The consumer, created when missing, has explicit acks (MaxAckPending =
+// Config::max_ack_pending, AckWait = Config::ack_wait, redelivered until
+// acked). For an empty view it delivers the stream from its first message.
+// For a view that holds batches already (opened from another view's
+// GlobalView::checkpoint) it starts at the first stream sequence the view
+// may still need (docs/SCALE.md, "A new view from a checkpoint"): the least,
+// over the shard subjects in the stream, of the first message of a shard
+// the view never applied, of the first message of the view's incarnation of
+// a shard with a seq above the view's applied seq, or, for a shard
+// re-seeded since, of the re-seed's first batch (which replaces all the view
+// held of the shard). Found by binary search over stream sequences, a few
+// one-message reads per subject (FollowerStats::backfill_probes); where
+// anything is uncertain it starts earlier, at worst at the stream's first
+// message, never past a batch the view needs. An existing consumer keeps
+// its position.
 class Follower {
  public:
   // InvalidArgument for a null or read-only view, an empty consumer name or
@@ -301,8 +392,11 @@ class Follower {
 
   // Stops the thread: returns within about request_timeout (a fetch waits
   // at most 500 ms; an apply in flight finishes, durable, and the messages
-  // fetched but not applied are handed back to the stream at once).
-  // Idempotent. Returns the last error when it stopped while failing.
+  // fetched but not applied are handed back to the stream at once; a
+  // connect in flight is abandoned). Idempotent. Returns the thread's last
+  // error when it stopped while failing (no connection, no consumer, a
+  // failed apply: what stats().last_error said), OK when it was connected
+  // and working; refusals (parked shards) are in stats(), not here.
   Status stop();
 
   FollowerStats stats() const;

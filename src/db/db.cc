@@ -49,6 +49,7 @@ Stats Db::Impl::stats() const {
   out.admission_stopped = st.admission_stopped;
   out.compaction_debt_bytes = st.compaction_debt_bytes;
   out.compaction_debt_l0_files = st.compaction_debt_l0_files;
+  out.recovering = recovering();
   if (feed_) {
     const ChangeFeed::Stats f = feed_->stats();
     out.change_feed = true;
@@ -206,6 +207,8 @@ Result<std::vector<ChangeBatch>> Db::read_changes(std::uint64_t after_seq, std::
 Result<std::uint64_t> Db::last_change_seq() const { return impl_->last_change_seq(); }
 Status Db::trim_changes(std::uint64_t through_seq) { return impl_->trim_changes(through_seq); }
 Result<std::uint64_t> Db::reseed_change_feed() { return impl_->reseed_change_feed(); }
+Status Db::backup(const std::string& dir) const { return impl_->backup(dir); }
+Status Db::finish_recovery() { return impl_->finish_recovery(); }
 Result<std::vector<JournalEntry>> Db::read_journal(std::uint64_t after_seq, std::size_t max_bytes) const {
   return impl_->read_journal(after_seq, max_bytes);
 }

@@ -37,6 +37,7 @@ Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
   return guarded("leave_community_layer", [&]() -> Status {
     Call call(this, "leave_community_layer", /*write=*/true);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status("leave_community_layer");
     std::uint64_t seq = 0;  // the journal entry replication waits for
     if (Status written = [&]() -> Status {
           std::lock_guard<std::mutex> lock(user_lock(user_id));
@@ -80,6 +81,7 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
   return guarded("rejoin_community_layer", [&]() -> Status {
     Call call(this, "rejoin_community_layer", /*write=*/true);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status("rejoin_community_layer");
     std::uint64_t seq = 0;  // the journal entry replication waits for
     if (Status written = [&]() -> Status {
           const auto lock = lock_stripes({&user_id, 1}, /*wait_for_purges=*/true);
@@ -233,6 +235,7 @@ Status Db::Impl::bulk(const char* what, std::span<const std::uint64_t> user_ids,
   return guarded(what, [&]() -> Status {
     Call call(this, what, /*write=*/true);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status(what);
     std::vector<std::uint64_t> users(user_ids.begin(), user_ids.end());
     std::sort(users.begin(), users.end());
     users.erase(std::unique(users.begin(), users.end()), users.end());  // duplicates: G7
@@ -345,6 +348,7 @@ Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipSt
 Result<CommunityMembership> Db::Impl::community_layer_status(std::uint64_t user_id) const {
   return guarded("community_layer_status", [&]() -> Result<CommunityMembership> {
     if (closed_.load(std::memory_order_acquire)) return closed_status("community_layer_status");
+    if (recovering()) return recovering_status("community_layer_status");
     CommunityMembership m{user_id, MembershipStatus::Active, std::nullopt};
     leave_status_.find(user_id, m);
     return m;
@@ -355,6 +359,7 @@ Result<std::vector<MembershipEvent>> Db::Impl::community_layer_history(std::uint
   return guarded("community_layer_history", [&]() -> Result<std::vector<MembershipEvent>> {
     Call call(this, "community_layer_history", /*write=*/false);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status("community_layer_history");
     const std::string prefix = encode_key_prefix(EntityId(user_id), Tag::CommunityLeaveHistory);
     std::vector<MembershipEvent> events;
     auto it = storage_->iterator(storage_->users());
@@ -375,6 +380,7 @@ Result<std::vector<MembershipEvent>> Db::Impl::community_layer_history(std::uint
 Result<GateActivity> Db::Impl::gate_activity(std::uint64_t user_id) const {
   return guarded("gate_activity", [&]() -> Result<GateActivity> {
     if (closed_.load(std::memory_order_acquire)) return closed_status("gate_activity");
+    if (recovering()) return recovering_status("gate_activity");
     GateActivity a;
     held_back_.find(user_id, a);
     return a;
@@ -385,6 +391,7 @@ Status Db::Impl::for_each_left(const std::function<bool(const CommunityMembershi
   return guarded("for_each_left", [&]() -> Status {
     Call call(this, "for_each_left", /*write=*/false);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status("for_each_left");
     bool stopped = false;
     Status s = scan_tag(*storage_, Tag::CommunityLeave,
                         [&](std::uint64_t user, std::string_view suffix, std::string_view value) -> Status {

@@ -34,6 +34,7 @@ Status Db::Impl::change_membership(std::uint64_t user_id, std::uint64_t communit
   return guarded(what, [&]() -> Status {
     Call call(this, what, /*write=*/true);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status(what);
     std::lock_guard<std::mutex> lock(user_lock(user_id));
     bool member = false;
     std::size_t count = 0;

@@ -173,6 +173,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     if (Status s = st.finish_upgrade(); !s.ok()) return s;
     if (Status s = impl->open_feed(); !s.ok()) return s;
     if (Status s = impl->open_journal(); !s.ok()) return s;
+    if (Status s = impl->load_recovery_state(); !s.ok()) return s;
     impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
     if (!options.read_only) {
       if (Status s = impl->state_->start(); !s.ok()) return s;

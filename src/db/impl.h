@@ -55,6 +55,13 @@ class Db::Impl {
 
   Status close();
   Status flush();
+  Status backup(const std::string& dir) const;
+  Status finish_recovery();
+  bool recovering() const { return recovering_.load(std::memory_order_acquire); }
+  // Busy naming `what` and the steps that end a recovery (db/backup.cc).
+  Status recovering_status(const char* what) const;
+  // At open: a backup's manifest in the directory makes the Db recovering.
+  Status load_recovery_state();
 
   Status join_community(std::uint64_t user_id, std::uint64_t community_id);
   Status exit_community(std::uint64_t user_id, std::uint64_t community_id);
@@ -288,6 +295,12 @@ class Db::Impl {
   // Users of a purge that failed after its intents were written (db/purge.cc).
   mutable std::mutex unfinished_mu_;
   std::unordered_set<std::uint64_t> unfinished_purges_;
+
+  // Opened from a backup (its manifest in the directory) and not yet
+  // finished: signals and user-status calls are Busy (db/backup.cc).
+  std::atomic<bool> recovering_{false};
+  std::string recovery_manifest_;  // the manifest's text, set at open
+  std::mutex recovery_mu_;         // one finish_recovery at a time
 };
 
 // One public call that touches storage, counted in calls_ while it runs;

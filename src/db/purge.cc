@@ -116,6 +116,7 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
   return guarded(what, [&]() -> Result<std::vector<PurgeReceipt>> {
     Call call(this, what, /*write=*/true);
     if (!call.status().ok()) return call.status();
+    if (recovering()) return recovering_status(what);
     std::vector<std::uint64_t> users(user_ids.begin(), user_ids.end());
     std::sort(users.begin(), users.end());
     users.erase(std::unique(users.begin(), users.end()), users.end());

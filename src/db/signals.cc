@@ -39,6 +39,7 @@ Result<SignalOutcome> Db::Impl::signal_with_context(const Signal& signal, const 
     // signal made from a sink callback is inside one already (the outer
     // signal's): it never waits, and past the hard bound it is Busy.
     if (closed_.load(std::memory_order_relaxed)) return closed_status("signal_with_context");
+    if (recovering_.load(std::memory_order_relaxed)) return recovering_status("signal_with_context");
     if (Status s = state_->admit(grace::in_read_section()); !s.ok()) return s;
     // Everything from here to the return runs inside a read section, which a
     // leave (and close, and the state store's writer) waits out.

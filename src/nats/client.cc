@@ -1,8 +1,18 @@
 #include "nats/client.h"
 
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstring>
+#include <memory>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -76,6 +86,44 @@ Status check_config(const Config& config) {
                                    std::to_string(config.duplicate_window.count()) +
                                    " ms) is longer than stream_max_age (" +
                                    std::to_string(config.stream_max_age.count()) + " s): JetStream refuses it");
+  }
+  if (config.user.empty() != config.password.empty()) {
+    return Status::InvalidArgument("tidal::nats::Config: user and password go together (one of them is empty)");
+  }
+  if ((!config.user.empty()) + (!config.token.empty()) + (!config.creds_file.empty()) > 1) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: user/password, token and creds_file are three ways to authenticate: set one");
+  }
+  for (const auto& [field, value] : {std::pair<const char*, const std::string*>{"user", &config.user},
+                                     {"password", &config.password},
+                                     {"token", &config.token}}) {
+    // libnats 3.4 writes them into its CONNECT's JSON unescaped: the server
+    // then refuses the connection with a JSON syntax error.
+    for (char c : *value) {
+      if (c == '"' || c == '\\' || static_cast<unsigned char>(c) < 0x20) {
+        return Status::InvalidArgument(std::string("tidal::nats::Config::") + field +
+                                       " holds a '\"', a '\\' or a control character, which the NATS C client "
+                                       "(libnats 3.4) cannot send");
+      }
+    }
+  }
+  if (config.tls_cert_file.empty() != config.tls_key_file.empty()) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: tls_cert_file and tls_key_file go together (a client certificate and its key)");
+  }
+  for (const auto& [field, path] : {std::pair<const char*, const std::string*>{"creds_file", &config.creds_file},
+                                    {"tls_ca_file", &config.tls_ca_file},
+                                    {"tls_cert_file", &config.tls_cert_file},
+                                    {"tls_key_file", &config.tls_key_file}}) {
+    if (!path->empty() && ::access(path->c_str(), R_OK) != 0) {
+      return Status::InvalidArgument(std::string("tidal::nats::Config::") + field + " '" + *path +
+                                     "' cannot be read: " + std::strerror(errno));
+    }
+  }
+  if (config.max_ack_pending < config.fetch_batch) {
+    return Status::InvalidArgument("tidal::nats::Config::max_ack_pending (" + std::to_string(config.max_ack_pending) +
+                                   ") is below fetch_batch (" + std::to_string(config.fetch_batch) +
+                                   "): a fetch could never be filled");
   }
   if (config.read_max_bytes == 0 || config.fetch_batch < 1 ||
       config.fetch_max_bytes < static_cast<std::int64_t>(kMaxChangePayloadBytes) + (64 << 10)) {
@@ -181,29 +229,263 @@ Connection::~Connection() {
   }
 }
 
-Status Connection::connect(const Config& config, const std::string& client_name) {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::chrono::milliseconds kCancelPoll{20};
+
+// host and port of "nats://user:pass@host:port" (scheme, user info and port optional).
+bool host_port(const std::string& url, std::string* host, std::string* port) {
+  std::string rest = url;
+  if (std::size_t scheme = rest.find("://"); scheme != std::string::npos) rest = rest.substr(scheme + 3);
+  if (std::size_t at = rest.rfind('@'); at != std::string::npos) rest = rest.substr(at + 1);
+  if (std::size_t slash = rest.find('/'); slash != std::string::npos) rest = rest.substr(0, slash);
+  *port = "4222";
+  if (!rest.empty() && rest.front() == '[') {  // [v6]:port
+    std::size_t close = rest.find(']');
+    if (close == std::string::npos) return false;
+    *host = rest.substr(1, close - 1);
+    if (close + 1 < rest.size() && rest[close + 1] == ':') *port = rest.substr(close + 2);
+  } else if (std::size_t colon = rest.rfind(':'); colon != std::string::npos) {
+    *host = rest.substr(0, colon);
+    *port = rest.substr(colon + 1);
+  } else {
+    *host = rest;
+  }
+  return !host->empty() && !port->empty();
+}
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Waits for `events` on fd until `deadline`, in slices so `cancelled` is
+// seen within kCancelPoll. "" when ready, else what happened.
+std::string wait_fd(int fd, short events, Clock::time_point deadline, const std::function<bool()>& cancelled) {
+  for (;;) {
+    if (cancelled()) return "stopped";
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) return "timed out";
+    pollfd p{fd, events, 0};
+    const int r = ::poll(&p, 1, static_cast<int>(std::min(left, kCancelPoll).count()));
+    if (r > 0) return {};
+    if (r < 0 && errno != EINTR) return std::string("poll: ") + std::strerror(errno);
+  }
+}
+
+// Reads up to and including "\r\n" (at most 64 KiB) before `deadline`.
+std::string read_line(int fd, Clock::time_point deadline, const std::function<bool()>& cancelled, std::string* line) {
+  line->clear();
+  while (line->size() < (64u << 10)) {
+    if (std::string w = wait_fd(fd, POLLIN, deadline, cancelled); !w.empty()) return w;
+    char c;
+    const ssize_t n = ::recv(fd, &c, 1, 0);
+    if (n == 0) return "closed the connection";
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      return std::string("recv: ") + std::strerror(errno);
+    }
+    line->push_back(c);
+    if (line->size() >= 2 && line->compare(line->size() - 2, 2, "\r\n") == 0) return {};
+  }
+  return "sent a line longer than 64 KiB";
+}
+
+// Does the NATS server at `url` answer before `deadline`? "" when it
+// greeted and answered a PING (or greeted asking for TLS, which this probe
+// does not speak), else what it did.
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", static_cast<unsigned char>(c));
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+bool wants_tls(const Config& config) {
+  return config.tls || !config.tls_ca_file.empty() || !config.tls_cert_file.empty() ||
+         config.servers.find("tls://") != std::string::npos;
+}
+
+std::string probe(const std::string& url, const Config& config, Clock::time_point deadline,
+                  const std::function<bool()>& cancelled) {
+  std::string host, port;
+  if (!host_port(url, &host, &port)) return "not a server URL";
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (int e = ::getaddrinfo(host.c_str(), port.c_str(), &hints, &found); e != 0) {
+    return std::string("cannot resolve: ") + ::gai_strerror(e);
+  }
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> addrs(found, ::freeaddrinfo);
+  std::string why = "no address";
+  for (addrinfo* ai = addrs.get(); ai != nullptr; ai = ai->ai_next) {
+    Fd sock{::socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol)};
+    if (sock.fd < 0) {
+      why = std::string("socket: ") + std::strerror(errno);
+      continue;
+    }
+    if (::connect(sock.fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+      why = std::string("connect: ") + std::strerror(errno);
+      continue;
+    }
+    if (std::string w = wait_fd(sock.fd, POLLOUT, deadline, cancelled); !w.empty()) return "TCP connect " + w;
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (::getsockopt(sock.fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0 || err != 0) {
+      why = std::string("connect: ") + std::strerror(err);
+      continue;
+    }
+    std::string line;
+    if (std::string w = read_line(sock.fd, deadline, cancelled, &line); !w.empty()) {
+      return "accepted the connection, then sent no greeting: " + w;
+    }
+    if (line.rfind("INFO ", 0) != 0) return "greeted with something other than NATS INFO";
+    // The probe speaks neither TLS nor the signed nonce of a creds file,
+    // and never sends credentials in clear to a TLS setup: a greeting is
+    // all it can check there.
+    if (line.find("\"tls_required\":true") != std::string::npos || wants_tls(config) ||
+        !config.creds_file.empty()) {
+      return {};
+    }
+    std::string hello = "CONNECT {\"verbose\":false,\"pedantic\":false,\"protocol\":1,\"name\":\"tidal-probe\"";
+    if (!config.user.empty()) hello += ",\"user\":" + json_string(config.user) + ",\"pass\":" + json_string(config.password);
+    if (!config.token.empty()) hello += ",\"auth_token\":" + json_string(config.token);
+    hello += "}\r\nPING\r\n";
+    if (::send(sock.fd, hello.data(), hello.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(hello.size())) {
+      return "greeted, then the probe's CONNECT could not be sent";
+    }
+    // Any answer (PONG, or -ERR for a server that wants credentials) shows
+    // a server at work; the client's connect reports the real outcome.
+    if (std::string w = read_line(sock.fd, deadline, cancelled, &line); !w.empty()) {
+      return "greeted, then did not answer a PING: " + w;
+    }
+    return {};
+  }
+  return why;
+}
+
+// The NATS client's connect, on a thread of its own so that it can be
+// abandoned: when the caller gives up, the thread frees whatever the
+// client returns, whenever it returns.
+struct Attempt {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;       // guarded by mu
+  bool abandoned = false;  // guarded by mu
+  natsConnection* nc = nullptr;
+  natsStatus status = NATS_OK;
+  std::string error;
+};
+
+}  // namespace
+
+Status Connection::connect(const Config& config, const std::string& client_name,
+                           const std::function<bool()>& cancelled) {
   server_ = config.servers;
+  const auto deadline = Clock::now() + config.request_timeout;
   std::vector<std::string> urls = split_servers(config.servers);
-  std::vector<const char*> url_ptrs;
-  for (const std::string& u : urls) url_ptrs.push_back(u.c_str());
+  {
+    thread_local std::mt19937 rng{std::random_device{}()};
+    std::shuffle(urls.begin(), urls.end(), rng);  // spread the clients over the servers
+  }
+  std::string url, tried;
+  for (std::size_t i = 0; i < urls.size() && url.empty(); ++i) {
+    const auto share = (deadline - Clock::now()) / static_cast<int>(urls.size() - i);
+    std::string why = probe(urls[i], config, Clock::now() + share, cancelled);
+    if (cancelled()) return Status::IOError("cannot connect to NATS at " + config.servers + ": stopped");
+    if (why.empty()) {
+      url = urls[i];
+    } else {
+      tried += (tried.empty() ? "" : "; ") + urls[i] + " " + why;
+    }
+  }
+  if (url.empty()) return Status::IOError("cannot connect to NATS at " + config.servers + ": " + tried);
+
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   natsOptions* opts = nullptr;
+  const char* one[] = {url.c_str()};
   natsStatus s = natsOptions_Create(&opts);
-  if (s == NATS_OK) s = natsOptions_SetServers(opts, url_ptrs.data(), static_cast<int>(url_ptrs.size()));
-  if (s == NATS_OK) s = natsOptions_SetTimeout(opts, config.request_timeout.count());
+  if (s == NATS_OK) s = natsOptions_SetServers(opts, one, 1);
+  if (s == NATS_OK) s = natsOptions_SetTimeout(opts, std::max<std::int64_t>(left.count(), 1));
   if (s == NATS_OK) s = natsOptions_SetName(opts, client_name.c_str());
   if (s == NATS_OK) s = natsOptions_SetAllowReconnect(opts, false);
-  if (s == NATS_OK) s = natsOptions_SetNoRandomize(opts, false);
   if (s == NATS_OK) s = natsOptions_SetPingInterval(opts, 2000);
   if (s == NATS_OK) s = natsOptions_SetMaxPingsOut(opts, 3);
-  if (s == NATS_OK) s = natsConnection_Connect(&nc_, opts);
-  std::string error = s == NATS_OK ? std::string() : nats_error(s);
-  natsOptions_Destroy(opts);
-  if (s != NATS_OK) {
-    nc_ = nullptr;
-    return Status::IOError("cannot connect to NATS at " + config.servers + ": " + error);
+  if (s == NATS_OK && !config.user.empty()) {
+    s = natsOptions_SetUserInfo(opts, config.user.c_str(), config.password.c_str());
   }
-  char url[256] = {0};
-  if (natsConnection_GetConnectedUrl(nc_, url, sizeof(url)) == NATS_OK && url[0] != '\0') server_ = url;
+  if (s == NATS_OK && !config.token.empty()) s = natsOptions_SetToken(opts, config.token.c_str());
+  if (s == NATS_OK && !config.creds_file.empty()) {
+    s = natsOptions_SetUserCredentialsFromFiles(opts, config.creds_file.c_str(), nullptr);
+  }
+  if (s == NATS_OK && wants_tls(config)) s = natsOptions_SetSecure(opts, true);
+  if (s == NATS_OK && !config.tls_ca_file.empty()) {
+    s = natsOptions_LoadCATrustedCertificates(opts, config.tls_ca_file.c_str());
+  }
+  if (s == NATS_OK && !config.tls_cert_file.empty()) {
+    s = natsOptions_LoadCertificatesChain(opts, config.tls_cert_file.c_str(), config.tls_key_file.c_str());
+  }
+  if (s != NATS_OK) {
+    std::string error = nats_error(s);
+    natsOptions_Destroy(opts);
+    return Status::IOError("cannot connect to NATS at " + url + ": " + error);
+  }
+  auto attempt = std::make_shared<Attempt>();
+  std::thread([attempt, opts] {
+    natsConnection* nc = nullptr;
+    natsStatus st = natsConnection_Connect(&nc, opts);
+    std::string error = st == NATS_OK ? std::string() : nats_error(st);
+    natsOptions_Destroy(opts);
+    std::lock_guard<std::mutex> lock(attempt->mu);
+    if (attempt->abandoned) {
+      if (nc != nullptr) {
+        natsConnection_Close(nc);
+        natsConnection_Destroy(nc);
+      }
+    } else {
+      attempt->nc = st == NATS_OK ? nc : nullptr;
+      attempt->status = st;
+      attempt->error = std::move(error);
+    }
+    attempt->done = true;
+    attempt->cv.notify_all();
+  }).detach();
+  {
+    std::unique_lock<std::mutex> lock(attempt->mu);
+    // The client's own timeout, plus a little for its thread to return.
+    const auto give_up = deadline + std::chrono::milliseconds(200);
+    while (!attempt->done && !cancelled() && Clock::now() < give_up) attempt->cv.wait_for(lock, kCancelPoll);
+    if (!attempt->done) {
+      attempt->abandoned = true;
+      return Status::IOError("cannot connect to NATS at " + url + ": " +
+                             (cancelled() ? std::string("stopped") : std::string("the server answered a probe, then the "
+                                                                                 "client's handshake did not finish in " +
+                                                                                 std::to_string(config.request_timeout.count()) +
+                                                                                 " ms (abandoned)")));
+    }
+    if (attempt->status != NATS_OK) {
+      return Status::IOError("cannot connect to NATS at " + url + ": " + attempt->error);
+    }
+    nc_ = attempt->nc;
+  }
+  server_ = url;
+  char connected_url[256] = {0};
+  if (natsConnection_GetConnectedUrl(nc_, connected_url, sizeof(connected_url)) == NATS_OK && connected_url[0] != '\0') {
+    server_ = connected_url;
+  }
   jsOptions jo;
   jsOptions_Init(&jo);
   jo.Wait = config.request_timeout.count();
@@ -253,8 +535,11 @@ void Worker::run(const Config& config, const std::function<Status(Backoff&)>& se
   while (!stopping()) {
     Status s = session(backoff);
     {
+      // Noted before start() can return it and a stop() can follow: a
+      // session cut short by stop() is not the thread's error.
       std::lock_guard<std::mutex> lock(mu_);
       if (!first_) first_ = s;
+      if (!s.ok() && !stopping_) last_error_ = s;
     }
     cv_.notify_all();
     if (stopping()) break;
@@ -268,6 +553,7 @@ void Worker::ready() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!first_) first_ = Status::OK();
+    last_error_ = Status::OK();
   }
   cv_.notify_all();
 }
@@ -291,6 +577,11 @@ void Worker::stop() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+}
+
+Status Worker::last_error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_error_;
 }
 
 bool Worker::stopping() const {

@@ -75,9 +75,19 @@ class Connection {
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
-  // Connects to one of config.servers (request_timeout each). IOError naming
-  // the servers on failure.
-  Status connect(const Config& config, const std::string& client_name);
+  // Connects to one of config.servers within request_timeout in all,
+  // whatever the servers do, and returns within ~20 ms once `cancelled`
+  // returns true. First a probe of our own on a plain socket (TCP connect,
+  // the server's INFO greeting, CONNECT + PING answered), trying the
+  // servers in random order, each given an equal share of what is left of
+  // the timeout; then the NATS client's own connect to the server that
+  // answered, on a helper thread: libnats 3.4's connect does not return
+  // (and spins a core) when a server greets and then goes silent, so a
+  // connect that outlives the timeout is abandoned to that thread, which
+  // frees the connection if it ever returns. IOError naming the servers
+  // and what each did on failure.
+  Status connect(const Config& config, const std::string& client_name,
+                 const std::function<bool()>& cancelled = [] { return false; });
   // Closes the socket (wakes a request in flight) without freeing anything:
   // safe from another thread while the owner is inside a call.
   void interrupt();
@@ -145,8 +155,12 @@ class Worker {
   bool halted() const;
   // Interrupts the attached connection, wakes wait_for() and joins the
   // thread. Bounded by how long a session takes to notice (at most one
-  // request_timeout). Idempotent.
+  // request_timeout; a connect notices within ~20 ms). Idempotent.
   void stop();
+  // The status of the last session that failed, unless a session called
+  // ready() since: what the thread was retrying when it stopped; OK when
+  // it was connected and working.
+  Status last_error() const;
   bool stopping() const;
   // Sleeps for `d` unless stop() cuts it short; false once stopping.
   bool wait_for(std::chrono::milliseconds d);
@@ -175,6 +189,7 @@ class Worker {
   bool stopping_ = false;               // guarded by mu_
   bool halted_ = false;                 // guarded by mu_
   std::optional<Status> first_;         // the first session's outcome; guarded by mu_
+  Status last_error_;                   // see last_error(); guarded by mu_
   Connection* live_ = nullptr;          // the connection stop() interrupts; guarded by mu_
   std::mutex stop_mu_;                  // one stop() joins at a time
   std::thread thread_;

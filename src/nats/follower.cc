@@ -1,34 +1,60 @@
-// Follower: durable JetStream pull consumer -> GlobalView::apply -> ack
-// (include/tidal/nats.h).
+// Follower: durable JetStream pull consumer -> GlobalView::apply -> ack, a
+// refused batch parking its shard only (include/tidal/nats.h, docs/SCALE.md
+// "Gaps and parked shards").
 #include <algorithm>
 #include <cctype>
+#include <map>
 #include <memory>
-#include <span>
-#include <vector>
 #include <mutex>
+#include <optional>
+#include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "nats/backfill.h"
 #include "nats/client.h"
 #include "tidal/nats.h"
 
 namespace tidal::nats {
 
 using internal::Connection;
+using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// How long a refused message (a gap, an undecodable message) waits before
-// the stream delivers it again.
-constexpr std::chrono::milliseconds kRefusedRedeliveryDelay{500};
-// A fetch waits at most this long for messages.
+// A fetch of the consumer waits at most this long for messages (less while
+// a parked shard's read is due).
 constexpr std::chrono::milliseconds kFetchWait{500};
+constexpr std::chrono::milliseconds kMinFetchWait{10};
+// The expiry of a no-wait fetch. nats-server 2.9.10 does not always answer
+// a no-wait pull request at once when nothing is ready: now and then
+// (seen in ~1 of 50 fetches with publishes in flight) it holds it until it
+// expires, and with 500 ms every message in flight waited 500 ms more.
+constexpr std::chrono::milliseconds kNoWaitExpiry{20};
+// How often an idle Follower asks the server how many messages the
+// consumer still holds back (lag_messages).
+constexpr std::chrono::milliseconds kLagPollInterval{500};
+// The server deletes a parked shard's reader (an ephemeral consumer) this
+// long after its Follower stopped asking, e.g. died mid-repair.
+constexpr std::chrono::seconds kReaderInactive{30};
 
 struct MsgList {
   natsMsgList list{nullptr, 0};
   ~MsgList() {
     if (list.Msgs != nullptr) natsMsgList_Destroy(&list);
   }
+};
+
+// One fetched message, decoded once: its batch (or why it is not one) and
+// its place in the stream.
+struct Delivered {
+  natsMsg* msg = nullptr;
+  std::optional<ChangeBatch> batch;
+  Status not_a_batch;
+  std::uint64_t stream_seq = 0;
+  std::uint64_t pending = 0;  // messages after it the consumer has not delivered yet
+  bool done = false;          // acked or terminated
 };
 
 }  // namespace
@@ -47,34 +73,143 @@ class Follower::Impl {
 
   Status stop() {
     worker_.stop();
-    return Status::OK();
+    return worker_.last_error();
   }
 
   FollowerStats stats() const {
     FollowerStats out;
+    std::map<std::uint64_t, FollowerShardStats> shards;
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
       out = stats_;
+      shards = shard_stats_;
     }
-    Result<std::vector<ShardProgress>> shards = view_->applied_shards();
-    if (shards.ok()) out.applied = std::move(*shards);
+    Result<std::vector<ShardProgress>> applied = view_->applied_shards();
+    if (applied.ok()) {
+      out.applied = std::move(*applied);
+      for (const ShardProgress& p : out.applied) {
+        FollowerShardStats& s = shards[p.shard_id];
+        s.shard_id = p.shard_id;
+        s.applied_seq = p.applied_seq;
+      }
+    }
+    for (auto& [id, s] : shards) {
+      s.lag_batches = s.stream_seq > s.applied_seq ? s.stream_seq - s.applied_seq : 0;
+      out.shards.push_back(std::move(s));
+    }
     return out;
   }
 
  private:
+  // What the thread knows of a parked shard's repair (thread-only).
+  struct Repair {
+    Repair(std::chrono::milliseconds min, std::chrono::milliseconds max) : backoff(min, max) {}
+    bool parked = false;
+    bool parked_before = false;      // parked once since start: later parks read from the refused message
+    std::uint64_t read_from = 0;     // stream seq the reader starts at; 0 = the subject's first message
+    bool rewind = true;              // (re)create the reader at read_from before the next read
+    std::uint64_t first_refused = 0; // stream seq of the first message refused since the reader started; 0 none
+    Clock::time_point next_read{};
+    internal::Backoff backoff;
+    natsSubscription* reader = nullptr;  // on the session's connection
+  };
+
   std::string where(const Connection& c) const {
     return "NATS server " + c.server() + ", stream " + config_.stream + ", consumer " + consumer_;
   }
 
+  // A durable consumer created by an older Follower (the server's default
+  // MaxAckPending) or with another ack_wait gets this config's: otherwise
+  // the client refuses to bind to it and the view could never follow.
+  // Anything else that differs (the filter, push delivery, the ack policy)
+  // is left for subscribe() to report. NotFound when the consumer is
+  // missing; otherwise sets *deliver and *start_seq to the existing
+  // consumer's (binding asks for what it has).
+  Status align_consumer(Connection& conn, jsDeliverPolicy* deliver, std::uint64_t* start_seq) {
+    jsConsumerInfo* ci = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    natsStatus got = js_GetConsumerInfo(&ci, conn.js(), config_.stream.c_str(), consumer_.c_str(), nullptr, &jerr);
+    if (got != NATS_OK) {
+      if (got == NATS_NOT_FOUND && jerr != JSStreamNotFoundErr) return Status::NotFound("no consumer");
+      return Status::OK();  // subscribe() reports why (a missing stream, the cluster)
+    }
+    std::unique_ptr<jsConsumerInfo, void (*)(jsConsumerInfo*)> guard(ci, jsConsumerInfo_Destroy);
+    const jsConsumerConfig* c = ci->Config;
+    if (c != nullptr) {
+      *deliver = c->DeliverPolicy;
+      *start_seq = c->OptStartSeq;
+    }
+    const std::int64_t ack_wait = static_cast<std::int64_t>(config_.ack_wait.count()) * 1'000'000;
+    if (c == nullptr || c->FilterSubject == nullptr || filter_ != c->FilterSubject || c->DeliverSubject != nullptr ||
+        c->AckPolicy != js_AckExplicit || (c->MaxAckPending == config_.max_ack_pending && c->AckWait == ack_wait)) {
+      return Status::OK();
+    }
+    jsConsumerConfig cc = *c;  // points into *ci, alive until the update returns
+    cc.MaxAckPending = config_.max_ack_pending;
+    cc.AckWait = ack_wait;
+    jsConsumerInfo* updated = nullptr;
+    natsStatus ns = js_UpdateConsumer(&updated, conn.js(), config_.stream.c_str(), &cc, nullptr, &jerr);
+    if (updated != nullptr) jsConsumerInfo_Destroy(updated);
+    if (ns != NATS_OK) {
+      return Status::IOError(where(conn) + ": cannot set max ack pending " + std::to_string(config_.max_ack_pending) +
+                             " and ack wait " + std::to_string(config_.ack_wait.count()) +
+                             " ms on the existing durable consumer (it has " + std::to_string(c->MaxAckPending) +
+                             " and " + std::to_string(c->AckWait / 1'000'000) + " ms): " + internal::nats_error(ns));
+    }
+    return Status::OK();
+  }
+
+  // Binds the durable consumer, creating it when missing: for a view that
+  // holds batches already (opened from a checkpoint) it then starts at the
+  // first stream seq the view may need (internal::backfill_start), else at
+  // the stream's first message. An existing consumer keeps its position.
   Status subscribe(Connection& conn, natsSubscription** sub) {
+    Status last;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      jsDeliverPolicy deliver = js_DeliverAll;
+      std::uint64_t start_seq = 0;
+      Status s = align_consumer(conn, &deliver, &start_seq);
+      const bool missing = s.code() == StatusCode::NotFound;
+      if (!s.ok() && !missing) return s;
+      if (missing) {
+        Result<std::vector<ShardProgress>> applied = view_->applied_shards();
+        if (!applied.ok()) return applied.status();
+        Result<internal::BackfillStart> from = internal::backfill_start(conn, config_, *applied, where(conn));
+        if (!from.ok()) return from.status();
+        {
+          std::lock_guard<std::mutex> lock(stats_mu_);
+          stats_.backfill_probes += from->probes;
+          stats_.fetched_messages += from->probes;
+          stats_.fetched_bytes += from->probe_bytes;
+          stats_.backfill_start_seq = from->stream_seq;
+        }
+        if (from->stream_seq > 0) {
+          deliver = js_DeliverByStartSequence;
+          start_seq = from->stream_seq;
+        }
+      }
+      last = bind(conn, sub, deliver, start_seq);
+      // A consumer another Follower of the same name created meanwhile
+      // (with another start): bind to it as it is.
+      if (last.ok() || !missing || deliver == js_DeliverAll) return last;
+    }
+    return last;
+  }
+
+  Status bind(Connection& conn, natsSubscription** sub, jsDeliverPolicy deliver, std::uint64_t start_seq) {
     jsSubOptions so;
     jsSubOptions_Init(&so);
     so.Stream = config_.stream.c_str();
     so.Config.Durable = consumer_.c_str();
-    so.Config.DeliverPolicy = js_DeliverAll;
+    so.Config.DeliverPolicy = deliver;
+    so.Config.OptStartSeq = start_seq;
     so.Config.AckPolicy = js_AckExplicit;
     so.Config.AckWait = static_cast<std::int64_t>(config_.ack_wait.count()) * 1'000'000;
+    // A message is delivered again until it is acked (a Follower that died
+    // holding it): a refused one is terminated instead, and read again from
+    // the stream by its shard's repair, so nothing is redelivered forever.
     so.Config.MaxDeliver = -1;
+    so.Config.MaxAckPending = config_.max_ack_pending;
     so.Config.FilterSubject = filter_.c_str();
     jsErrCode jerr = static_cast<jsErrCode>(0);
     natsStatus ns = js_PullSubscribe(sub, conn.js(), filter_.c_str(), consumer_.c_str(), nullptr, &so, &jerr);
@@ -87,15 +222,18 @@ class Follower::Impl {
     if (why.find("filter") != std::string::npos || why.find("subject") != std::string::npos ||
         why.find("configuration") != std::string::npos || why.find("config") != std::string::npos) {
       return Status::InvalidArgument(where(conn) + ": the durable consumer exists with another configuration (not "
-                                     "a pull consumer of " + filter_ + " with explicit acks): " + why);
+                                     "a pull consumer of " + filter_ + " with explicit acks and max ack pending " +
+                                     std::to_string(config_.max_ack_pending) + "): " + why);
     }
     return Status::IOError(where(conn) + ": cannot bind the durable pull consumer: " + why);
   }
 
   Status session(internal::Backoff& backoff) {
     Connection conn;
-    Status s = conn.connect(config_, "tidal-follower-" + consumer_);
+    Status s = conn.connect(config_, "tidal-follower-" + consumer_, [this] { return worker_.stopping(); });
     if (!s.ok()) return s;
+    internal::Worker::Attach attach(worker_, conn);
+    if (!attach.ok()) return Status::OK();
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.connects;
@@ -103,10 +241,16 @@ class Follower::Impl {
     natsSubscription* sub = nullptr;
     s = subscribe(conn, &sub);
     if (!s.ok()) return s;
+    // The durable consumer stays on the server; the readers of parked
+    // shards (ephemeral) go with the connection and start again next time.
     struct SubGuard {
+      Impl* impl;
       natsSubscription* sub;
-      ~SubGuard() { natsSubscription_Destroy(sub); }  // leaves the durable consumer on the server
-    } guard{sub};
+      ~SubGuard() {
+        natsSubscription_Destroy(sub);
+        for (auto& [id, r] : impl->repairs_) impl->drop_reader(r);
+      }
+    } guard{this, sub};
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
       stats_.connected = true;
@@ -115,158 +259,418 @@ class Follower::Impl {
     backoff.reset();
 
     while (!worker_.stopping()) {
-      // Wait (at most kFetchWait) for one message, then take whatever else
-      // the stream has ready, up to fetch_batch, without waiting: a long
-      // poll for a whole batch would hold the first message until the batch
-      // filled or the wait ran out.
+      // Wait (at most kFetchWait, less when a parked shard's read is due)
+      // for one message, then take whatever else the stream has ready, up
+      // to fetch_batch, without waiting: a long poll for a whole batch
+      // would hold the first message until the batch filled or the wait
+      // ran out.
       MsgList first, more;
-      natsStatus ns = fetch(sub, 1, /*no_wait=*/false, &first);
+      natsStatus ns = fetch(sub, 1, /*no_wait=*/false, fetch_wait(), &first);
       if (ns == NATS_TIMEOUT || (ns == NATS_NOT_FOUND && first.list.Count == 0)) {
         if (!conn.connected()) return Status::IOError(where(conn) + ": connection lost");
-        std::lock_guard<std::mutex> lock(stats_mu_);
-        stats_.lag_messages = 0;
-        continue;
-      }
-      if (ns != NATS_OK && first.list.Count == 0) {
+        note_idle(conn);
+      } else if (ns != NATS_OK && first.list.Count == 0) {
         return Status::IOError(where(conn) + ": fetch failed: " + internal::nats_error(ns));
+      } else {
+        if (config_.fetch_batch > 1) {
+          (void)fetch(sub, config_.fetch_batch - 1, /*no_wait=*/true, kNoWaitExpiry, &more);
+        }
+        std::vector<natsMsg*> msgs;
+        for (int i = 0; i < first.list.Count; ++i) msgs.push_back(first.list.Msgs[i]);
+        for (int i = 0; i < more.list.Count; ++i) msgs.push_back(more.list.Msgs[i]);
+        if (worker_.stopping()) {
+          for (natsMsg* m : msgs) (void)natsMsg_Nak(m, nullptr);  // hand them back at once for the next Follower
+          break;
+        }
+        s = handle(conn, msgs);
+        if (!s.ok()) return s;
       }
-      if (config_.fetch_batch > 1) (void)fetch(sub, config_.fetch_batch - 1, /*no_wait=*/true, &more);
-      std::vector<natsMsg*> msgs;
-      for (int i = 0; i < first.list.Count; ++i) msgs.push_back(first.list.Msgs[i]);
-      for (int i = 0; i < more.list.Count; ++i) msgs.push_back(more.list.Msgs[i]);
-      if (worker_.stopping()) {
-        for (natsMsg* m : msgs) (void)natsMsg_Nak(m, nullptr);  // hand them back at once for the next Follower
-        break;
+      for (auto& [id, r] : repairs_) {
+        if (worker_.stopping()) break;
+        if (!r.parked || Clock::now() < r.next_read) continue;
+        s = repair(conn, id, r);
+        if (!s.ok()) return s;
       }
-      s = handle(conn, msgs);
-      if (!s.ok()) return s;
     }
     return Status::OK();
   }
 
-  natsStatus fetch(natsSubscription* sub, int batch, bool no_wait, MsgList* out) {
+  // How long the next fetch of the consumer may wait: until the earliest
+  // parked shard's read is due.
+  std::chrono::milliseconds fetch_wait() const {
+    std::chrono::milliseconds wait = kFetchWait;
+    const auto now = Clock::now();
+    for (const auto& [id, r] : repairs_) {
+      if (!r.parked) continue;
+      auto until = std::chrono::duration_cast<std::chrono::milliseconds>(r.next_read - now);
+      wait = std::min(wait, std::max(until, kMinFetchWait));
+    }
+    return wait;
+  }
+
+  natsStatus fetch(natsSubscription* sub, int batch, bool no_wait, std::chrono::milliseconds wait, MsgList* out) {
     jsFetchRequest req;
     jsFetchRequest_Init(&req);
     req.Batch = batch;
     req.MaxBytes = config_.fetch_max_bytes;
     req.NoWait = no_wait;
-    req.Expires = static_cast<std::int64_t>(kFetchWait.count()) * 1'000'000;
+    req.Expires = static_cast<std::int64_t>(wait.count()) * 1'000'000;
     return natsSubscription_FetchRequest(&out->list, sub, &req);
   }
 
-  // Applies the fetched messages, in order, with as few view writes as the
-  // refusals allow: each run of batches up to the next refused message is
-  // one GlobalView::apply (one fsynced write), and its messages are acked
-  // after that write returned. A refused message (a gap, a message that is
-  // not a batch) is not acked and asked for again later; the messages after
-  // it are still applied. A non-OK return is a failure of the view or the
-  // connection; the messages not yet acked are then handed back.
-  Status handle(Connection& conn, const std::vector<natsMsg*>& msgs) {
+  // Each message decoded once, its delivery noted.
+  std::vector<Delivered> decode(natsMsg* const* msgs, std::size_t n, bool from_consumer) {
     const auto fetched_at = std::chrono::system_clock::now();
-    std::vector<ChangeBatch> batches;
-    std::vector<natsMsg*> run;  // the messages of `batches`
-    std::size_t next = 0;       // first message not yet applied, acked or refused
-    auto nak_rest = [&](std::size_t from) {
-      for (std::size_t j = from; j < msgs.size(); ++j) (void)natsMsg_Nak(msgs[j], nullptr);
+    std::vector<Delivered> out(n);
+    note_fetched(msgs, n);
+    for (std::size_t i = 0; i < n; ++i) {
+      Delivered& d = out[i];
+      d.msg = msgs[i];
+      note_delivery(&d, fetched_at, from_consumer);
+      Result<ChangeBatch> b = internal::batch_of(d.msg, config_);
+      if (b.ok()) {
+        d.batch = std::move(*b);
+        note_seen(d.batch->shard_id, d.batch->seq);
+      } else {
+        d.not_a_batch = b.status();
+      }
+    }
+    return out;
+  }
+
+  // Applies the fetched messages, in order, with as few view writes as the
+  // refusals allow: a message of a parked shard is terminated (its shard's
+  // repair reads it from the stream); the rest go to GlobalView::apply as
+  // one span and are acked once that write returned. When the view refuses
+  // a batch of shard s, s is parked: that message and the span's later ones
+  // of s are terminated, and the other shards' are applied in the next
+  // span. A message that is not a batch at all (no shard in its headers) is
+  // terminated too: it belongs to no shard, so nothing waits for it. A
+  // non-OK return is a failure of the view or the connection; the messages
+  // not yet acked or terminated are then handed back.
+  Status handle(Connection& conn, const std::vector<natsMsg*>& msgs) {
+    std::vector<Delivered> items = decode(msgs.data(), msgs.size(), /*from_consumer=*/true);
+    auto hand_back = [&] {
+      for (Delivered& d : items) {
+        if (!d.done) (void)natsMsg_Nak(d.msg, nullptr);
+      }
     };
-    while (next < msgs.size()) {
-      batches.clear();
-      run.clear();
-      Status not_a_batch;
-      for (std::size_t j = next; j < msgs.size(); ++j) {
-        note_delivery(msgs[j], fetched_at);
-        Result<ChangeBatch> b = internal::batch_of(msgs[j], config_);
-        if (!b.ok()) {
-          not_a_batch = b.status();
-          break;
-        }
-        batches.push_back(std::move(*b));
-        run.push_back(msgs[j]);
+    std::vector<std::size_t> todo;  // indexes of the batches to apply, in order
+    for (std::size_t i = 0; i < items.size(); ++i) {
+      Delivered& d = items[i];
+      Status s;
+      if (!d.batch) {
+        note_refusal(conn, std::nullopt, Status(d.not_a_batch.code(), d.not_a_batch.message() +
+                                                                          " (stream seq " + std::to_string(d.stream_seq) +
+                                                                          "; terminated: it belongs to no shard)"));
+        s = terminate(conn, &d);
+      } else if (parked(d.batch->shard_id)) {
+        s = terminate(conn, &d);
+      } else {
+        todo.push_back(i);
       }
-      std::size_t taken = 0;
-      Status refused = not_a_batch;
-      if (!batches.empty()) {
-        const auto t0 = std::chrono::steady_clock::now();
-        Result<ApplyOutcome> outcome = view_->apply(std::span<const ChangeBatch>(batches));
-        const auto micros =
-            std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - t0).count();
-        if (!outcome.ok()) {
-          nak_rest(next);
-          return Status(outcome.status().code(), where(conn) + ": GlobalView::apply of " +
-                                                     std::to_string(batches.size()) + " batches (shard " +
-                                                     std::to_string(batches[0].shard_id) + " seq " +
-                                                     std::to_string(batches[0].seq) + " first): " +
-                                                     outcome.status().message());
-        }
-        taken = outcome->taken;
-        if (!outcome->refused.ok()) refused = outcome->refused;
-        {
-          std::lock_guard<std::mutex> lock(stats_mu_);
-          ++stats_.view_writes;
-          stats_.apply_micros += static_cast<std::uint64_t>(micros);
-          stats_.applied_batches += outcome->applied;
-          stats_.redeliveries_skipped += outcome->taken - outcome->applied;
-          if (taken > 0) stats_.stalled_on_gap = false;
-        }
-        // Applied (durable) or already applied: either way the stream may
-        // forget them for this consumer. A lost ack only means a
-        // redelivery, which the view skips.
-        for (std::size_t j = 0; j < taken; ++j) {
-          natsStatus ns = natsMsg_Ack(run[j], nullptr);
-          if (ns != NATS_OK) {
-            nak_rest(next + j + 1);
-            return Status::IOError(where(conn) + ": ack failed: " + internal::nats_error(ns));
-          }
-        }
-      }
-      next += taken;
-      if (next == msgs.size()) break;
-      // msgs[next] is refused: a gap or undecodable payload (the view said
-      // so), or not a batch at all.
-      if (Status s = refuse(conn, msgs[next], refused); !s.ok()) {
-        nak_rest(next + 1);
+      if (!s.ok()) {
+        hand_back();
         return s;
       }
-      ++next;
+    }
+    while (!todo.empty()) {
+      std::vector<ChangeBatch> run;
+      run.reserve(todo.size());
+      for (std::size_t i : todo) run.push_back(std::move(*items[i].batch));
+      const auto t0 = Clock::now();
+      Result<ApplyOutcome> outcome = view_->apply(std::span<const ChangeBatch>(run));
+      const auto micros = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+      if (!outcome.ok()) {
+        hand_back();
+        return Status(outcome.status().code(), where(conn) + ": GlobalView::apply of " + std::to_string(run.size()) +
+                                                   " batches (shard " + std::to_string(run[0].shard_id) + " seq " +
+                                                   std::to_string(run[0].seq) + " first): " +
+                                                   outcome.status().message());
+      }
+      const std::size_t taken = outcome->taken;
+      {
+        std::lock_guard<std::mutex> lock(stats_mu_);
+        ++stats_.view_writes;
+        stats_.apply_micros += static_cast<std::uint64_t>(micros);
+        stats_.applied_batches += outcome->applied;
+        stats_.redeliveries_skipped += outcome->taken - outcome->applied;
+      }
+      // Applied (durable) or already applied: either way the stream may
+      // forget them for this consumer. A lost ack only means a
+      // redelivery, which the view skips.
+      for (std::size_t j = 0; j < taken; ++j) {
+        Delivered& d = items[todo[j]];
+        natsStatus ns = natsMsg_Ack(d.msg, nullptr);
+        if (ns != NATS_OK) {
+          hand_back();
+          return Status::IOError(where(conn) + ": ack failed: " + internal::nats_error(ns));
+        }
+        d.done = true;
+      }
+      if (taken == todo.size()) break;
+      // run[taken] is refused: park its shard, terminate it and the later
+      // messages of that shard; the others go to the next span.
+      const std::uint64_t shard = run[taken].shard_id;
+      park(conn, shard, items[todo[taken]].stream_seq, outcome->refused);
+      std::vector<std::size_t> rest;
+      for (std::size_t j = taken; j < todo.size(); ++j) {
+        Delivered& d = items[todo[j]];
+        if (run[j].shard_id == shard) {
+          if (Status s = terminate(conn, &d); !s.ok()) {
+            hand_back();
+            return s;
+          }
+        } else {
+          d.batch = std::move(run[j]);
+          rest.push_back(todo[j]);
+        }
+      }
+      todo = std::move(rest);
     }
     return Status::OK();
+  }
+
+  // One read of a parked shard's subject from the stream (at most
+  // fetch_batch messages, no waiting): applies what continues the view's
+  // seq of the shard, and decides what next (include/tidal/nats.h):
+  //  - something new applied after a refusal since the reader started: read
+  //    again at once from the first refused message (the missing batch
+  //    arrived after batches it precedes);
+  //  - read to the stream's end, nothing refused since the reader started:
+  //    the shard is whole, unpark it;
+  //  - read to the end with refusals: follow the tail after a backoff;
+  //  - more to read: read on at once.
+  Status repair(Connection& conn, std::uint64_t shard, Repair& r) {
+    const std::string subject = internal::subject_of(config_, shard);
+    if (r.rewind || r.reader == nullptr) {
+      drop_reader(r);
+      jsSubOptions so;
+      jsSubOptions_Init(&so);
+      so.Stream = config_.stream.c_str();
+      so.Config.DeliverPolicy = r.read_from == 0 ? js_DeliverAll : js_DeliverByStartSequence;
+      so.Config.OptStartSeq = r.read_from;
+      so.Config.AckPolicy = js_AckNone;
+      so.Config.FilterSubject = subject.c_str();
+      so.Config.InactiveThreshold = std::chrono::duration_cast<std::chrono::nanoseconds>(kReaderInactive).count();
+      jsErrCode jerr = static_cast<jsErrCode>(0);
+      natsStatus ns = js_PullSubscribe(&r.reader, conn.js(), subject.c_str(), nullptr, nullptr, &so, &jerr);
+      if (ns != NATS_OK) {
+        r.reader = nullptr;
+        return Status::IOError(where(conn) + ": cannot read parked shard " + std::to_string(shard) + " (" + subject +
+                               " from stream seq " + std::to_string(r.read_from) + "): " + internal::nats_error(ns));
+      }
+      r.rewind = false;
+      r.first_refused = 0;
+    }
+    Result<std::uint64_t> applied = view_->applied_seq(shard);
+    if (!applied.ok()) return applied.status();
+    MsgList got;
+    natsStatus ns = fetch(r.reader, config_.fetch_batch, /*no_wait=*/true, kNoWaitExpiry, &got);
+    if (ns != NATS_OK && ns != NATS_TIMEOUT && ns != NATS_NOT_FOUND && got.list.Count == 0) {
+      return Status::IOError(where(conn) + ": reading parked shard " + std::to_string(shard) + " (" + subject +
+                             ") failed: " + internal::nats_error(ns));
+    }
+    std::vector<Delivered> items =
+        decode(got.list.Msgs, static_cast<std::size_t>(std::max(got.list.Count, 0)), /*from_consumer=*/false);
+    bool at_end = items.empty() || items.back().pending == 0;
+    // The run that continues the view's seq; a message past it is a gap for
+    // now (judged without a view call), one before it already applied.
+    std::vector<ChangeBatch> run;
+    std::vector<std::uint64_t> run_stream_seqs;
+    std::uint64_t next = *applied + 1;
+    std::optional<Status> refusal;
+    auto refuse = [&](std::uint64_t stream_seq, Status why) {
+      if (r.first_refused == 0 || stream_seq < r.first_refused) r.first_refused = stream_seq;
+      if (!refusal) refusal = std::move(why);
+    };
+    for (Delivered& d : items) {
+      if (!d.batch) {
+        // not a batch of any shard: nothing waits for it (as on the consumer)
+      } else if (d.batch->seq < next) {
+        // applied already
+      } else if (d.batch->seq == next) {
+        run_stream_seqs.push_back(d.stream_seq);
+        run.push_back(std::move(*d.batch));
+        ++next;
+      } else {
+        refuse(d.stream_seq, Status::Corruption("gap: shard " + std::to_string(shard) + " has applied through " +
+                                                std::to_string(next - 1) + "; batch seq " +
+                                                std::to_string(d.batch->seq) + " (stream seq " +
+                                                std::to_string(d.stream_seq) + ")"));
+      }
+    }
+    bool progressed = false;
+    if (!run.empty()) {
+      const auto t0 = Clock::now();
+      Result<ApplyOutcome> outcome = view_->apply(std::span<const ChangeBatch>(run));
+      const auto micros = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+      if (!outcome.ok()) {
+        return Status(outcome.status().code(), where(conn) + ": GlobalView::apply of parked shard " +
+                                                   std::to_string(shard) + " seq " + std::to_string(run[0].seq) +
+                                                   " to " + std::to_string(run.back().seq) + ": " +
+                                                   outcome.status().message());
+      }
+      progressed = outcome->applied > 0;
+      if (outcome->taken < run.size()) refuse(run_stream_seqs[outcome->taken], outcome->refused);
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      ++stats_.view_writes;
+      stats_.apply_micros += static_cast<std::uint64_t>(micros);
+      stats_.applied_batches += outcome->applied;
+    }
+    if (refusal) note_refusal(conn, shard, *refusal, /*count=*/!progressed && at_end);
+    const auto now = Clock::now();
+    if (progressed) r.backoff.reset();
+    if (progressed && r.first_refused != 0) {
+      r.read_from = r.first_refused;
+      r.rewind = true;
+      r.next_read = now;
+    } else if (at_end && r.first_refused == 0) {
+      unpark(shard, r);
+    } else if (at_end) {
+      r.next_read = now + r.backoff.next();
+    } else {
+      r.next_read = now;
+    }
+    return Status::OK();
+  }
+
+  bool parked(std::uint64_t shard) const {
+    auto it = repairs_.find(shard);
+    return it != repairs_.end() && it->second.parked;
+  }
+
+  void park(Connection& conn, std::uint64_t shard, std::uint64_t stream_seq, const Status& why) {
+    Repair& r = repairs_.try_emplace(shard, config_.min_backoff, config_.max_backoff).first->second;
+    if (!r.parked) {
+      r.parked = true;
+      // The first park since start reads the whole subject: a Follower
+      // before this one may have terminated messages of the shard that
+      // precede this one. After that, every message of the shard before
+      // this one was applied by this Follower.
+      r.read_from = r.parked_before ? stream_seq : 0;
+      r.parked_before = true;
+      r.rewind = true;
+      r.first_refused = 0;
+      r.backoff.reset();
+      r.next_read = Clock::now() + config_.min_backoff;
+    }
+    note_refusal(conn, shard, why);
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    shard_stats_[shard].parked = true;
+    stats_.stalled_on_gap = true;
+  }
+
+  void unpark(std::uint64_t shard, Repair& r) {
+    drop_reader(r);
+    r.parked = false;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    shard_stats_[shard].parked = false;
+    stats_.stalled_on_gap = false;
+    for (const auto& [id, other] : repairs_) stats_.stalled_on_gap = stats_.stalled_on_gap || other.parked;
+  }
+
+  void drop_reader(Repair& r) {
+    if (r.reader == nullptr) return;
+    (void)natsSubscription_Unsubscribe(r.reader);  // deletes the ephemeral consumer
+    natsSubscription_Destroy(r.reader);
+    r.reader = nullptr;
+    r.rewind = true;
+  }
+
+  Status terminate(Connection& conn, Delivered* d) {
+    natsStatus ns = natsMsg_Term(d->msg, nullptr);
+    if (ns != NATS_OK) return Status::IOError(where(conn) + ": terminating a refused message failed: " +
+                                              internal::nats_error(ns));
+    d->done = true;
+    return Status::OK();
+  }
+
+  // A refusal, in the shard's stats (none for a message of no shard) and
+  // the follower's; counted unless `count` is false (a repair read that
+  // only finds the gap still open counts once per pass).
+  void note_refusal(Connection& conn, std::optional<std::uint64_t> shard, const Status& why, bool count = true) {
+    const std::string text =
+        Status(why.code(), where(conn) + (shard ? ": not applied, the shard is parked until the missing batch is in "
+                                                  "the stream: "
+                                                : ": not applied: ") +
+                               why.message())
+            .to_string();
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    if (count) ++stats_.gaps;
+    stats_.last_error = text;
+    if (shard) {
+      FollowerShardStats& s = shard_stats_[*shard];
+      s.shard_id = *shard;
+      if (count) ++s.refused;
+      s.last_error = text;
+    }
+  }
+
+  // Messages read from the stream (the consumer's and parked shards' reads).
+  void note_fetched(natsMsg* const* msgs, std::size_t n) {
+    std::uint64_t bytes = 0;
+    for (std::size_t i = 0; i < n; ++i) bytes += static_cast<std::uint64_t>(std::max(natsMsg_GetDataLength(msgs[i]), 0));
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.fetched_messages += n;
+    stats_.fetched_bytes += bytes;
+  }
+
+  void note_seen(std::uint64_t shard, std::uint64_t seq) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    FollowerShardStats& s = shard_stats_[shard];
+    s.shard_id = shard;
+    s.stream_seq = std::max(s.stream_seq, seq);
   }
 
   // Lag (messages still to come) and the time from the stream's store to
   // this fetch, from the message's JetStream metadata.
-  void note_delivery(natsMsg* msg, std::chrono::system_clock::time_point fetched_at) {
+  void note_delivery(Delivered* d, std::chrono::system_clock::time_point fetched_at, bool from_consumer) {
     jsMsgMetaData* meta = nullptr;
-    if (natsMsg_GetMetaData(&meta, msg) != NATS_OK) return;
-    const std::int64_t now_ns =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(fetched_at.time_since_epoch()).count();
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_.lag_messages = meta->NumPending;
-    if (meta->NumDelivered == 1 && now_ns > meta->Timestamp) {
-      stats_.stored_to_fetched_micros += static_cast<std::uint64_t>((now_ns - meta->Timestamp) / 1000);
-      ++stats_.first_deliveries;
+    if (natsMsg_GetMetaData(&meta, d->msg) != NATS_OK) return;
+    d->stream_seq = meta->Sequence.Stream;
+    d->pending = meta->NumPending;
+    if (from_consumer) {
+      const std::int64_t now_ns =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(fetched_at.time_since_epoch()).count();
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      stats_.lag_messages = meta->NumPending;
+      if (meta->NumDelivered == 1 && now_ns > meta->Timestamp) {
+        stats_.stored_to_fetched_micros += static_cast<std::uint64_t>((now_ns - meta->Timestamp) / 1000);
+        ++stats_.first_deliveries;
+      }
     }
     jsMsgMetaData_Destroy(meta);
   }
 
-  Status refuse(Connection& conn, natsMsg* msg, const Status& why) {
+  // An empty fetch says nothing about the stream: the server may hold
+  // messages back (MaxAckPending reached by another Follower of the same
+  // consumer). Ask it how many the consumer has not delivered yet.
+  void note_idle(Connection& conn) {
+    const auto now = Clock::now();
+    if (now - last_lag_poll_ < kLagPollInterval) return;
+    last_lag_poll_ = now;
+    jsConsumerInfo* ci = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    if (js_GetConsumerInfo(&ci, conn.js(), config_.stream.c_str(), consumer_.c_str(), nullptr, &jerr) != NATS_OK) {
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
-      ++stats_.gaps;
-      stats_.stalled_on_gap = true;
-      stats_.last_error = Status(why.code(), where(conn) + ": not applied, delivered again later: " + why.message())
-                              .to_string();
+      stats_.lag_messages = ci->NumPending;
     }
-    natsStatus ns = natsMsg_NakWithDelay(msg, kRefusedRedeliveryDelay.count(), nullptr);
-    if (ns != NATS_OK) return Status::IOError(where(conn) + ": nak failed: " + internal::nats_error(ns));
-    return Status::OK();
+    jsConsumerInfo_Destroy(ci);
   }
 
   GlobalView* const view_;
   const Config config_;
   const std::string consumer_;
   const std::string filter_;
+  std::map<std::uint64_t, Repair> repairs_;  // the follower thread's only
+  Clock::time_point last_lag_poll_{};        // the follower thread's only
   mutable std::mutex stats_mu_;
-  FollowerStats stats_;
+  FollowerStats stats_;                                     // guarded by stats_mu_
+  std::map<std::uint64_t, FollowerShardStats> shard_stats_;  // guarded by stats_mu_
   internal::Worker worker_;  // last: destroyed (joined) first
 };
 

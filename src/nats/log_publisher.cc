@@ -31,11 +31,12 @@ class LogPublisher::Engine {
                          [this](const Status& s) { note_failure(stats_mu_, &stats_, s); });
   }
 
-  // OK, or the error that stopped the publisher for good (a fence).
+  // The error that stopped the publisher for good (a fence), else what the
+  // thread was retrying when it stopped, else OK.
   Status stop() {
     worker_.stop();
     std::lock_guard<std::mutex> lock(stats_mu_);
-    return halt_status_;
+    return halt_status_.ok() ? worker_.last_error() : halt_status_;
   }
 
   PublisherStats stats() const {
@@ -55,7 +56,8 @@ class LogPublisher::Engine {
     Connection conn;
     const std::string marker = log_->marker();
     Status s = conn.connect(config_, "tidal-" + (marker.empty() ? std::string() : marker + "-") + "publisher-" +
-                                         std::to_string(shard_));
+                                         std::to_string(shard_),
+                            [this] { return worker_.stopping(); });
     if (!s.ok()) return s;
     Worker::Attach attach(worker_, conn);
     if (!attach.ok()) return Status::OK();  // stopping

@@ -1,5 +1,6 @@
 // PublisherStats and FollowerStats in the Prometheus text format
 // (include/tidal/nats.h, tidal/metrics.h).
+#include <cstdint>
 #include <string>
 
 #include "tidal/metrics.h"
@@ -76,6 +77,13 @@ Result<std::string> prometheus_text(const FollowerStats& st, const MetricLabels&
            "1 when the last message seen was a gap: the view waits for the missing batch."},
           {"tidal_follower_view_writes_total", "counter", st.view_writes, "GlobalView::apply calls."},
           {"tidal_follower_apply_microseconds_total", "counter", st.apply_micros, "Time spent in those calls."},
+          {"tidal_follower_fetched_messages_total", "counter", st.fetched_messages,
+           "Messages read from the stream (consumer, parked shards' reads, backfill probes)."},
+          {"tidal_follower_fetched_bytes_total", "counter", st.fetched_bytes, "Payload bytes of those messages."},
+          {"tidal_follower_backfill_start_seq", "gauge", st.backfill_start_seq,
+           "Stream seq the consumer was created at for a view from a checkpoint (0: the stream's first message)."},
+          {"tidal_follower_backfill_probes_total", "counter", st.backfill_probes,
+           "Messages read to find where a new consumer starts."},
       },
       {});
   if (!s.ok()) return s;
@@ -85,6 +93,31 @@ Result<std::string> prometheus_text(const FollowerStats& st, const MetricLabels&
     s = out->sample(p.applied_seq, {{"shard", std::to_string(p.shard_id)}});
   }
   if (!s.ok()) return s;
+  // Per shard, as the Follower sees it: one family at a time, a sample per shard.
+  struct PerShard {
+    const char* name;
+    const char* type;
+    const char* help;
+    std::uint64_t (*value)(const FollowerShardStats&);
+  };
+  static constexpr PerShard kPerShard[] = {
+      {"tidal_follower_shard_stream_seq", "gauge", "The highest seq of the shard the Follower has seen in the stream.",
+       [](const FollowerShardStats& x) { return x.stream_seq; }},
+      {"tidal_follower_shard_lag_batches", "gauge",
+       "Batches of the shard seen in the stream and not applied; alert when it grows for one shard.",
+       [](const FollowerShardStats& x) { return x.lag_batches; }},
+      {"tidal_follower_shard_parked", "gauge",
+       "1 while a refused batch (a gap, another incarnation) parks the shard; the other shards keep applying.",
+       [](const FollowerShardStats& x) -> std::uint64_t { return x.parked ? 1u : 0u; }},
+      {"tidal_follower_shard_refused_total", "counter", "Messages of the shard the view refused.",
+       [](const FollowerShardStats& x) { return x.refused; }},
+  };
+  for (const PerShard& f : kPerShard) {
+    if (s = out->family(f.name, f.type, f.help); !s.ok()) return s;
+    for (const FollowerShardStats& x : st.shards) {
+      if (s = out->sample(f.value(x), {{"shard", std::to_string(x.shard_id)}}); !s.ok()) return s;
+    }
+  }
   return out->text();
 }
 

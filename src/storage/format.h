@@ -134,6 +134,10 @@ inline constexpr char kFeedTrimmedKey[] = "feed_trimmed";
 // the feed is created (or at the first writable open of a feed made before
 // incarnations), never changed; ChangeBatch::incarnation is their hex.
 inline constexpr char kFeedIncarnationKey[] = "feed_incarnation";
+
+// The manifest of a backup (Db::backup), in its directory: a Db directory
+// that holds it is recovering until finish_recovery() removes it.
+inline constexpr char kBackupManifest[] = "TIDAL_BACKUP";
 inline constexpr std::size_t kIncarnationBytes = 16;
 
 // "clock_floor/" + [stripe: 8 bytes BE].

@@ -3,8 +3,9 @@
 //     a shard: Db with a change feed, a Publisher, random operations until
 //     killed; with TRIMS, it SIGKILLs itself right after its TRIMS-th
 //     trim_changes was written (Storage::step_for_testing)
-//   nats_child follower VIEW_DIR SERVERS STREAM CONSUMER
-//     a view: GlobalView and a Follower until killed
+//   nats_child follower VIEW_DIR SERVERS STREAM CONSUMER [default-ack-wait]
+//     a view: GlobalView and a Follower until killed (with
+//     default-ack-wait: Config's default ack_wait, not the tests' 1.5 s)
 // Writes "ready\n" to stdout once started.
 #include <unistd.h>
 
@@ -60,7 +61,7 @@ int main(int argc, char** argv) {
     if (!pub.ok()) return fail("publisher", pub.status());
     std::printf("ready\n");
     std::fflush(stdout);
-    testing::Workload w(std::strtoull(argv[6], nullptr, 10), 50, /*purges=*/false);
+    testing::Workload w(std::strtoull(argv[6], nullptr, 10), 50);  // purges among the operations
     std::vector<Db*> shards{db->get()};
     for (std::uint64_t i = 0;; ++i) {
       std::string e = w.step(shards, nullptr);
@@ -74,7 +75,9 @@ int main(int argc, char** argv) {
   if (argc >= 6 && std::string(argv[1]) == "follower") {
     auto view = GlobalView::open(argv[2]);
     if (!view.ok()) return fail("view", view.status());
-    auto follower = Follower::start(view->get(), config_of(argv[3], argv[4]), argv[5]);
+    Config config = config_of(argv[3], argv[4]);
+    if (argc >= 7 && std::string(argv[6]) == "default-ack-wait") config.ack_wait = Config{}.ack_wait;
+    auto follower = Follower::start(view->get(), config, argv[5]);
     if (!follower.ok()) return fail("follower", follower.status());
     std::printf("ready\n");
     std::fflush(stdout);

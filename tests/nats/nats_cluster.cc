@@ -47,7 +47,8 @@ int free_port(std::set<int>* taken) {
 
 }  // namespace
 
-NatsCluster::NatsCluster(int nodes) {
+NatsCluster::NatsCluster(int nodes, const std::string& extra_config, std::function<void(natsOptions*)> client_options)
+    : client_options_(std::move(client_options)) {
   std::string pattern = (std::filesystem::temp_directory_path() / "tidal-nats-XXXXXX").string();
   if (::mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
   dir_ = pattern;
@@ -73,6 +74,7 @@ NatsCluster::NatsCluster(int nodes) {
       }
       conf << "]\n}\n";
     }
+    conf << extra_config << "\n";
   }
 }
 
@@ -115,6 +117,16 @@ void NatsCluster::kill(int node) {
   pids_[n] = 0;
 }
 
+void NatsCluster::freeze(int node) {
+  const std::size_t n = static_cast<std::size_t>(node);
+  if (pids_[n] > 0) ::kill(pids_[n], SIGSTOP);
+}
+
+void NatsCluster::thaw(int node) {
+  const std::size_t n = static_cast<std::size_t>(node);
+  if (pids_[n] > 0) ::kill(pids_[n], SIGCONT);
+}
+
 void NatsCluster::kill_all() {
   for (int i = 0; i < size(); ++i) kill(i);
 }
@@ -137,7 +149,9 @@ bool NatsCluster::wait_jetstream(std::chrono::milliseconds timeout) {
         if (urls.empty()) return false;
         std::vector<const char*> ptrs;
         for (const auto& u : urls) ptrs.push_back(u.c_str());
-        bool ok = natsOptions_Create(&opts) == NATS_OK &&
+        bool ok = natsOptions_Create(&opts) == NATS_OK;
+        if (ok && client_options_) client_options_(opts);
+        ok = ok &&
                   natsOptions_SetServers(opts, ptrs.data(), static_cast<int>(ptrs.size())) == NATS_OK &&
                   natsOptions_SetTimeout(opts, 1000) == NATS_OK && natsOptions_SetAllowReconnect(opts, false) == NATS_OK &&
                   natsConnection_Connect(&nc, opts) == NATS_OK;

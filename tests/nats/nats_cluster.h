@@ -15,12 +15,18 @@
 #include <string>
 #include <vector>
 
+#include <nats/nats.h>
+
 namespace tidal::nats::testing {
 
 class NatsCluster {
  public:
-  // Picks ports and writes the config files; starts nothing.
-  explicit NatsCluster(int nodes = 3);
+  // Picks ports and writes the config files; starts nothing. `extra_config`
+  // is appended to every server's file (e.g. an authorization or tls
+  // block); `client_options` sets what a client then needs on the options
+  // wait_jetstream() connects with.
+  explicit NatsCluster(int nodes = 3, const std::string& extra_config = "",
+                       std::function<void(natsOptions*)> client_options = {});
   ~NatsCluster();  // SIGKILLs every server, removes the directory
   NatsCluster(const NatsCluster&) = delete;
   NatsCluster& operator=(const NatsCluster&) = delete;
@@ -31,6 +37,10 @@ class NatsCluster {
   void start(int node);                 // starts one server (no wait)
   void kill(int node);                  // SIGKILL and reap
   void kill_all();
+  // SIGSTOP / SIGCONT: a server frozen with its sockets open (the kernel
+  // still accepts connections on its port; nothing answers).
+  void freeze(int node);
+  void thaw(int node);
   bool running(int node) const { return pids_[static_cast<std::size_t>(node)] > 0; }
   // Waits until JetStream answers through `servers()`.
   bool wait_jetstream(std::chrono::milliseconds timeout);
@@ -46,6 +56,7 @@ class NatsCluster {
   std::string dir_;
   std::vector<int> client_ports_, route_ports_, http_ports_;
   std::vector<pid_t> pids_;
+  std::function<void(natsOptions*)> client_options_;
 };
 
 // Polls `done` every 20 ms until it is true or `timeout` passes.

@@ -4,7 +4,11 @@
 // unavailable cluster, a view joining from a checkpoint, gaps reported and
 // never skipped, and clear errors for bad configs and mismatched streams.
 // docs/CONTRACT.md ("NATS JetStream") lists each guarantee with its test.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -15,8 +19,11 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <iostream>
+#include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -120,6 +127,23 @@ std::uint64_t stream_messages(const NatsCluster& cluster, const std::string& str
   if (natsConnection_JetStream(&js, nc, nullptr) == NATS_OK &&
       js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK) {
     n = si->State.Msgs;
+  }
+  if (si != nullptr) jsStreamInfo_Destroy(si);
+  if (js != nullptr) jsCtx_Destroy(js);
+  natsConnection_Destroy(nc);
+  return n;
+}
+
+// Bytes the stream holds (payloads, headers and JetStream's own).
+std::uint64_t stream_bytes(const NatsCluster& cluster, const std::string& stream) {
+  std::uint64_t n = 0;
+  natsConnection* nc = nullptr;
+  jsCtx* js = nullptr;
+  if (natsConnection_ConnectTo(&nc, cluster.servers().c_str()) != NATS_OK) return 0;
+  jsStreamInfo* si = nullptr;
+  if (natsConnection_JetStream(&js, nc, nullptr) == NATS_OK &&
+      js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK) {
+    n = si->State.Bytes;
   }
   if (si != nullptr) jsStreamInfo_Destroy(si);
   if (js != nullptr) jsCtx_Destroy(js);
@@ -830,6 +854,9 @@ TEST(NatsCrash, AShardKilledMidPublishLosesNoBatchAndPublishesNoneTwice) {
   ASSERT_NE(db, nullptr);
   const std::uint64_t trimmed_before = db->stats().change_feed_trimmed_seq;
   EXPECT_GT(trimmed_before, 0u) << "no round published anything";
+  std::size_t receipts = 0;  // the rounds purged (their deltas are in the feed like any other)
+  for (std::uint64_t u = 1; u <= 50; ++u) receipts += db->purge_receipts(u).ok() ? db->purge_receipts(u)->size() : 0;
+  EXPECT_GT(receipts, 0u) << "no round purged anything";
   auto pub = start_publisher(db.get(), config);
   auto view = open_view(dir.sub("view"));
   auto f = start_follower(view.get(), config, "view");
@@ -885,6 +912,67 @@ TEST(NatsCrash, AFollowerKilledMidApplyLeavesTheViewExactAfterRestart) {
   auto f = start_follower(view.get(), config, "view");
   ASSERT_NE(f, nullptr);
   ASSERT_TRUE(converge(raw(shards), *view, *f));
+  EXPECT_EQ(compare(*view, *reference), "");
+}
+
+// With Config's default ack_wait (30 s), a Follower killed holding messages
+// it had not acknowledged: its successor does not wait for the server to
+// deliver them again (a parked shard reads its subject from the stream), so
+// the view catches up well within ack_wait, exactly.
+TEST(NatsCrash, AFollowerKilledWithTheDefaultAckWaitCatchesUpWithoutWaitingForIt) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "ACKWAIT", 3);
+  config.ack_wait = Config{}.ack_wait;
+  ASSERT_GE(config.ack_wait, 10s);
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (std::uint64_t s = 0; s < 2; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+    ASSERT_NE(shards.back(), nullptr);
+    pubs.push_back(start_publisher(shards.back().get(), config));
+    ASSERT_NE(pubs.back(), nullptr);
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  Workload w(29, 80);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  std::atomic<bool> done{false};
+  std::string error;
+  std::thread load([&] {
+    for (int i = 0; !done.load(); ++i) {
+      error = w.step(raw(shards), reference.get());
+      if (!error.empty()) return;
+      if (i % 20 == 0) std::this_thread::sleep_for(1ms);
+    }
+  });
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  // Kill followers until one dies holding unacknowledged messages.
+  std::mt19937_64 rng(13);
+  std::int64_t pending = 0;
+  for (int r = 0; r < 20 && pending == 0; ++r) {
+    Child child({"follower", dir.sub("view"), config.servers, config.stream, "view", "default-ack-wait"});
+    std::this_thread::sleep_for(std::chrono::milliseconds(300 + rng() % 500));
+    ASSERT_TRUE(child.kill()) << "the follower process failed on its own in round " << r;
+    jsConsumerInfo* ci = nullptr;
+    if (js_GetConsumerInfo(&ci, js.js(), config.stream.c_str(), "view", nullptr, nullptr) == NATS_OK) {
+      pending = ci->NumAckPending;
+      jsConsumerInfo_Destroy(ci);
+    }
+  }
+  done = true;
+  load.join();
+  ASSERT_EQ(error, "");
+  ASSERT_GT(pending, 0) << "no killed follower held an unacknowledged message";
+  auto view = open_view(dir.sub("view"));
+  ASSERT_NE(view, nullptr);
+  const auto start = std::chrono::steady_clock::now();
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_NE(f, nullptr);
+  const auto bound = std::chrono::duration_cast<std::chrono::milliseconds>(config.ack_wait / 2);
+  ASSERT_TRUE(converge(raw(shards), *view, *f, bound)) << pending << " messages were unacknowledged";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, config.ack_wait / 2);
   EXPECT_EQ(compare(*view, *reference), "");
 }
 
@@ -945,13 +1033,441 @@ TEST(NatsOutage, PublisherAndFollowerRetryWithBoundedBackoffAndCatchUp) {
   ASSERT_TRUE(converge(raw(shards), *view, *f, 90s));
   EXPECT_EQ(compare(*view, *reference), "");
 
-  // stop() is prompt while the cluster is down.
+  // stop() is prompt while the cluster is down, and says what the thread
+  // was retrying (issue 27 item 6: it returned OK).
   cluster.kill_all();
-  EXPECT_TRUE(eventually([&] { return !pubs[1]->stats().connected; }, 5s));
+  EXPECT_TRUE(eventually([&] { return !pubs[1]->stats().connected && !f->stats().connected; }, 5s));
   auto t0 = std::chrono::steady_clock::now();
-  EXPECT_OK(pubs[1]->stop());
-  EXPECT_OK(f->stop());
+  Status pub_stop = pubs[1]->stop();
+  Status follower_stop = f->stop();
   EXPECT_LT(std::chrono::steady_clock::now() - t0, config.request_timeout + 1s);
+  for (const Status* s : {&pub_stop, &follower_stop}) {
+    EXPECT_EQ(s->code(), StatusCode::IOError) << s->to_string();
+    EXPECT_NE(s->message().find("127.0.0.1"), std::string::npos) << s->to_string();
+  }
+}
+
+// ---- stop() is bounded whatever the servers do ----
+
+// A TCP listener on loopback that accepts connections and then never
+// answers, or sends a NATS INFO greeting and then nothing (a server frozen
+// mid-handshake). A real socket, not a mock server. Its destructor closes
+// every accepted socket, which also releases a client stuck on it.
+class FakeServer {
+ public:
+  // pong_once: greets every connection, and answers the first one's PING
+  // (a server alive for tidal's probe that freezes before the client's
+  // own handshake).
+  explicit FakeServer(bool greet, bool pong_once = false) : greet_(greet), pong_once_(pong_once) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    ok_ = fd_ >= 0 && ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+          ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0 && ::listen(fd_, 64) == 0;
+    port_ = ntohs(addr.sin_port);
+    if (ok_) thread_ = std::thread([this] { serve(); });
+  }
+  ~FakeServer() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    for (int c : accepted_) ::close(c);
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FakeServer(const FakeServer&) = delete;
+  FakeServer& operator=(const FakeServer&) = delete;
+  bool ok() const { return ok_; }
+  std::string url() const { return "nats://127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  void serve() {
+    static constexpr char kInfo[] =
+        "INFO {\"server_id\":\"FAKE\",\"server_name\":\"fake\",\"version\":\"2.9.10\",\"proto\":1,"
+        "\"host\":\"127.0.0.1\",\"port\":4222,\"headers\":true,\"max_payload\":1048576,\"jetstream\":true}\r\n";
+    while (!stop_) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 20) <= 0) continue;
+      const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) continue;
+      accepted_.push_back(c);
+      if (greet_ || pong_once_) (void)::send(c, kInfo, sizeof(kInfo) - 1, MSG_NOSIGNAL);
+      if (pong_once_ && !ponged_) {
+        std::string got;
+        char buf[512];
+        for (int i = 0; i < 100 && got.find("PING\r\n") == std::string::npos; ++i) {
+          pollfd q{c, POLLIN, 0};
+          if (::poll(&q, 1, 20) <= 0) continue;
+          const ssize_t n = ::recv(c, buf, sizeof(buf), 0);
+          if (n <= 0) break;
+          got.append(buf, static_cast<std::size_t>(n));
+        }
+        (void)::send(c, "PONG\r\n", 6, MSG_NOSIGNAL);
+        ponged_ = true;
+      }
+    }
+  }
+
+  bool greet_;
+  bool pong_once_;
+  bool ponged_ = false;  // the serving thread's
+  bool ok_ = false;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false};
+  std::vector<int> accepted_;  // the serving thread's, then the destructor's
+  std::thread thread_;
+};
+
+// Calls stop() on another thread and waits at most `limit` for it: how
+// long it took, or nullopt when it had not returned (the call is then left
+// to finish when the servers let go, which `release` makes them do).
+template <class T>
+std::optional<std::chrono::milliseconds> timed_stop(T* t, Status* out, std::chrono::milliseconds limit,
+                                                    std::shared_future<Status>* pending) {
+  const auto t0 = std::chrono::steady_clock::now();
+  *pending = std::async(std::launch::async, [t] { return t->stop(); }).share();
+  if (pending->wait_for(limit) != std::future_status::ready) return std::nullopt;
+  *out = pending->get();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+}
+
+// Issue 27 items 6 and 9: a connect is interruptible. Four servers that
+// accept and never answer, or greet and then go silent: start() returns
+// after one attempt of at most request_timeout (not one per server),
+// stop() within request_timeout plus a small margin, and stop() returns
+// what the thread was retrying, naming the servers. Red with the former
+// connect (natsConnection_Connect on the caller's thread): silent servers
+// took request_timeout each (start() waited request_timeout + 1 s, stop()
+// another 2 s); after a greeting the connect never returned (stop() still
+// blocked after 10 s, a core spinning).
+TEST(NatsLifecycle, StopIsBoundedByRequestTimeoutWhenServersAreSilentOrGreetAndFreeze) {
+  for (bool greet : {false, true}) {
+    SCOPED_TRACE(greet ? "servers greet, then go silent" : "servers accept, never answer");
+    std::vector<std::unique_ptr<FakeServer>> fakes;
+    std::string servers;
+    for (int i = 0; i < 4; ++i) {
+      fakes.push_back(std::make_unique<FakeServer>(greet));
+      ASSERT_TRUE(fakes.back()->ok());
+      servers += (servers.empty() ? "" : ",") + fakes.back()->url();
+    }
+    TempDir dir;
+    Config config;
+    config.servers = servers;
+    config.stream = "SILENT";
+    config.subject_prefix = "tidal.SILENT";
+    config.replicas = 1;
+    config.request_timeout = 1000ms;
+    config.min_backoff = 50ms;
+    config.max_backoff = 200ms;
+    const auto bound = config.request_timeout + config.min_backoff + 250ms;
+    auto db = open_shard(dir.sub("db"), 1);
+    auto view = open_view(dir.sub("view"));
+    ASSERT_TRUE(db && view);
+
+    auto t0 = std::chrono::steady_clock::now();
+    auto p = Publisher::start(db.get(), config);
+    const auto publisher_start = std::chrono::steady_clock::now() - t0;
+    ASSERT_TRUE(p.ok()) << p.status().to_string();  // an unreachable cluster is not an error
+    t0 = std::chrono::steady_clock::now();
+    auto f = Follower::start(view.get(), config, "view");
+    const auto follower_start = std::chrono::steady_clock::now() - t0;
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    EXPECT_LT(publisher_start, config.request_timeout + 500ms);
+    EXPECT_LT(follower_start, config.request_timeout + 500ms);
+
+    // Mid-attempt (the threads retry at once after 50 ms): stop is prompt.
+    std::this_thread::sleep_for(300ms);
+    Status ps, fs;
+    std::shared_future<Status> p_pending, f_pending;
+    auto p_took = timed_stop(p->get(), &ps, 10s, &p_pending);
+    auto f_took = timed_stop(f->get(), &fs, 10s, &f_pending);
+    const bool hung = !p_took || !f_took;
+    fakes.clear();  // closes the accepted sockets: a stuck connect fails now
+    if (p_pending.valid()) p_pending.wait();
+    if (f_pending.valid()) f_pending.wait();
+    ASSERT_FALSE(hung) << "stop() had not returned after 10 s (publisher " << (p_took ? "returned" : "blocked")
+                       << ", follower " << (f_took ? "returned" : "blocked") << ")";
+    EXPECT_LT(*p_took, bound);
+    EXPECT_LT(*f_took, bound);
+    // What the thread was retrying: the servers, and what they did.
+    const std::string did = greet ? "did not answer a PING" : "sent no greeting";
+    for (const Status* s : {&ps, &fs}) {
+      EXPECT_EQ(s->code(), StatusCode::IOError) << s->to_string();
+      EXPECT_NE(s->message().find(did), std::string::npos) << s->to_string();
+      EXPECT_NE(s->message().find("127.0.0.1"), std::string::npos) << s->to_string();
+    }
+  }
+}
+
+// A server that answers tidal's probe and then freezes in the client's own
+// handshake (libnats 3.4 never returns there, spinning a core): the
+// client's connect is abandoned at the timeout (its thread frees the
+// connection when the server lets go), start() and stop() stay bounded.
+TEST(NatsLifecycle, AConnectThatHangsAfterTheProbeIsAbandonedAtTheTimeout) {
+  auto fake = std::make_unique<FakeServer>(/*greet=*/true, /*pong_once=*/true);
+  ASSERT_TRUE(fake->ok());
+  TempDir dir;
+  Config config;
+  config.servers = fake->url();
+  config.stream = "HANG";
+  config.subject_prefix = "tidal.HANG";
+  config.replicas = 1;
+  config.request_timeout = 1000ms;
+  config.min_backoff = 50ms;
+  config.max_backoff = 200ms;
+  auto view = open_view(dir.sub("view"));
+  ASSERT_NE(view, nullptr);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto f = Follower::start(view.get(), config, "view");
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  EXPECT_LT(took, config.request_timeout + 500ms);
+  EXPECT_TRUE(eventually([&] { return (*f)->stats().last_error.find("abandoned") != std::string::npos; }, 1s))
+      << (*f)->stats().last_error;
+  Status st;
+  std::shared_future<Status> pending;
+  auto stop_took = timed_stop(f->get(), &st, 10s, &pending);
+  fake.reset();  // lets the abandoned connect return
+  if (pending.valid()) pending.wait();
+  ASSERT_TRUE(stop_took.has_value());
+  EXPECT_LT(*stop_took, config.request_timeout + config.min_backoff + 250ms);
+  EXPECT_EQ(st.code(), StatusCode::IOError) << st.to_string();
+}
+
+// The same with real nats-servers frozen by SIGSTOP (the kernel still
+// accepts on their ports): a Publisher and a Follower that were working
+// stop within the bound (a publish in flight is abandoned), and new ones
+// start after one attempt and stop within the bound. Red with the former
+// connect: start() took request_timeout + 1 s (three servers tried in turn).
+TEST(NatsLifecycle, StopIsBoundedWhenEveryServerIsFrozenBySigstop) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "FROZEN", 3);
+  config.request_timeout = 1000ms;
+  const auto bound = config.request_timeout + config.min_backoff + 250ms;
+  auto db = open_shard(dir.sub("db"), 1);
+  auto view = open_view(dir.sub("view"));
+  ASSERT_TRUE(db && view);
+  auto p = start_publisher(db.get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(p && f);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 1, 1.0}, {{1}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+
+  for (int n = 0; n < 3; ++n) cluster.freeze(n);
+  // A batch to publish: its ack never comes.
+  ASSERT_TRUE(db->signal_with_context({1, 2, 1.0}, {{1}}).ok());
+  ASSERT_OK(db->flush());
+  std::this_thread::sleep_for(300ms);
+  Status ps, fs;
+  std::shared_future<Status> p_pending, f_pending;
+  auto p_took = timed_stop(p.get(), &ps, 10s, &p_pending);
+  auto f_took = timed_stop(f.get(), &fs, 10s, &f_pending);
+  const bool hung = !p_took || !f_took;
+  if (hung) {
+    for (int n = 0; n < 3; ++n) cluster.kill(n);
+    if (p_pending.valid()) p_pending.wait();
+    if (f_pending.valid()) f_pending.wait();
+  }
+  ASSERT_FALSE(hung);
+  EXPECT_LT(*p_took, bound);
+  EXPECT_LT(*f_took, bound);
+
+  // New ones, while every server is frozen.
+  auto t0 = std::chrono::steady_clock::now();
+  auto p2 = Publisher::start(db.get(), config);
+  const auto publisher_start = std::chrono::steady_clock::now() - t0;
+  t0 = std::chrono::steady_clock::now();
+  auto f2 = Follower::start(view.get(), config, "view");
+  const auto follower_start = std::chrono::steady_clock::now() - t0;
+  ASSERT_TRUE(p2.ok() && f2.ok());
+  EXPECT_LT(publisher_start, config.request_timeout + 500ms);
+  EXPECT_LT(follower_start, config.request_timeout + 500ms);
+  std::this_thread::sleep_for(300ms);
+  p_took = timed_stop(p2->get(), &ps, 10s, &p_pending);
+  f_took = timed_stop(f2->get(), &fs, 10s, &f_pending);
+  if (!p_took || !f_took) {
+    for (int n = 0; n < 3; ++n) cluster.kill(n);
+    if (p_pending.valid()) p_pending.wait();
+    if (f_pending.valid()) f_pending.wait();
+  }
+  ASSERT_TRUE(p_took && f_took);
+  EXPECT_LT(*p_took, bound);
+  EXPECT_LT(*f_took, bound);
+  for (const Status* s : {&ps, &fs}) {
+    EXPECT_EQ(s->code(), StatusCode::IOError) << s->to_string();
+    EXPECT_NE(s->message().find("sent no greeting"), std::string::npos) << s->to_string();
+  }
+  for (int n = 0; n < 3; ++n) cluster.thaw(n);
+}
+
+// ---- Authentication and TLS ----
+
+// A Publisher and a Follower against a server that requires a user and a
+// password: without them (or with a wrong password) they never connect and
+// say why; with them the view converges. Bad combinations are refused.
+TEST(NatsSecurity, AServerThatRequiresUserAndPasswordIsServedWithThem) {
+  const std::string password = "s3cr3t P@ss!";
+  NatsCluster cluster(1, "authorization {\n  user: tidal\n  password: \"" + password + "\"\n}\n",
+                      [&](natsOptions* o) { natsOptions_SetUserInfo(o, "tidal", password.c_str()); });
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "AUTH", 1);
+  config.request_timeout = 1000ms;
+  auto db = open_shard(dir.sub("db"), 4);
+  auto view = open_view(dir.sub("view"));
+  ASSERT_TRUE(db && view);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 3, 1.25}, {{2}}).ok());
+  ASSERT_OK(db->flush());
+
+  for (const std::string& wrong : {std::string(), std::string("wrong")}) {
+    Config c = config;
+    if (!wrong.empty()) {
+      c.user = "tidal";
+      c.password = wrong;
+    }
+    auto p = Publisher::start(db.get(), c);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();  // retried: a server may be reconfigured
+    auto f = Follower::start(view.get(), c, "view");
+    ASSERT_TRUE(f.ok()) << f.status().to_string();
+    EXPECT_FALSE((*p)->stats().connected);
+    EXPECT_FALSE((*f)->stats().connected);
+    const Status ps = (*p)->stop();
+    const Status fs = (*f)->stop();
+    for (const Status* st : {&ps, &fs}) {
+      EXPECT_EQ(st->code(), StatusCode::IOError) << st->to_string();
+      EXPECT_NE(st->message().find("Authorization"), std::string::npos) << st->to_string();
+    }
+  }
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u);
+
+  config.user = "tidal";
+  config.password = password;
+  auto p = start_publisher(db.get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(p && f);
+  ASSERT_TRUE(db->signal_with_context({1, 4, 2.5}, {{2}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+  EXPECT_EQ(compare(*view, *db), "");
+  EXPECT_OK(f->stop());
+  EXPECT_OK(p->stop());
+
+  // Combinations no server could serve: InvalidArgument naming the fields.
+  Config half = config;
+  half.password.clear();
+  Result<std::unique_ptr<Publisher>> r = Publisher::start(db.get(), half);
+  ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("password"), std::string::npos) << r.status().to_string();
+  Config both = config;
+  both.token = "t0ken";
+  Result<std::unique_ptr<Follower>> rf = Follower::start(view.get(), both, "view");
+  ASSERT_EQ(rf.status().code(), StatusCode::InvalidArgument) << rf.status().to_string();
+  EXPECT_NE(rf.status().message().find("token"), std::string::npos) << rf.status().to_string();
+  Config quoted = config;
+  quoted.password = "a\"b";
+  r = Publisher::start(db.get(), quoted);
+  ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("password"), std::string::npos) << r.status().to_string();
+  Config missing = config;
+  missing.user.clear();
+  missing.password.clear();
+  missing.creds_file = dir.sub("no-such.creds");
+  r = Publisher::start(db.get(), missing);
+  ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("creds_file"), std::string::npos) << r.status().to_string();
+}
+
+// A server that requires TLS and verifies client certificates (a CA, a
+// server and a client certificate made with the openssl CLI): served with
+// the CA and the client certificate; refused, and said so, without TLS,
+// without the client certificate, or without the CA.
+TEST(NatsSecurity, AServerThatRequiresTlsAndClientCertificatesIsServedWithThem) {
+  if (std::system("command -v openssl > /dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "the openssl command-line tool is not installed: cannot make the test certificates";
+  }
+  TempDir certs;
+  const std::string d = certs.sub("");
+  const std::string ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+  const std::string make =
+      "cd '" + d + "' && "
+      "openssl req -x509 " + ec + " -keyout ca.key -out ca.pem -days 2 -subj /CN=tidal-test-ca && "
+      "openssl req " + ec + " -keyout server.key -out server.csr -subj /CN=127.0.0.1 && "
+      "printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nextendedKeyUsage=serverAuth\\n' > server.ext && "
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 "
+      "-extfile server.ext && "
+      "openssl req " + ec + " -keyout client.key -out client.csr -subj /CN=tidal-client && "
+      "printf 'extendedKeyUsage=clientAuth\\n' > client.ext && "
+      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2 "
+      "-extfile client.ext";
+  ASSERT_EQ(std::system(("(" + make + ") > '" + d + "/openssl.log' 2>&1").c_str()), 0)
+      << "openssl failed; see " << d << "/openssl.log";
+  const std::string ca = d + "/ca.pem", cert = d + "/client.pem", key = d + "/client.key";
+  const std::string tls = "tls {\n  cert_file: \"" + d + "/server.pem\"\n  key_file: \"" + d +
+                          "/server.key\"\n  ca_file: \"" + ca + "\"\n  verify: true\n  timeout: 2\n}\n";
+  NatsCluster cluster(1, tls, [&](natsOptions* o) {
+    natsOptions_SetSecure(o, true);
+    natsOptions_LoadCATrustedCertificates(o, ca.c_str());
+    natsOptions_LoadCertificatesChain(o, cert.c_str(), key.c_str());
+  });
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "TLS", 1);
+  config.request_timeout = 1000ms;
+  auto db = open_shard(dir.sub("db"), 5);
+  auto view = open_view(dir.sub("view"));
+  ASSERT_TRUE(db && view);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 3, 1.25}, {{2}}).ok());
+  ASSERT_OK(db->flush());
+
+  struct Case {
+    const char* what;
+    std::function<void(Config&)> edit;
+  };
+  const std::vector<Case> refused = {
+      {"no TLS", [](Config&) {}},
+      {"no client certificate", [&](Config& c) { c.tls_ca_file = ca; }},
+      {"no CA (the server's certificate is not trusted)", [&](Config& c) {
+         c.tls = true;
+         c.tls_cert_file = cert;
+         c.tls_key_file = key;
+       }},
+  };
+  for (const Case& k : refused) {
+    SCOPED_TRACE(k.what);
+    Config c = config;
+    k.edit(c);
+    auto p = Publisher::start(db.get(), c);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    EXPECT_FALSE((*p)->stats().connected);
+    const Status ps = (*p)->stop();
+    EXPECT_EQ(ps.code(), StatusCode::IOError) << ps.to_string();
+    EXPECT_NE(ps.message().find("127.0.0.1"), std::string::npos) << ps.to_string();
+    std::cerr << k.what << ": " << ps.to_string() << "\n";
+  }
+  EXPECT_EQ(db->stats().change_feed_trimmed_seq, 0u);
+
+  config.tls_ca_file = ca;
+  config.tls_cert_file = cert;
+  config.tls_key_file = key;
+  auto p = start_publisher(db.get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(p && f);
+  ASSERT_TRUE(db->signal_with_context({1, 4, 2.5}, {{2}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+  EXPECT_EQ(compare(*view, *db), "");
+  EXPECT_OK(f->stop());
+  EXPECT_OK(p->stop());
+  // A certificate without its key is refused before any connection.
+  Config half = config;
+  half.tls_key_file.clear();
+  Result<std::unique_ptr<Publisher>> r = Publisher::start(db.get(), half);
+  ASSERT_EQ(r.status().code(), StatusCode::InvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("tls_key_file"), std::string::npos) << r.status().to_string();
 }
 
 // ---- A new view joins from another view's checkpoint ----
@@ -990,7 +1506,192 @@ TEST(NatsCheckpoint, ANewViewJoinsFromACheckpointAndConvergesWithoutAGap) {
   EXPECT_EQ(compare(*view_b, *reference), "");
   FollowerStats sb = fb->stats();
   EXPECT_EQ(sb.gaps, 0u) << sb.last_error;
-  EXPECT_GT(sb.redeliveries_skipped, 0u);  // what the checkpoint held, skipped
+  EXPECT_GT(sb.backfill_start_seq, 1u);  // the new consumer skipped what the checkpoint held
+}
+
+// Runs `steps` workload steps, flushing every shard every other step: a
+// batch a flush, so thousands of batches in seconds.
+std::string batches(Workload& w, const std::vector<Db*>& shards, Db* reference, int steps) {
+  for (int i = 0; i < steps; ++i) {
+    if (std::string e = w.step(shards, reference); !e.empty()) return e;
+    if (i % 2 == 1) {
+      for (Db* db : shards) {
+        if (Status s = db->flush(); !s.ok()) return "flush: " + s.to_string();
+      }
+    }
+  }
+  return {};
+}
+
+// Sum over the shards of their feed's last seq.
+std::uint64_t total_seq(const std::vector<Db*>& shards) {
+  std::uint64_t n = 0;
+  for (Db* db : shards) n += db->stats().change_feed_last_seq;
+  return n;
+}
+
+// Probes the backfill may make: per subject, the last message, two binary
+// searches over the stream's sequences and one more read.
+std::uint64_t probe_bound(std::uint64_t subjects, std::uint64_t stream_total) {
+  std::uint64_t log2 = 1;
+  while ((std::uint64_t{1} << log2) < stream_total) ++log2;
+  return subjects * (2 * (log2 + 1) + 2);
+}
+
+TEST(NatsCheckpoint, ANewViewFromACheckpointReadsOnlyWhatTheCheckpointLacks) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "BACKFILL", 3);
+  constexpr std::uint64_t kShards = 4;
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (std::uint64_t s = 0; s < kShards; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+    pubs.push_back(start_publisher(shards.back().get(), config));
+    ASSERT_TRUE(shards.back() && pubs.back());
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view_a = open_view(dir.sub("view_a"));
+  auto fa = start_follower(view_a.get(), config, "view-a");
+  ASSERT_TRUE(reference && view_a && fa);
+  Workload w(43, 80);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  ASSERT_EQ(batches(w, raw(shards), reference.get(), 5000), "");
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+  // Every published batch is applied by view A: the checkpoints hold the
+  // stream's first `held` messages, and nothing else.
+  const std::uint64_t held = stream_messages(cluster, config.stream);
+  ASSERT_EQ(held, total_seq(raw(shards)));
+  ASSERT_GE(held, 2000u);
+  ASSERT_OK(view_a->checkpoint(dir.sub("view_b")));
+  ASSERT_OK(view_a->checkpoint(dir.sub("view_c")));
+  ASSERT_EQ(batches(w, raw(shards), reference.get(), 600), "");
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+  const std::uint64_t total_b = stream_messages(cluster, config.stream);
+  const std::uint64_t lacks_b = total_b - held;
+  ASSERT_GE(lacks_b, 100u);
+
+  // A new view from the checkpoint: its consumer starts right after what
+  // the checkpoint holds, and it reads about what it lacks.
+  {
+    auto view_b = open_view(dir.sub("view_b"));
+    auto fb = start_follower(view_b.get(), config, "view-b");
+    ASSERT_TRUE(view_b && fb);
+    ASSERT_TRUE(converge(raw(shards), *view_b, *fb));
+    EXPECT_EQ(compare(*view_b, *reference), "");
+    FollowerStats sb = fb->stats();
+    std::cout << "backfill: stream " << total_b << " messages (" << stream_bytes(cluster, config.stream)
+              << " bytes stored), the checkpoint lacks " << lacks_b << "; fetched "
+              << sb.fetched_messages << " messages (" << sb.backfill_probes << " probes), " << sb.fetched_bytes
+              << " bytes; starts at stream seq " << sb.backfill_start_seq << std::endl;
+    EXPECT_EQ(sb.gaps, 0u) << sb.last_error;
+    EXPECT_EQ(sb.backfill_start_seq, held + 1);
+    EXPECT_LE(sb.backfill_probes, probe_bound(kShards, total_b));
+    EXPECT_LE(sb.fetched_messages, lacks_b + sb.backfill_probes);
+    EXPECT_LT(sb.fetched_messages * 4, total_b);  // far below the stream's total
+    // The consumer keeps its position: a restarted Follower binds to it
+    // and reads on from there.
+    EXPECT_OK(fb->stop());
+    fb.reset();
+    ASSERT_EQ(batches(w, raw(shards), reference.get(), 100), "");
+    fb = start_follower(view_b.get(), config, "view-b");
+    ASSERT_NE(fb, nullptr);
+    ASSERT_TRUE(converge(raw(shards), *view_b, *fb));
+    EXPECT_EQ(compare(*view_b, *reference), "");
+    sb = fb->stats();
+    EXPECT_EQ(sb.backfill_probes, 0u);
+    EXPECT_LE(sb.fetched_messages, stream_messages(cluster, config.stream) - total_b);
+    EXPECT_OK(fb->stop());
+  }
+
+  // Shard 1 re-seeded after the checkpoint: a new view from the checkpoint
+  // applies the re-seed's snapshot in place of what it held of shard 1.
+  auto incarnation = [](const GlobalView& v, std::uint64_t shard) {
+    Result<std::vector<ShardProgress>> all = v.applied_shards();
+    EXPECT_TRUE(all.ok()) << all.status().to_string();
+    for (const ShardProgress& p : all.ok() ? *all : std::vector<ShardProgress>{}) {
+      if (p.shard_id == shard) return p.incarnation;
+    }
+    return std::string();
+  };
+  const std::string old_incarnation = incarnation(*view_a, 1);
+  ASSERT_FALSE(old_incarnation.empty());
+  ASSERT_TRUE(shards[1]->reseed_change_feed().ok());
+  ASSERT_EQ(batches(w, raw(shards), reference.get(), 300), "");
+  ASSERT_TRUE(converge(raw(shards), *view_a, *fa));
+  ASSERT_NE(incarnation(*view_a, 1), old_incarnation);
+  const std::uint64_t total_c = stream_messages(cluster, config.stream);
+  {
+    auto view_c = open_view(dir.sub("view_c"));
+    auto fc = start_follower(view_c.get(), config, "view-c");
+    ASSERT_TRUE(view_c && fc);
+    ASSERT_TRUE(converge(raw(shards), *view_c, *fc));
+    EXPECT_EQ(compare(*view_c, *reference), "");
+    EXPECT_EQ(incarnation(*view_c, 1), incarnation(*view_a, 1));
+    FollowerStats sc = fc->stats();
+    std::cout << "backfill after a re-seed: stream " << total_c << " messages (" << stream_bytes(cluster, config.stream)
+              << " bytes stored), the checkpoint lacks "
+              << total_c - held << "; fetched " << sc.fetched_messages << " messages (" << sc.backfill_probes
+              << " probes), " << sc.fetched_bytes << " bytes; starts at stream seq " << sc.backfill_start_seq
+              << std::endl;
+    EXPECT_EQ(sc.gaps, 0u) << sc.last_error;
+    EXPECT_EQ(sc.backfill_start_seq, held + 1);
+    EXPECT_LE(sc.fetched_messages, total_c - held + sc.backfill_probes);
+    EXPECT_OK(fc->stop());
+  }
+  EXPECT_EQ(compare(*view_a, *reference), "");
+  EXPECT_OK(fa->stop());
+  for (auto& p : pubs) EXPECT_OK(p->stop());
+}
+
+// One shard, re-seeded after the checkpoint: the new consumer starts at the
+// re-seed's first batch, which replaces all the view held of the shard, and
+// skips the old incarnation's batches after the checkpoint too.
+TEST(NatsCheckpoint, AShardReseededAfterTheCheckpointIsReadFromItsReseed) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "BACKFILL1", 3);
+  auto db = open_shard(dir.sub("shard"), 7);
+  auto pub = start_publisher(db.get(), config);
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view_a = open_view(dir.sub("view_a"));
+  auto fa = start_follower(view_a.get(), config, "view-a");
+  ASSERT_TRUE(db && pub && reference && view_a && fa);
+  Workload w(44, 40);
+  ASSERT_EQ(w.setup({db.get()}, reference.get()), "");
+  ASSERT_EQ(batches(w, {db.get()}, reference.get(), 1500), "");
+  ASSERT_TRUE(converge({db.get()}, *view_a, *fa));
+  ASSERT_OK(view_a->checkpoint(dir.sub("view_b")));
+  const std::uint64_t held = stream_messages(cluster, config.stream);
+  ASSERT_EQ(batches(w, {db.get()}, reference.get(), 400), "");
+  ASSERT_TRUE(converge({db.get()}, *view_a, *fa));
+  const std::uint64_t before_reseed = stream_messages(cluster, config.stream);
+  ASSERT_GT(before_reseed, held + 50);
+  ASSERT_TRUE(db->reseed_change_feed().ok());
+  ASSERT_EQ(batches(w, {db.get()}, reference.get(), 200), "");
+  ASSERT_TRUE(converge({db.get()}, *view_a, *fa));
+  const std::uint64_t total = stream_messages(cluster, config.stream);
+
+  auto view_b = open_view(dir.sub("view_b"));
+  auto fb = start_follower(view_b.get(), config, "view-b");
+  ASSERT_TRUE(view_b && fb);
+  ASSERT_TRUE(converge({db.get()}, *view_b, *fb));
+  EXPECT_EQ(compare(*view_b, *reference), "");
+  FollowerStats sb = fb->stats();
+  std::cout << "backfill of a re-seeded shard: stream " << total << " messages (" << stream_bytes(cluster, config.stream)
+            << " bytes stored), the checkpoint holds " << held << ", re-seed at stream seq "
+            << before_reseed + 1 << "; fetched " << sb.fetched_messages << " messages (" << sb.backfill_probes
+            << " probes), " << sb.fetched_bytes << " bytes; starts at stream seq " << sb.backfill_start_seq
+            << std::endl;
+  EXPECT_EQ(sb.gaps, 0u) << sb.last_error;
+  EXPECT_EQ(sb.backfill_start_seq, before_reseed + 1);
+  EXPECT_LE(sb.fetched_messages, total - before_reseed + sb.backfill_probes);
+  EXPECT_LE(sb.backfill_probes, probe_bound(1, total));
+  EXPECT_OK(fb->stop());
+  EXPECT_OK(fa->stop());
+  EXPECT_OK(pub->stop());
 }
 
 // ---- A gap is reported and never skipped ----
@@ -1054,6 +1755,291 @@ TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
   natsConnection_Destroy(nc);
 }
 
+// Batch `seq` of shard `shard` published by hand (no message id, no
+// fence): what a repair tool or a test does.
+void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::uint64_t seq,
+                     const std::string& payload) {
+  natsMsg* m = nullptr;
+  const std::string subject = config.subject_prefix + "." + std::to_string(shard);
+  ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, payload.data(), static_cast<int>(payload.size())), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", std::to_string(shard).c_str()), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(seq).c_str()), NATS_OK);
+  ASSERT_EQ(js_PublishMsg(nullptr, js, m, nullptr, nullptr), NATS_OK);
+  natsMsg_Destroy(m);
+}
+
+const FollowerShardStats* shard_stats(const FollowerStats& st, std::uint64_t shard) {
+  for (const FollowerShardStats& s : st.shards) {
+    if (s.shard_id == shard) return &s;
+  }
+  return nullptr;
+}
+
+// Issue 27 item 3: more refused messages in one of 4 shards than the consumer's
+// MaxAckPending (the server's default of 1,000, which the Follower used to
+// leave in place, and Config::max_ack_pending) must not freeze the other
+// shards, and the missing batch, republished after them, must be applied.
+// Red with the former Follower (one consumer, refused messages NAKed and
+// left pending): shards 0 to 2 stopped applying once 1,000 refusals of
+// shard 9 were pending, and the republished batch was never delivered.
+TEST(NatsGap, AGapParksItsShardOnlyWhileTheOthersFlowAndTheRepublishedBatchIsApplied) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "PARK", 3);
+  constexpr std::uint64_t kGapShard = 9, kRefused = 1100;
+  ASSERT_GT(kRefused, static_cast<std::uint64_t>(config.max_ack_pending));
+  ASSERT_GT(kRefused, 1000u);
+  // Shard 9's batch payload: one signal on cells the workload never reads
+  // (cohort 50, item 99), so compare() checks shards 0 and 1 alone. A
+  // payload does not carry its seq: the same one serves every seq.
+  auto db9 = open_shard(dir.sub("db9"), kGapShard);
+  ASSERT_NE(db9, nullptr);
+  ASSERT_OK(db9->join_community(1, 1));
+  ASSERT_TRUE(db9->signal_with_context({1, 99, 2.5}, {{50}}).ok());
+  ASSERT_OK(db9->flush());
+  auto batches = db9->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok());
+  ASSERT_EQ(batches->size(), 1u);
+  const std::string payload = batches->front().payload;
+
+  std::vector<std::unique_ptr<Db>> shards;
+  std::vector<std::unique_ptr<Publisher>> pubs;
+  for (std::uint64_t s = 0; s < 3; ++s) {
+    shards.push_back(open_shard(dir.sub("shard" + std::to_string(s)), s));
+    pubs.push_back(start_publisher(shards.back().get(), config));
+  }
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(pubs[0] && pubs[1] && pubs[2] && reference && view && f);
+  Workload w(77, 60);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  ASSERT_TRUE(converge(raw(shards), *view, *f));
+
+  // Shard 9's seqs 2..1101 reach the stream; seq 1 never did (lost).
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  for (std::uint64_t seq = 2; seq <= kRefused + 1; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, kGapShard, seq, payload));
+  }
+  ASSERT_TRUE(eventually([&] { return f->stats().stalled_on_gap; }, 20s)) << f->stats().last_error;
+
+  // The other shards keep applying: each round, from the shards' flush to
+  // the view holding all of it (the former Follower never caught up once
+  // 1,000 refusals were pending). How fast is a measurement, not asserted
+  // here (a test runs beside others): 30-60 ms a round on 2 busy cores
+  // while shard 9's repair reads its 1,100 messages, against SCALE.md's p99
+  // lag target of 2 x period + 500 ms; printed below.
+  std::string took;
+  for (int round = 0; round < 6; ++round) {
+    for (int i = 0; i < 300; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(converge(raw(shards), *view, *f, 10s)) << "round " << round;
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+    took += " " + std::to_string(ms.count());
+  }
+  std::cerr << "converged in (ms):" << took << "\n";
+  EXPECT_EQ(compare(*view, *reference), "");
+  FollowerStats st = f->stats();
+  const FollowerShardStats* gap = shard_stats(st, kGapShard);
+  ASSERT_NE(gap, nullptr);
+  EXPECT_TRUE(gap->parked);
+  EXPECT_TRUE(st.stalled_on_gap);
+  EXPECT_EQ(gap->applied_seq, 0u);
+  EXPECT_EQ(gap->stream_seq, kRefused + 1);
+  EXPECT_EQ(gap->lag_batches, kRefused + 1);
+  EXPECT_GE(gap->refused, 1u);
+  for (const std::string& word : {std::string("shard 9"), std::string("stream PARK"), std::string("consumer view"),
+                                  std::string("applied through 0")}) {
+    EXPECT_NE(gap->last_error.find(word), std::string::npos) << word << ": " << gap->last_error;
+  }
+  for (std::uint64_t s = 0; s < 3; ++s) {
+    const FollowerShardStats* ok = shard_stats(st, s);
+    ASSERT_NE(ok, nullptr) << s;
+    EXPECT_FALSE(ok->parked) << s;
+    EXPECT_EQ(ok->lag_batches, 0u) << s;
+    EXPECT_EQ(ok->applied_seq, *shards[s]->last_change_seq()) << s;
+    EXPECT_EQ(ok->last_error, "") << s;  // shard 9's refusals are its own
+  }
+  EXPECT_EQ(*view->applied_seq(kGapShard), 0u);
+
+  // The missing batch is republished, after the 1,100 it precedes: shard 9
+  // catches up, every one of its batches applied once, while the others flow.
+  ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, kGapShard, 1, payload));
+  for (int i = 0; i < 300; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(kGapShard) == kRefused + 1; }, 30s))
+      << "applied " << *view->applied_seq(kGapShard) << "; " << f->stats().last_error;
+  ASSERT_TRUE(converge(raw(shards), *view, *f, 10s));
+  EXPECT_EQ(compare(*view, *reference), "");
+  Result<double> one = db9->cohort_score(50, 99);
+  Result<double> all = view->cohort_score(50, 99);
+  ASSERT_TRUE(one.ok() && all.ok());
+  EXPECT_NEAR(*all, *one * static_cast<double>(kRefused + 1), 1e-9 * *all);
+  // Unparked once its read reached the stream's end (seq 1, last there).
+  EXPECT_TRUE(eventually([&] { return !f->stats().stalled_on_gap; }, 5s));
+  st = f->stats();
+  gap = shard_stats(st, kGapShard);
+  ASSERT_NE(gap, nullptr);
+  EXPECT_FALSE(gap->parked);
+  EXPECT_EQ(gap->lag_batches, 0u);
+  // A later batch of shard 9 flows through the consumer again.
+  ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, kGapShard, kRefused + 2, payload));
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(kGapShard) == kRefused + 2; }, 10s)) << f->stats().last_error;
+  EXPECT_FALSE(f->stats().stalled_on_gap);
+  EXPECT_OK(f->stop());
+}
+
+// A view whose durable consumer an older Follower created (server defaults:
+// MaxAckPending 1,000) keeps working: the Follower sets its settings on it.
+TEST(NatsGap, AConsumerCreatedByAnOlderFollowerGetsTheExplicitSettings) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "OLDCONS", 1);
+  config.max_ack_pending = 256;
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("OLDCONS", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  // The former Follower's consumer: no MaxAckPending.
+  const std::string filter = config.subject_prefix + ".*";
+  jsConsumerConfig cc;
+  jsConsumerConfig_Init(&cc);
+  cc.Durable = "view";
+  cc.DeliverPolicy = js_DeliverAll;
+  cc.AckPolicy = js_AckExplicit;
+  cc.AckWait = static_cast<std::int64_t>(config.ack_wait.count()) * 1'000'000;
+  cc.MaxDeliver = -1;
+  cc.FilterSubject = filter.c_str();
+  jsConsumerInfo* ci = nullptr;
+  ASSERT_EQ(js_AddConsumer(&ci, js.js(), "OLDCONS", &cc, nullptr, nullptr), NATS_OK);
+  EXPECT_NE(ci->Config->MaxAckPending, 256);
+  jsConsumerInfo_Destroy(ci);
+  auto db = open_shard(dir.sub("db"), 2);
+  auto view = open_view(dir.sub("view"));
+  ASSERT_TRUE(db && view);
+  auto p = start_publisher(db.get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(p && f);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 1, 1.0}, {{1}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f));
+  ci = nullptr;
+  ASSERT_EQ(js_GetConsumerInfo(&ci, js.js(), "OLDCONS", "view", nullptr, nullptr), NATS_OK);
+  EXPECT_EQ(ci->Config->MaxAckPending, 256);
+  jsConsumerInfo_Destroy(ci);
+  EXPECT_OK(f->stop());
+  EXPECT_OK(p->stop());
+}
+
+// A Follower stopped while a shard is parked has terminated that shard's
+// messages on the consumer; the next Follower of the view, whose consumer
+// delivers only later ones, still finds them: its first park of the shard
+// reads the shard's subject from its first message.
+TEST(NatsGap, AFollowerRestartedWhileAShardIsParkedStillAppliesEveryBatch) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "REPARK", 1);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("REPARK", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 99, 2.5}, {{50}}).ok());
+  ASSERT_OK(db->flush());
+  auto batches = db->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok() && batches->size() == 1u);
+  const std::string payload = batches->front().payload;
+  auto view = open_view(dir.sub("view"));
+  ASSERT_NE(view, nullptr);
+  for (std::uint64_t seq = 2; seq <= 50; ++seq) ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 9, seq, payload));
+  {
+    auto f = start_follower(view.get(), config, "view");
+    ASSERT_NE(f, nullptr);
+    ASSERT_TRUE(eventually([&] {
+      const FollowerShardStats* s = shard_stats(f->stats(), 9);
+      return s != nullptr && s->parked && s->stream_seq == 50;
+    }, 10s));
+    std::this_thread::sleep_for(500ms);  // the consumer has delivered (and terminated) 2..50
+    EXPECT_OK(f->stop());
+  }
+  for (std::uint64_t seq = 51; seq <= 60; ++seq) ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 9, seq, payload));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_NE(f, nullptr);
+  ASSERT_TRUE(eventually([&] { return f->stats().stalled_on_gap; }, 10s));
+  ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 9, 1, payload));
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == 60; }, 20s))
+      << "applied " << *view->applied_seq(9) << ": " << f->stats().last_error;
+  EXPECT_FALSE(f->stats().stalled_on_gap);
+  EXPECT_OK(f->stop());
+}
+
+// An empty fetch is not "no lag": while the server holds messages back (here
+// another client of the same durable consumer holds MaxAckPending of them
+// unacked), lag_messages counts what the consumer has not delivered. Red
+// with the former Follower: it reported 0 after each empty fetch.
+TEST(NatsGap, LagCountsWhatTheServerHoldsBackWhenAFetchIsEmpty) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "HELD", 1);
+  config.max_ack_pending = 64;
+  config.fetch_batch = 64;
+  config.ack_wait = 30s;
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("HELD", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  const std::string filter = config.subject_prefix + ".*";
+  jsConsumerConfig cc;
+  jsConsumerConfig_Init(&cc);
+  cc.Durable = "view";
+  cc.DeliverPolicy = js_DeliverAll;
+  cc.AckPolicy = js_AckExplicit;
+  cc.AckWait = static_cast<std::int64_t>(config.ack_wait.count()) * 1'000'000;
+  cc.MaxDeliver = -1;
+  cc.MaxAckPending = config.max_ack_pending;
+  cc.FilterSubject = filter.c_str();
+  ASSERT_EQ(js_AddConsumer(nullptr, js.js(), "HELD", &cc, nullptr, nullptr), NATS_OK);
+  auto db = open_shard(dir.sub("db"), 3);
+  ASSERT_NE(db, nullptr);
+  ASSERT_OK(db->join_community(1, 1));
+  ASSERT_TRUE(db->signal_with_context({1, 99, 2.5}, {{50}}).ok());
+  ASSERT_OK(db->flush());
+  auto batches = db->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok() && batches->size() == 1u);
+  constexpr std::uint64_t kBatches = 200;
+  for (std::uint64_t seq = 1; seq <= kBatches; ++seq) {
+    ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 3, seq, batches->front().payload));
+  }
+  // Another client takes 64 messages of the consumer and holds them.
+  natsSubscription* other = nullptr;
+  jsSubOptions so;
+  jsSubOptions_Init(&so);
+  so.Stream = "HELD";
+  so.Consumer = "view";
+  ASSERT_EQ(js_PullSubscribe(&other, js.js(), filter.c_str(), "view", nullptr, &so, nullptr), NATS_OK);
+  natsMsgList held{nullptr, 0};
+  ASSERT_EQ(natsSubscription_Fetch(&held, other, config.max_ack_pending, 2000, nullptr), NATS_OK);
+  ASSERT_EQ(held.Count, config.max_ack_pending);
+
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  std::this_thread::sleep_for(1500ms);  // empty fetches meanwhile
+  FollowerStats st = f->stats();
+  EXPECT_EQ(*view->applied_seq(3), 0u);
+  EXPECT_GE(st.lag_messages, kBatches - static_cast<std::uint64_t>(config.max_ack_pending));
+  // The other client hands its messages back: everything is applied, lag 0.
+  for (int i = 0; i < held.Count; ++i) EXPECT_EQ(natsMsg_Nak(held.Msgs[i], nullptr), NATS_OK);
+  natsMsgList_Destroy(&held);
+  natsSubscription_Destroy(other);
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(3) == kBatches; }, 20s)) << f->stats().last_error;
+  EXPECT_TRUE(eventually([&] { return f->stats().lag_messages == 0; }, 5s)) << f->stats().lag_messages;
+  EXPECT_OK(f->stop());
+}
+
 // PublisherStats and FollowerStats in the Prometheus text format: the text
 // parses by the format's rules and each value is the field it names
 // (no cluster needed: the stats are what a host would read).
@@ -1068,14 +2054,16 @@ TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
   p.duplicates = 2;
   p.errors = 3;
   p.connects = 1;
+  p.reseeds = 6;
   p.connected = true;
   p.halted = true;
   Result<std::string> text = prometheus_text(p, {{"host", "a"}});
   ASSERT_TRUE(text.ok()) << text.status().to_string();
   std::vector<tidal::testing::Sample> samples = tidal::testing::parse(*text);
   ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
-  EXPECT_EQ(samples.size(), 10u);
+  EXPECT_EQ(samples.size(), 11u);
   for (const auto& s : samples) EXPECT_EQ(s.labels, (MetricLabels{{"host", "a"}, {"shard", "7"}})) << s.name;
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_reseeds_total").value, 6u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_published_seq").value, 41u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_lag_batches").value, 4u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_publisher_lag_bytes").value, 1234u);
@@ -1089,6 +2077,23 @@ TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
   f.gaps = 5;
   f.lag_messages = 9;
   f.stalled_on_gap = true;
+  f.fetched_messages = 1507;
+  f.fetched_bytes = 123456789;
+  f.backfill_start_seq = 4001;
+  f.backfill_probes = 31;
+  FollowerShardStats parked_shard;
+  parked_shard.shard_id = 3;
+  parked_shard.applied_seq = 2;
+  parked_shard.stream_seq = 1102;
+  parked_shard.lag_batches = 1100;
+  parked_shard.parked = true;
+  parked_shard.refused = 1100;
+  parked_shard.last_error = "gap \"quoted\"\n";  // never rendered: text is no sample
+  FollowerShardStats flowing;
+  flowing.shard_id = 1;
+  flowing.applied_seq = 10;
+  flowing.stream_seq = 10;
+  f.shards = {flowing, parked_shard};
   text = prometheus_text(f);
   ASSERT_TRUE(text.ok()) << text.status().to_string();
   samples = tidal::testing::parse(*text);
@@ -1097,11 +2102,29 @@ TEST(NatsMetrics, PublisherAndFollowerStatsRenderAsPrometheusText) {
   EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_gaps_total").value, 5u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_lag_messages").value, 9u);
   EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_stalled_on_gap").value, 1u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_fetched_messages_total").value, 1507u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_fetched_bytes_total").value, 123456789u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_backfill_start_seq").value, 4001u);
+  EXPECT_EQ(tidal::testing::one(samples, "tidal_follower_backfill_probes_total").value, 31u);
   std::map<std::string, std::uint64_t> applied;
   for (const auto& s : samples) {
     if (s.name == "tidal_follower_applied_seq") applied[s.labels.at(0).second] = s.value;
   }
   EXPECT_EQ(applied, (std::map<std::string, std::uint64_t>{{"1", 10}, {"3", 2}}));
+  // Per shard: seen seq, lag, parked and refusals, one sample per shard each.
+  std::map<std::string, std::map<std::string, std::uint64_t>> per_shard;
+  for (const auto& s : samples) {
+    if (s.name.rfind("tidal_follower_shard_", 0) == 0) {
+      ASSERT_EQ(s.labels.size(), 1u) << s.name;
+      EXPECT_EQ(s.labels.at(0).first, "shard");
+      per_shard[s.name][s.labels.at(0).second] = s.value;
+    }
+  }
+  EXPECT_EQ(per_shard["tidal_follower_shard_stream_seq"], (std::map<std::string, std::uint64_t>{{"1", 10}, {"3", 1102}}));
+  EXPECT_EQ(per_shard["tidal_follower_shard_lag_batches"], (std::map<std::string, std::uint64_t>{{"1", 0}, {"3", 1100}}));
+  EXPECT_EQ(per_shard["tidal_follower_shard_parked"], (std::map<std::string, std::uint64_t>{{"1", 0}, {"3", 1}}));
+  EXPECT_EQ(per_shard["tidal_follower_shard_refused_total"], (std::map<std::string, std::uint64_t>{{"1", 0}, {"3", 1100}}));
+  EXPECT_EQ(per_shard.size(), 4u);
   // A label clashing with the per-shard one is refused.
   Result<std::string> clash = prometheus_text(p, {{"shard", "x"}});
   EXPECT_EQ(clash.status().code(), StatusCode::InvalidArgument);

@@ -3,10 +3,9 @@
 // after the backup back from the journal's stream, then serves again, and
 // its JournalPublisher resumes over the stream without a fence.
 //
-// NOT YET BUILT: it needs Db::backup, Stats::recovering, finish_recovery
-// (on main) and Db::replay_journal (SPEC §9, being written on main) on this
-// branch; add it to tests/nats/CMakeLists.txt with src/nats/recover_shard.cc
-// once they are.
+// NOT YET BUILT: it needs Db::replay_journal (SPEC §9, being written on
+// main); add it to tests/nats/CMakeLists.txt with src/nats/recover_shard.cc
+// once it is there.
 #include <chrono>
 #include <cstdint>
 #include <memory>

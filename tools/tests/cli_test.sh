@@ -184,6 +184,27 @@ t --db "$FEEDDB" --json reseed; rc_is 0
 json 'd["action"] == "reseed" and d["shard_id"] == 9 and d["first_seq"] == 3 and d["last_seq"] >= 3 and d["snapshot_bytes"] > 0 and len(d["incarnation"]) == 32 and d["incarnation"] != "'"$inc"'"'
 t --db "$FEEDDB" reseed; rc_is 0; out_has '^reseed: shard 9 is incarnation [0-9a-f]{32} from seq 4;'
 t --db "$FEEDDB" changes; rc_is 0; out_has '^trimmed_seq +3$'
+# Backups: kept N, restored, recovering until finished.
+mkdir -p "$WORK/backups"
+t --db "$FEEDDB" backup "$WORK/backups"; rc_is 0; out_has '^backup: .*/backups/[0-9T.-]+Z \(files linked, [0-9.]+ s\)$'
+sleep 0.01
+t --db "$FEEDDB" --json backup "$WORK/backups"; rc_is 0; json 'd["action"] == "backup" and d["files"] == "linked" and d["deleted"] == []'
+sleep 0.01
+t --db "$FEEDDB" --json backup --keep 2 "$WORK/backups"; rc_is 0; json 'len(d["deleted"]) == 1'
+[ "$(ls "$WORK/backups" | wc -l)" -eq 2 ] || fail "--keep 2 should leave 2 backups"
+t --db "$FEEDDB" backup --keep 0 "$WORK/backups"; rc_is 2; err_has '--keep needs a number of backups, at least 1'
+t --db "$FEEDDB" backup "$WORK/no-such-dir"; rc_is 1; err_has 'is not a directory'
+t --db "$FEEDDB" status 4 --keep 2; rc_is 2; err_has '--keep applies to backup only'
+newest=$(ls "$WORK/backups" | sort | tail -1)
+t --db "$WORK/restored" restore "$WORK/backups/$newest"; rc_is 0; out_has 'It is recovering'
+t --db "$WORK/restored" restore "$WORK/backups/$newest"; rc_is 2; err_has 'already exists'
+t --db "$WORK/other" restore "$WORK"; rc_is 2; err_has 'is not a tidal backup'
+t --db "$WORK/restored" status 4; rc_is 1; err_has 'recovering from a backup'
+t --db "$WORK/restored" leave 5; rc_is 1; err_has 'recovering from a backup'
+t --db "$WORK/restored" --json finish-recovery; rc_is 0; json 'd["was_recovering"] and len(d["incarnation"]) == 32'
+t --db "$WORK/restored" finish-recovery; rc_is 0; out_has 'was not recovering'
+t --db "$WORK/restored" status 4; rc_is 0; out_has 'Left'
+[ -f "$WORK/backups/$newest/TIDAL_BACKUP" ] || fail "the restore must leave the backup as it was"
 t --db "$DB" reseed; rc_is 1; err_has 'keeps no change feed'
 # A Db with a change feed and a privacy journal: write commands go into both.
 JDB=$WORK/journaldb

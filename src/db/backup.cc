@@ -1,0 +1,208 @@
+// Backups and recovery (docs/CONTRACT.md, "Backup and restore"): a
+// point-in-time copy of both engines in the Db's own layout, and the
+// recovering state of a Db opened from one.
+//
+// The copy is made state engine first, users engine second (RocksDB
+// checkpoints: memtables flushed, SST files hard-linked where the file
+// system allows). The users engine's copy is the newer one, so every purge
+// receipt in the state copy cites a leave that is in the users copy, as
+// after a crash (E2); the state copy may lack signals the users copy's
+// later leaves did not gate, never part of one.
+//
+// The manifest (kBackupManifest, text, one "key value" a line) says where
+// the copy stands: the change feed's shard, incarnation and seqs, and how
+// the files were made. A Db directory holding it is recovering: signals and
+// every call that reads or changes a user's community status are Busy until
+// finish_recovery() removes it (after the privacy journal's entries since
+// the backup were replayed), so nothing served from the copy can forget a
+// leave or a purge made after it.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <rocksdb/utilities/checkpoint.h>
+
+#include "db/guarded.h"
+#include "db/impl.h"
+#include "storage/state_format.h"
+
+namespace tidal {
+namespace {
+
+namespace fs = std::filesystem;
+
+// fsync of a file or directory; the errno text when it fails.
+std::string sync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::strerror(errno);
+  const bool ok = ::fsync(fd) == 0;
+  const std::string error = ok ? std::string() : std::strerror(errno);
+  ::close(fd);
+  return error;
+}
+
+std::string parent_of(const std::string& path) {
+  const fs::path p = fs::path(path).lexically_normal();
+  const fs::path parent = p.has_relative_path() && p.filename().empty() ? p.parent_path().parent_path() : p.parent_path();
+  return parent.empty() ? std::string(".") : parent.string();
+}
+
+// Whether the SST files of `dir` are hard links (of the live Db's): the
+// first one found has more than one link.
+bool files_linked(const std::string& dir) {
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
+    if (e.path().extension() != ".sst") continue;
+    struct stat st {};
+    return ::stat(e.path().c_str(), &st) == 0 && st.st_nlink > 1;
+  }
+  return true;  // no table file: nothing was copied
+}
+
+Status checkpoint(rocksdb::DB* db, const std::string& dir, const std::string& what) {
+  rocksdb::Checkpoint* raw = nullptr;
+  if (Status s = from_rocksdb(rocksdb::Checkpoint::Create(db, &raw), what); !s.ok()) return s;
+  std::unique_ptr<rocksdb::Checkpoint> cp(raw);
+  // log_size_for_flush 0: memtables are flushed first, so the copy is SST files.
+  return from_rocksdb(cp->CreateCheckpoint(dir, /*log_size_for_flush=*/0), what);
+}
+
+}  // namespace
+
+Status Db::Impl::backup(const std::string& dir) const {
+  return guarded("backup", [&]() -> Status {
+    Call call(this, "backup", /*write=*/false);
+    if (!call.status().ok()) return call.status();
+    const std::string what = "backup of the Db at '" + storage_->path() + "' into '" + dir + "'";
+    if (options_.read_only) {
+      return Status::InvalidArgument(what + ": the Db is open read-only (a backup flushes both engines first: call "
+                                            "backup on the handle that writes)");
+    }
+    if (recovering_.load(std::memory_order_acquire)) return recovering_status("backup");
+    if (dir.empty()) return Status::InvalidArgument(what + ": no directory given");
+    std::error_code ec;
+    if (fs::exists(fs::symlink_status(dir, ec))) {
+      return Status::InvalidArgument(what + ": '" + dir + "' already exists; a backup is made into a new directory");
+    }
+    const std::string parent = parent_of(dir);
+    if (!fs::is_directory(parent, ec)) {
+      return Status::InvalidArgument(what + ": its parent directory '" + parent + "' does not exist");
+    }
+    const std::string state_tmp = dir + ".state-tmp";
+    if (fs::exists(fs::symlink_status(state_tmp, ec))) {
+      return Status::InvalidArgument(what + ": '" + state_tmp +
+                                     "' exists (left by a backup that failed): remove it and try again");
+    }
+    const auto start = std::chrono::steady_clock::now();
+    // Everything acknowledged before the call is in the copy.
+    if (Status s = state_->flush(); !s.ok()) return s;
+    std::ostringstream manifest;
+    manifest << "tidal backup\n"
+             << "format 3\n"
+             << "created_ns "
+             << std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::system_clock::now().time_since_epoch())
+                    .count()
+             << "\n";
+    // The state engine's copy and the feed's position at one batch boundary.
+    Status s = state_->between_batches([&]() -> Status {
+      if (Status c = checkpoint(storage_->db(Storage::Engine::State), state_tmp, what + ": the state engine");
+          !c.ok()) {
+        return c;
+      }
+      if (feed_) {
+        const ChangeFeed::Stats f = feed_->stats();
+        manifest << "feed_shard_id " << f.shard_id << "\nfeed_incarnation " << f.incarnation << "\nfeed_last_seq "
+                 << f.last_seq << "\nfeed_trimmed_seq " << f.trimmed_through << "\n";
+      } else {
+        manifest << "feed off\n";
+      }
+      return Status::OK();
+    });
+    if (s.ok()) s = checkpoint(storage_->db(Storage::Engine::Users), dir, what + ": the users engine");
+    if (!s.ok()) {
+      fs::remove_all(state_tmp, ec);
+      fs::remove_all(dir, ec);
+      return s;
+    }
+    const std::string state_dir = state_engine_dir(dir);
+    fs::rename(state_tmp, state_dir, ec);
+    if (ec) {
+      fs::remove_all(state_tmp, ec);
+      fs::remove_all(dir, ec);
+      return Status::IOError(what + ": moving the state engine's copy into place failed: " + ec.message());
+    }
+    const bool linked = files_linked(state_dir) && files_linked(dir);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    manifest << "files " << (linked ? "linked" : "copied") << "\nseconds " << seconds << "\n";
+    const std::string path = dir + "/" + kBackupManifest;
+    {
+      std::ofstream out(path, std::ios::binary | std::ios::trunc);
+      out << manifest.str();
+      out.flush();
+      if (!out) return Status::IOError(what + ": writing " + path + " failed");
+    }
+    for (const std::string& p : {path, dir, parent}) {
+      if (std::string error = sync_path(p); !error.empty()) {
+        return Status::IOError(what + ": fsync of '" + p + "' failed: " + error);
+      }
+    }
+    return Status::OK();
+  });
+}
+
+Status Db::Impl::load_recovery_state() {
+  const std::string path = storage_->path() + "/" + kBackupManifest;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return Status::OK();
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in || text.str().rfind("tidal backup\n", 0) != 0) {
+    return Status::Corruption("cannot open tidal Db at '" + storage_->path() + "': its backup manifest " + path +
+                              " does not read as one (it should start with 'tidal backup')");
+  }
+  recovery_manifest_ = text.str();
+  recovering_.store(true, std::memory_order_release);
+  return Status::OK();
+}
+
+Status Db::Impl::recovering_status(const char* what) const {
+  return Status::Busy(std::string(what) + ": the Db at '" + storage_->path() +
+                      "' is recovering from a backup: replay the privacy journal's entries after the backup's "
+                      "position (replay_journal, or tidal::nats::recover_shard), then call finish_recovery(); "
+                      "until then no signal is taken and no user's community status is read or changed");
+}
+
+Status Db::Impl::finish_recovery() {
+  return guarded("finish_recovery", [&]() -> Status {
+    Call call(this, "finish_recovery", /*write=*/true);
+    if (!call.status().ok()) return call.status();
+    std::lock_guard<std::mutex> one(recovery_mu_);
+    if (!recovering_.load(std::memory_order_acquire)) return Status::OK();
+    // A new incarnation whose snapshot replaces, in every view, what the
+    // shard's earlier incarnation published after the backup.
+    if (feed_) {
+      Status s = state_->between_batches([&]() -> Status { return feed_->reseed().status(); });
+      if (!s.ok()) return Status(s.code(), "finish_recovery: re-seeding the change feed: " + s.message());
+    }
+    const std::string path = storage_->path() + "/" + kBackupManifest;
+    std::error_code ec;
+    fs::remove(path, ec);
+    if (ec) return Status::IOError("finish_recovery: removing " + path + " failed: " + ec.message());
+    if (std::string error = sync_path(storage_->path()); !error.empty()) {
+      return Status::IOError("finish_recovery: fsync of '" + storage_->path() + "' failed: " + error);
+    }
+    recovering_.store(false, std::memory_order_release);
+    return Status::OK();
+  });
+}
+
+}  // namespace tidal

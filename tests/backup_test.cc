@@ -1,0 +1,202 @@
+// Backups (Db::backup) and the recovering state of a Db opened from one
+// (docs/CONTRACT.md, "Backup and restore").
+#include <sys/stat.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+#include "tidal/db.h"
+
+namespace tidal {
+namespace {
+
+using testing::open_db;
+using testing::TempDir;
+using testing::value_of;
+
+Options feed_options(std::uint64_t shard) {
+  Options options;
+  options.change_feed = true;
+  options.shard_id = shard;
+  options.aggregate_write_period = std::chrono::milliseconds(5);
+  return options;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+void expect_has(const Status& s, const std::string& text) {
+  EXPECT_NE(s.message().find(text), std::string::npos) << "'" << text << "' in: " << s.to_string();
+}
+
+TEST(Backup, ACopyOfBothEnginesOpensRecoveringAndServesNothingUntilFinished) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), feed_options(3));
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t u = 1; u <= 8; ++u) {
+    ASSERT_OK(db->join_community(u, 100));
+    for (std::uint64_t i = 0; i < 5; ++i) ASSERT_OK(db->signal_with_context({u, i, 1.25 * static_cast<double>(u)}, {{7}}));
+  }
+  ASSERT_OK(db->leave_community_layer(1));
+  ASSERT_OK(db->purge_community_contributions(1));
+  // Accepted before the call, not yet written by the writer: in the copy too.
+  ASSERT_OK(db->signal_with_context({2, 9, 4.0}, {{7}}));
+  const double cohort = value_of(db->cohort_score(7, 9));
+  const double community = value_of(db->community_score(100, 2));
+  const Stats at_backup = db->stats();
+
+  ASSERT_OK(db->backup(dir.sub("b1")));
+  const std::string manifest = read_file(dir.sub("b1") + "/TIDAL_BACKUP");
+  EXPECT_EQ(manifest.rfind("tidal backup\n", 0), 0u) << manifest;
+  EXPECT_NE(manifest.find("files linked\n"), std::string::npos) << manifest;
+  EXPECT_NE(manifest.find("feed_incarnation " + at_backup.change_feed_incarnation + "\n"), std::string::npos)
+      << manifest;
+  EXPECT_NE(manifest.find("feed_last_seq " + std::to_string(db->stats().change_feed_last_seq) + "\n"),
+            std::string::npos)
+      << manifest;
+  // Hard links: the copy's table files are the Db's.
+  bool linked = false;
+  for (const auto& e : std::filesystem::directory_iterator(dir.sub("b1") + "/state")) {
+    struct stat st {};
+    if (e.path().extension() == ".sst" && ::stat(e.path().c_str(), &st) == 0) linked = linked || st.st_nlink > 1;
+  }
+  EXPECT_TRUE(linked);
+
+  // Refusals name what was wrong; nothing is left behind.
+  Status exists = db->backup(dir.sub("b1"));
+  EXPECT_EQ(exists.code(), StatusCode::InvalidArgument);
+  expect_has(exists, "already exists");
+  Status orphan = db->backup(dir.sub("nowhere") + "/b");
+  EXPECT_EQ(orphan.code(), StatusCode::InvalidArgument);
+  expect_has(orphan, "does not exist");
+  EXPECT_FALSE(std::filesystem::exists(dir.sub("nowhere")));
+
+  // After the backup: a leave the copy does not hold.
+  ASSERT_OK(db->leave_community_layer(2));
+  ASSERT_OK(db->close());
+  db.reset();
+
+  auto restored = open_db(dir.sub("b1"), feed_options(3));
+  ASSERT_NE(restored, nullptr);
+  EXPECT_TRUE(restored->stats().recovering);
+  // What it holds is the Db at the call, bit for bit.
+  EXPECT_EQ(value_of(restored->cohort_score(7, 9)), cohort);
+  EXPECT_EQ(value_of(restored->community_score(100, 2)), community);
+  // Nothing that reads or changes a user's status, and no signal, until finished.
+  const Result<SignalOutcome> signal = restored->signal_with_context({2, 1, 1.0}, {{7}});
+  EXPECT_EQ(signal.status().code(), StatusCode::Busy);
+  expect_has(signal.status(), "recovering from a backup");
+  expect_has(signal.status(), "finish_recovery");
+  EXPECT_EQ(restored->leave_community_layer(3).code(), StatusCode::Busy);
+  EXPECT_EQ(restored->rejoin_community_layer(1).code(), StatusCode::Busy);
+  EXPECT_EQ(restored->community_layer_status(2).status().code(), StatusCode::Busy);
+  EXPECT_EQ(restored->community_layer_history(2).status().code(), StatusCode::Busy);
+  EXPECT_EQ(restored->join_community(3, 101).code(), StatusCode::Busy);
+  EXPECT_EQ(restored->purge_community_contributions(1).status().code(), StatusCode::Busy);
+  const std::vector<std::uint64_t> both{3, 4};
+  EXPECT_EQ(restored->leave_community_layer(both).code(), StatusCode::Busy);
+  EXPECT_EQ(restored->backup(dir.sub("b2")).code(), StatusCode::Busy);
+  // A reopen is still recovering.
+  ASSERT_OK(restored->close());
+  restored = open_db(dir.sub("b1"), feed_options(3));
+  ASSERT_NE(restored, nullptr);
+  EXPECT_TRUE(restored->stats().recovering);
+
+  // Finished: a new incarnation (the views' re-seed), and it serves again.
+  ASSERT_OK(restored->finish_recovery());
+  EXPECT_FALSE(restored->stats().recovering);
+  EXPECT_NE(restored->stats().change_feed_incarnation, at_backup.change_feed_incarnation);
+  EXPECT_FALSE(std::filesystem::exists(dir.sub("b1") + "/TIDAL_BACKUP"));
+  ASSERT_OK(restored->finish_recovery());  // idempotent
+  Result<CommunityMembership> one = restored->community_layer_status(1);
+  ASSERT_OK(one);
+  EXPECT_EQ(one->status, MembershipStatus::Left);
+  ASSERT_OK(restored->signal_with_context({3, 1, 1.0}, {{7}}));
+  ASSERT_OK(restored->close());
+  restored = open_db(dir.sub("b1"), feed_options(3));
+  ASSERT_NE(restored, nullptr);
+  EXPECT_FALSE(restored->stats().recovering);
+}
+
+// A backup taken while 16 threads signal, leave, rejoin and purge is one
+// consistent state of both engines: the invariant holds in the copy
+// (aggregates equal their ledger) and every purge receipt in it cites a
+// leave that is in it (the state engine is copied first, the users engine
+// after).
+TEST(Backup, ABackupUnderLoadIsConsistentAcrossTheEngines) {
+  TempDir dir;
+  Options options = feed_options(1);
+  options.aggregate_write_period = std::chrono::milliseconds(2);
+  auto db = open_db(dir.sub("db"), options);
+  ASSERT_NE(db, nullptr);
+  constexpr std::uint64_t kThreads = 16, kUsersEach = 8;
+  for (std::uint64_t u = 0; u < kThreads * kUsersEach; ++u) ASSERT_OK(db->join_community(u, 100 + u % 3));
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> threads;
+  for (std::uint64_t t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937_64 rng(t);
+      while (!stop.load()) {
+        const std::uint64_t u = t * kUsersEach + rng() % kUsersEach;
+        const unsigned pick = static_cast<unsigned>(rng() % 100);
+        if (pick < 90) {
+          (void)db->signal_with_context({u, rng() % 10, 0.5 + static_cast<double>(rng() % 7)}, {{rng() % 4}});
+        } else if (pick < 95) {
+          (void)db->leave_community_layer(u);
+          (void)db->purge_community_contributions(u);
+        } else {
+          (void)db->rejoin_community_layer(u);
+        }
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int b = 0; b < 3; ++b) {
+    ASSERT_OK(db->backup(dir.sub("b" + std::to_string(b))));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  stop.store(true);
+  for (std::thread& t : threads) t.join();
+  ASSERT_OK(db->close());
+
+  std::size_t receipts = 0;
+  for (int b = 0; b < 3; ++b) {
+    auto copy = open_db(dir.sub("b" + std::to_string(b)), options);
+    ASSERT_NE(copy, nullptr);
+    Result<VerifyReport> report = copy->verify();
+    ASSERT_OK(report);
+    EXPECT_TRUE(report->ok()) << report->problems.front();
+    ASSERT_OK(copy->finish_recovery());
+    for (std::uint64_t u = 0; u < kThreads * kUsersEach; ++u) {
+      Result<std::vector<PurgeReceipt>> rs = copy->purge_receipts(u);
+      ASSERT_OK(rs);
+      Result<std::vector<MembershipEvent>> history = copy->community_layer_history(u);
+      ASSERT_OK(history);
+      for (const PurgeReceipt& r : *rs) {
+        ++receipts;
+        bool cited = false;
+        for (const MembershipEvent& e : *history) cited = cited || (e.status == MembershipStatus::Left && e.at_ns == r.left_at_ns);
+        EXPECT_TRUE(cited) << "backup " << b << ": user " << u << "'s receipt cites a leave at " << r.left_at_ns
+                           << " the users engine's copy does not hold";
+      }
+    }
+  }
+  EXPECT_GT(receipts, 0u) << "no purge ran during the backups";
+}
+
+}  // namespace
+}  // namespace tidal
