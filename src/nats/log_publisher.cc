@@ -212,11 +212,15 @@ class LogPublisher::Engine {
                                      log_->unit() + " it acknowledged (the Db's " + log_->done_call() +
                                      " lets it go); fix the stream's settings or use another stream");
     };
+    // "a batch" / "an entry", "batches" / "entries".
+    const std::string unit = log_->unit();
+    const std::string a_unit = (unit[0] == 'e' ? "an " : "a ") + unit;
+    const std::string units = unit == "entry" ? "entries" : unit + "es";
     if (sc.Storage != js_FileStorage) {
       return refuse("has memory storage (a server restart loses its messages)");
     }
     if (sc.Retention == js_WorkQueuePolicy) {
-      return refuse("has work-queue retention (one view's ack removes a batch every other view still needs)");
+      return refuse("has work-queue retention (one reader's ack removes " + a_unit + " every other reader still needs)");
     }
     if (sc.Retention == js_InterestPolicy) {
       return refuse("has interest retention (a " + std::string(log_->unit()) +
@@ -233,19 +237,19 @@ class LogPublisher::Engine {
       add("max_msgs_per_subject", sc.MaxMsgsPerSubject);
       if (!limits.empty()) {
         return refuse("has discard policy old with " + limits +
-                      " (at the limit it deletes the oldest batches, unread by a view behind)");
+                      " (at the limit it deletes the oldest " + units + ", unread by a reader behind)");
       }
     }
     if (sc.MaxMsgsPerSubject > 0 && !sc.DiscardNewPerSubject) {
       return refuse("has max_msgs_per_subject " + std::to_string(sc.MaxMsgsPerSubject) +
-                    " (it deletes a shard's oldest batches)");
+                    " (it deletes a shard's oldest " + units + ")");
     }
     const std::int64_t allowed_age =
         std::chrono::duration_cast<std::chrono::nanoseconds>(config_.stream_max_age).count();
     if (sc.MaxAge > 0 && (allowed_age == 0 || sc.MaxAge < allowed_age)) {
       return refuse("has max_age " + std::to_string(sc.MaxAge / 1000000000) + " s (Config::stream_max_age is " +
                     std::to_string(config_.stream_max_age.count()) +
-                    " s: a batch older than the stream's max_age is deleted, read or not)");
+                    " s: " + a_unit + " older than the stream's max_age is deleted, read or not)");
     }
     if (sc.Replicas < config_.replicas) {
       return refuse("has " + std::to_string(sc.Replicas) + " replicas, fewer than Config::replicas (" +
