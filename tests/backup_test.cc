@@ -16,6 +16,7 @@
 
 #include "test_util.h"
 #include "tidal/db.h"
+#include "tidal/journal_entry.h"
 
 namespace tidal {
 namespace {
@@ -196,6 +197,96 @@ TEST(Backup, ABackupUnderLoadIsConsistentAcrossTheEngines) {
     }
   }
   EXPECT_GT(receipts, 0u) << "no purge ran during the backups";
+}
+
+// The journal's entries after a backup, replayed into the restored copy:
+// every leave (its exact boundary), rejoin and purge (its receipt's
+// identity) made after the backup is there again, the journal continues
+// without a gap, and a second replay changes nothing.
+TEST(Backup, ARestoreReplaysTheJournalAndForgetsNoLeaveRejoinOrPurge) {
+  TempDir dir;
+  Options options = feed_options(3);
+  options.journal = true;
+  auto db = open_db(dir.sub("db"), options);
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t u = 1; u <= 6; ++u) {
+    ASSERT_OK(db->join_community(u, 100 + u % 2));
+    for (std::uint64_t i = 0; i < 4; ++i) ASSERT_OK(db->signal_with_context({u, i, 0.5 * static_cast<double>(u + i)}, {{7}}));
+  }
+  ASSERT_OK(db->leave_community_layer(4));
+  ASSERT_OK(db->backup(dir.sub("b")));
+  const std::uint64_t at_backup = *db->last_journal_seq();
+  // After the backup: leaves, a purge, a rejoin (no signal: the copy lacks
+  // signals, which the journal does not carry).
+  ASSERT_OK(db->leave_community_layer(2));
+  ASSERT_OK(db->leave_community_layer(3));
+  ASSERT_OK(db->purge_community_contributions(3));
+  ASSERT_OK(db->rejoin_community_layer(4));
+  ASSERT_OK(db->leave_community_layer(5));
+  const std::uint64_t last = *db->last_journal_seq();
+  ASSERT_GT(last, at_backup);
+  Result<std::vector<JournalEntry>> journal = db->read_journal(0, 1 << 20);
+  ASSERT_OK(journal);
+  ASSERT_OK(db->flush());
+  ASSERT_OK(db->close());
+  auto original = open_db(dir.sub("db"), options);
+  ASSERT_NE(original, nullptr);
+
+  auto restored = open_db(dir.sub("b"), options);
+  ASSERT_NE(restored, nullptr);
+  EXPECT_TRUE(restored->stats().recovering);
+  EXPECT_EQ(*restored->last_journal_seq(), at_backup);
+  // A gap is refused, naming both seqs.
+  const std::vector<JournalEntry> tail(journal->begin() + static_cast<std::ptrdiff_t>(at_backup + 1), journal->end());
+  Status gap = restored->replay_journal(tail);
+  EXPECT_EQ(gap.code(), StatusCode::Corruption);
+  expect_has(gap, "ends at seq " + std::to_string(at_backup));
+  // The whole journal: what the copy holds is skipped, the rest applied.
+  ASSERT_OK(restored->replay_journal(*journal));
+  EXPECT_EQ(*restored->last_journal_seq(), last);
+  ASSERT_OK(restored->replay_journal(*journal));  // again: nothing changes
+  EXPECT_EQ(*restored->last_journal_seq(), last);
+  ASSERT_OK(restored->finish_recovery());
+  Status late = restored->replay_journal(*journal);
+  EXPECT_EQ(late.code(), StatusCode::InvalidArgument);
+  expect_has(late, "not recovering");
+
+  for (std::uint64_t u = 1; u <= 6; ++u) {
+    Result<CommunityMembership> want = original->community_layer_status(u);
+    Result<CommunityMembership> got = restored->community_layer_status(u);
+    ASSERT_OK(want);
+    ASSERT_OK(got);
+    EXPECT_EQ(got->status, want->status) << "user " << u;
+    EXPECT_EQ(got->left_at_ns, want->left_at_ns) << "user " << u;
+    Result<std::vector<MembershipEvent>> h1 = original->community_layer_history(u);
+    Result<std::vector<MembershipEvent>> h2 = restored->community_layer_history(u);
+    ASSERT_OK(h1);
+    ASSERT_OK(h2);
+    ASSERT_EQ(h2->size(), h1->size()) << "user " << u;
+    for (std::size_t k = 0; k < h1->size(); ++k) EXPECT_EQ((*h2)[k].at_ns, (*h1)[k].at_ns) << "user " << u;
+    Result<std::vector<PurgeReceipt>> r1 = original->purge_receipts(u);
+    Result<std::vector<PurgeReceipt>> r2 = restored->purge_receipts(u);
+    ASSERT_OK(r1);
+    ASSERT_OK(r2);
+    ASSERT_EQ(r2->size(), r1->size()) << "user " << u;
+    for (std::size_t k = 0; k < r1->size(); ++k) {
+      EXPECT_EQ((*r2)[k].purged_at_ns, (*r1)[k].purged_at_ns);
+      EXPECT_EQ((*r2)[k].left_at_ns, (*r1)[k].left_at_ns);
+      EXPECT_EQ((*r2)[k].entries_removed, (*r1)[k].entries_removed);
+      EXPECT_EQ((*r2)[k].cohort_weight_removed, (*r1)[k].cohort_weight_removed);
+    }
+  }
+  for (std::uint64_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(value_of(restored->cohort_score(7, i)), value_of(original->cohort_score(7, i))) << "item " << i;
+    EXPECT_EQ(value_of(restored->community_score(101, i)), value_of(original->community_score(101, i)));
+  }
+  Result<VerifyReport> report = restored->verify();
+  ASSERT_OK(report);
+  EXPECT_TRUE(report->ok());
+  // The gate holds for the replayed leaves: a signal of user 2 reaches no shared aggregate.
+  Result<SignalOutcome> gated = restored->signal_with_context({2, 0, 5.0}, {{7}});
+  ASSERT_OK(gated);
+  EXPECT_EQ(value_of(restored->cohort_score(7, 0)), value_of(original->cohort_score(7, 0)));
 }
 
 }  // namespace

@@ -519,6 +519,22 @@ class Db {
   // every view replaces the shard's contribution by the restored Db's) and
   // removes the manifest, durably. OK and nothing done when not recovering.
   Status finish_recovery();
+  // Re-applies, in a recovering Db, the privacy journal's entries written
+  // after its backup (read back from where the journal was replicated:
+  // tidal::nats::recover_shard reads them from the journal's stream), each
+  // exactly as first made and at its own seq, in one durable write with its
+  // own journal entry: a leave with its original left_at_ns (the exact
+  // boundary), a rejoin keeping it, a purge re-run against the restored
+  // ledger with its original boundary and receipt identity (skipped when
+  // the copy holds that receipt). Entries at or below last_journal_seq()
+  // are in the Db already and skipped (idempotent: replaying twice is safe;
+  // one the Db still holds must be byte-identical, Corruption otherwise).
+  // Corruption for a gap (an entry past last_journal_seq() + 1, naming
+  // both), a payload that does not decode, or a purge whose user is not Left
+  // at its boundary; InvalidArgument for another shard, a Db without a
+  // journal, or one that is not recovering. What was applied before an
+  // error stays applied; call again from there.
+  Status replay_journal(std::span<const JournalEntry> entries);
   // The privacy journal (Options::journal; docs/CONTRACT.md J1-J6).
   // InvalidArgument when the Db keeps none. Entries with seq > after_seq,
   // oldest first, up to about max_bytes of payload (at least one when there

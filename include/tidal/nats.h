@@ -338,6 +338,23 @@ class JournalPublisher {
   std::unique_ptr<Impl> impl_;
 };
 
+// For a Db opened from a backup (Stats::recovering): reads the shard's
+// entries with seq > db->last_journal_seq() from Config::journal_stream
+// (through an ephemeral pull consumer on the shard's subject, up to the
+// subject's last entry when the read started), in seq order, replays them
+// (Db::replay_journal, in chunks of 1,024), then calls
+// Db::finish_recovery(), which re-seeds the change feed (a new
+// incarnation). OK and nothing done when the Db is not recovering.
+// InvalidArgument for a null Db, one without a journal, a bad config;
+// Corruption naming the shard, the stream and the seqs when the stream lacks
+// an entry the Db needs (purged or aged out of it) or holds something else
+// on the shard's subject: the Db stays recovering (it serves nothing rather
+// than forget a leave); IOError when the cluster does not answer (call
+// again: what was replayed stays replayed, and is skipped). Start the
+// JournalPublisher after it: it resumes where the stream ends. Blocking;
+// about request_timeout per call to the cluster.
+Status recover_shard(Db* db, const Config& config);
+
 // Background thread: a durable JetStream pull consumer named consumer_name
 // (one per view, over <subject_prefix>.*) -> GlobalView::apply -> ack, only
 // after apply returned. It waits for one message, then takes whatever else

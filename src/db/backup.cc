@@ -126,6 +126,10 @@ Status Db::Impl::backup(const std::string& dir) const {
       }
       return Status::OK();
     });
+    // The journal's position, read before the users engine is copied: the
+    // copy holds at least these entries (the restored Db's
+    // last_journal_seq() is exact).
+    if (s.ok() && journal_) manifest << "journal_last_seq " << journal_->last_seq() << "\n";
     if (s.ok()) s = checkpoint(storage_->db(Storage::Engine::Users), dir, what + ": the users engine");
     if (!s.ok()) {
       fs::remove_all(state_tmp, ec);

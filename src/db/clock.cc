@@ -82,6 +82,12 @@ void Clock::start_above(std::uint64_t stored) {
   lease_.store(stored, std::memory_order_release);
 }
 
+void Clock::advance_past(std::uint64_t t) {
+  std::uint64_t last = last_.load(std::memory_order_acquire);
+  while (last < t && !last_.compare_exchange_weak(last, t, std::memory_order_acq_rel)) {
+  }
+}
+
 Status Clock::release_lease() {
   std::lock_guard<std::mutex> lock(lease_mu_);
   const std::uint64_t last = last_.load(std::memory_order_acquire);

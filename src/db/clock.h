@@ -67,6 +67,9 @@ class Clock {
   // floor, lease included). Later readings exceed it. A stored value at or
   // above kMaxTimestamp leaves an exhausted clock: every request fails.
   void start_above(std::uint64_t stored);
+  // Later readings exceed `t` (a time stored by another Db, replayed into
+  // this one). Only raises the clock; the lease is renewed as usual.
+  void advance_past(std::uint64_t t);
   // At a clean close, once no time will be handed out: stores last() as the
   // floor when the lease reaches beyond it, so that a reopen does not start
   // up to a margin ahead of the wall clock. The only write that lowers the

@@ -209,6 +209,7 @@ Status Db::trim_changes(std::uint64_t through_seq) { return impl_->trim_changes(
 Result<std::uint64_t> Db::reseed_change_feed() { return impl_->reseed_change_feed(); }
 Status Db::backup(const std::string& dir) const { return impl_->backup(dir); }
 Status Db::finish_recovery() { return impl_->finish_recovery(); }
+Status Db::replay_journal(std::span<const JournalEntry> entries) { return impl_->replay_journal(entries); }
 Result<std::vector<JournalEntry>> Db::read_journal(std::uint64_t after_seq, std::size_t max_bytes) const {
   return impl_->read_journal(after_seq, max_bytes);
 }

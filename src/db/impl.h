@@ -57,11 +57,14 @@ class Db::Impl {
   Status flush();
   Status backup(const std::string& dir) const;
   Status finish_recovery();
+  Status replay_journal(std::span<const JournalEntry> entries);
   bool recovering() const { return recovering_.load(std::memory_order_acquire); }
   // Busy naming `what` and the steps that end a recovery (db/backup.cc).
   Status recovering_status(const char* what) const;
   // At open: a backup's manifest in the directory makes the Db recovering.
   Status load_recovery_state();
+  // One journal entry of replay_journal, at `seq` (db/replay.cc).
+  Status replay_entry(const JournalRecord& rec, std::uint64_t seq, const std::string& what);
 
   Status join_community(std::uint64_t user_id, std::uint64_t community_id);
   Status exit_community(std::uint64_t user_id, std::uint64_t community_id);

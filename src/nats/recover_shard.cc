@@ -1,29 +1,6 @@
 // recover_shard: a Db restored from a backup gets the journal entries the
 // stream holds after its position, replayed, then finishes its recovery
 // (include/tidal/nats.h).
-//
-// NOT YET BUILT: it needs Db::replay_journal (SPEC §9; being written on
-// main, not yet committed there; Stats::recovering and finish_recovery are
-// merged here). Once it is: add this file to src/nats/CMakeLists.txt,
-// tests/nats/recover_shard_test.cc to tidal_nats_tests, and to nats.h,
-// after JournalPublisher:
-//
-//   // For a Db opened from a backup (Stats::recovering): reads the shard's
-//   // entries with seq > db->last_journal_seq() from Config::journal_stream
-//   // (through an ephemeral pull consumer on the shard's subject, up to the
-//   // subject's last entry when the read started), in seq order, replays them
-//   // (Db::replay_journal, in chunks of 1,024), then calls
-//   // Db::finish_recovery(), which re-seeds the change feed (a new
-//   // incarnation). OK and nothing done when the Db is not recovering.
-//   // InvalidArgument for a null Db, one without a journal, a bad config;
-//   // Corruption naming the shard, the stream and the seqs when the stream lacks
-//   // an entry the Db needs (purged or aged out of it) or holds something else
-//   // on the shard's subject: the Db stays recovering (it serves nothing rather
-//   // than forget a leave); IOError when the cluster does not answer (call
-//   // again: what was replayed stays replayed, and is skipped). Start the
-//   // JournalPublisher after it: it resumes where the stream ends. Blocking;
-//   // about request_timeout per call to the cluster.
-//   Status recover_shard(Db* db, const Config& config);
 
 #include <algorithm>
 #include <span>

@@ -2,10 +2,7 @@
 // a Db restored from a backup gets every leave, rejoin and purge journaled
 // after the backup back from the journal's stream, then serves again, and
 // its JournalPublisher resumes over the stream without a fence.
-//
-// NOT YET BUILT: it needs Db::replay_journal (SPEC §9, being written on
-// main); add it to tests/nats/CMakeLists.txt with src/nats/recover_shard.cc
-// once it is there.
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
