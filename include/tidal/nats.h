@@ -19,6 +19,14 @@
 // has applied), a gap is reported and never skipped. The guarantees and
 // their tests: docs/CONTRACT.md ("NATS JetStream").
 //
+//   shard Db --read_journal--> JournalPublisher --journal stream
+//            <--confirm_journal-- (after the stream's ack)
+//
+// A Db's privacy journal (Options::journal: leaves, rejoins, purge intents)
+// goes the same way, with the same engine, to a stream of its own
+// (Config::journal_stream, subject "<journal_subject_prefix>.<shard_id>"):
+// JournalPublisher below; docs/SCALE.md, "The privacy journal's stream".
+//
 // Thread safety: start, stop and stats may be called from any thread; each
 // Publisher and Follower runs one background thread of its own.
 #ifndef TIDAL_NATS_H_
@@ -47,6 +55,12 @@ struct Config {
   // Shard s publishes on <subject_prefix>.<s>; the stream's subjects must
   // include <subject_prefix>.* . Default: tidal.changes.
   std::string subject_prefix = "tidal.changes";
+  // The privacy journal's stream (JournalPublisher, recover_shard), created
+  // and checked as the change feed's is, and its subject prefix: shard s's
+  // entries go on <journal_subject_prefix>.<s>. Both must differ from the
+  // change feed's. Default: TIDAL_JOURNAL, tidal.journal.
+  std::string journal_stream = "TIDAL_JOURNAL";
+  std::string journal_subject_prefix = "tidal.journal";
   // Replicas of the stream when the Publisher creates it (1 to 5), and the
   // fewest an existing stream may have: a Publisher refuses a stream with
   // fewer. 3 survive the loss of a server (a cluster of fewer than 3 servers
@@ -265,6 +279,81 @@ class Publisher {
   explicit Publisher(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// Background thread: the Db's privacy journal (Options::journal) ->
+// JetStream -> confirm_journal after the stream's ack, so that leaves,
+// rejoins and purges waiting for replication (Options::journal_wait) return
+// OK. The same engine as Publisher's, over the journal instead of the
+// change feed: its own stream (Config::journal_stream, created and checked
+// exactly as Publisher's stream is, with the same refusals), one message per
+// JournalEntry on "<journal_subject_prefix>.<shard_id>", its data the
+// entry's payload (docs/FORMAT.md, "The privacy journal"), headers
+// Tidal-Shard, Tidal-Seq and Tidal-Log: journal, message id
+// "j-<shard>-<seq>" (docs/SCALE.md, "The privacy journal's stream").
+// Entries are published one at a time in seq order and confirmed only once
+// the stream acknowledged them; after a failure it resumes from the first
+// entry not acknowledged, and the Db keeps every unconfirmed entry.
+//
+// Fenced like Publisher (there is no incarnation and no re-seed): on every
+// connection it reads the last entry of the shard's subject, and each
+// publish expects the subject's last message. It halts for good
+// (stats().halted, last_error, stop() returns the error), never
+// confirming, when the stream holds a seq of this shard the Db's journal
+// never reached (InvalidArgument: a Db restored from a backup and not yet
+// recovered with recover_shard, or a twin), its entry of the Db's seq
+// differs from the Db's (Corruption), another writer published on the
+// subject since, or a Duplicate ack names a stored message that is not this
+// entry (Corruption).
+//
+// stats() is a PublisherStats: published_seq is the last entry the stream
+// acknowledged (the journal is confirmed through it), last_change_seq the
+// journal's last seq, lag_batches the entries not yet acknowledged,
+// lag_bytes their payload bytes (Stats::journal_pending_bytes), reseeds 0.
+// Thread safety as Publisher's.
+class JournalPublisher {
+ public:
+  // InvalidArgument for a null Db, a Db without a journal, a config that
+  // Publisher::start refuses, a bad journal_stream or journal_subject_prefix,
+  // or one equal to the change feed's. Then as Publisher::start: one first
+  // attempt before returning; a missing stream is created, an existing one
+  // checked (the same refusals), a fence found at that attempt returned.
+  // `db` must outlive the JournalPublisher.
+  static Result<std::unique_ptr<JournalPublisher>> start(Db* db, const Config& config);
+
+  // As Publisher::stop: within about request_timeout; the fence that halted
+  // it, else OK (an entry in flight is sent again by the next
+  // JournalPublisher and de-duplicated). Idempotent. The Db is left open.
+  Status stop();
+
+  PublisherStats stats() const;
+
+  ~JournalPublisher();  // stop()
+  JournalPublisher(const JournalPublisher&) = delete;
+  JournalPublisher& operator=(const JournalPublisher&) = delete;
+
+  class Impl;
+
+ private:
+  explicit JournalPublisher(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// For a Db opened from a backup (Stats::recovering): reads the shard's
+// entries with seq > db->last_journal_seq() from Config::journal_stream
+// (through an ephemeral pull consumer on the shard's subject, up to the
+// subject's last entry when the read started), in seq order, replays them
+// (Db::replay_journal, in chunks of 1,024), then calls
+// Db::finish_recovery(), which re-seeds the change feed (a new
+// incarnation). OK and nothing done when the Db is not recovering.
+// InvalidArgument for a null Db, one without a journal, a bad config;
+// Corruption naming the shard, the stream and the seqs when the stream lacks
+// an entry the Db needs (purged or aged out of it) or holds something else
+// on the shard's subject: the Db stays recovering (it serves nothing rather
+// than forget a leave); IOError when the cluster does not answer (call
+// again: what was replayed stays replayed, and is skipped). Start the
+// JournalPublisher after it: it resumes where the stream ends. Blocking;
+// about request_timeout per call to the cluster.
+Status recover_shard(Db* db, const Config& config);
 
 // Background thread: a durable JetStream pull consumer named consumer_name
 // (one per view, over <subject_prefix>.*) -> GlobalView::apply -> ack, only

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace tidal::nats::internal {
@@ -133,6 +134,30 @@ Status check_config(const Config& config) {
   return Status::OK();
 }
 
+Result<Config> journal_config(const Config& config) {
+  if (Status s = check_config(config); !s.ok()) return s;
+  if (!valid_token(config.journal_stream) || config.journal_stream.find('.') != std::string::npos) {
+    return Status::InvalidArgument("tidal::nats::Config::journal_stream '" + config.journal_stream +
+                                   "' is not a JetStream stream name (non-empty, no '.', '*', '>' or whitespace)");
+  }
+  if (!valid_token(config.journal_subject_prefix) || config.journal_subject_prefix.front() == '.' ||
+      config.journal_subject_prefix.back() == '.' || config.journal_subject_prefix.find("..") != std::string::npos) {
+    return Status::InvalidArgument("tidal::nats::Config::journal_subject_prefix '" + config.journal_subject_prefix +
+                                   "' is not a subject prefix (non-empty tokens separated by '.', no '*', '>' or "
+                                   "whitespace)");
+  }
+  if (config.journal_stream == config.stream || config.journal_subject_prefix == config.subject_prefix) {
+    return Status::InvalidArgument(
+        "tidal::nats::Config: the privacy journal needs a stream and a subject prefix of its own "
+        "(journal_stream '" + config.journal_stream + "', journal_subject_prefix '" + config.journal_subject_prefix +
+        "'; the change feed's are '" + config.stream + "' and '" + config.subject_prefix + "')");
+  }
+  Config jc = config;
+  jc.stream = config.journal_stream;
+  jc.subject_prefix = config.journal_subject_prefix;
+  return jc;
+}
+
 std::string subject_of(const Config& config, std::uint64_t shard) {
   return config.subject_prefix + "." + std::to_string(shard);
 }
@@ -143,30 +168,49 @@ std::string msg_id_of(const ChangeBatch& b) {
   return id;
 }
 
-Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config) {
+Result<LogRecord> record_of(natsMsg* msg, const Config& config, const std::string& marker) {
   const char* subject = natsMsg_GetSubject(msg);
   const char* shard_text = nullptr;
   const char* seq_text = nullptr;
-  ChangeBatch batch;
-  if (natsMsgHeader_Get(msg, kShardHeader, &shard_text) != NATS_OK || !parse_u64(shard_text, &batch.shard_id) ||
-      natsMsgHeader_Get(msg, kSeqHeader, &seq_text) != NATS_OK || !parse_u64(seq_text, &batch.seq) ||
-      batch.seq == 0) {
+  LogRecord r;
+  if (natsMsgHeader_Get(msg, kShardHeader, &shard_text) != NATS_OK || !parse_u64(shard_text, &r.shard_id) ||
+      natsMsgHeader_Get(msg, kSeqHeader, &seq_text) != NATS_OK || !parse_u64(seq_text, &r.seq) || r.seq == 0) {
     return Status::Corruption(std::string("message on ") + (subject ? subject : "?") + " in stream " +
-                              config.stream + " is not a tidal batch: no valid " + kShardHeader + " and " +
-                              kSeqHeader + " headers");
+                              config.stream + " is not a tidal " + (marker.empty() ? "batch" : marker + " entry") +
+                              ": no valid " + kShardHeader + " and " + kSeqHeader + " headers");
   }
-  if (subject == nullptr || subject_of(config, batch.shard_id) != subject) {
+  if (subject == nullptr || subject_of(config, r.shard_id) != subject) {
     return Status::Corruption(std::string("message on ") + (subject ? subject : "?") + " in stream " +
-                              config.stream + " says shard " + std::to_string(batch.shard_id) +
-                              ", which publishes on " + subject_of(config, batch.shard_id));
+                              config.stream + " says shard " + std::to_string(r.shard_id) +
+                              ", which publishes on " + subject_of(config, r.shard_id));
+  }
+  const char* log = nullptr;
+  std::string found;
+  if (natsMsgHeader_Get(msg, kLogHeader, &log) == NATS_OK && log != nullptr) found = log;
+  if (found != marker) {
+    return Status::Corruption(std::string("message on ") + subject + " in stream " + config.stream + " has " +
+                              kLogHeader + " '" + found + "', expected '" + marker +
+                              "': a record of another tidal log (the change feed and the privacy journal need "
+                              "streams and subjects of their own)");
   }
   const char* incarnation = nullptr;
   if (natsMsgHeader_Get(msg, kIncarnationHeader, &incarnation) == NATS_OK && incarnation != nullptr) {
-    batch.incarnation = incarnation;
+    r.incarnation = incarnation;
   }
   const int len = natsMsg_GetDataLength(msg);
-  if (len > 0) batch.payload.assign(natsMsg_GetData(msg), static_cast<std::size_t>(len));
-  return batch;
+  if (len > 0) r.payload.assign(natsMsg_GetData(msg), static_cast<std::size_t>(len));
+  return r;
+}
+
+Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config) {
+  Result<LogRecord> r = record_of(msg, config, {});
+  if (!r.ok()) return r.status();
+  ChangeBatch b;
+  b.shard_id = r->shard_id;
+  b.seq = r->seq;
+  b.incarnation = std::move(r->incarnation);
+  b.payload = std::move(r->payload);
+  return b;
 }
 
 std::string nats_error(natsStatus s) {

@@ -16,6 +16,7 @@
 
 #include <nats/nats.h>
 
+#include "nats/log.h"
 #include "tidal/change_batch.h"
 #include "tidal/nats.h"
 #include "tidal/status.h"
@@ -27,9 +28,18 @@ inline constexpr const char* kShardHeader = "Tidal-Shard";
 inline constexpr const char* kSeqHeader = "Tidal-Seq";
 // The feed's incarnation (ChangeBatch::incarnation); absent when unknown.
 inline constexpr const char* kIncarnationHeader = "Tidal-Incarnation";
+// Which log a message belongs to: absent on the change feed's messages,
+// "journal" on the privacy journal's (JournalPublisher).
+inline constexpr const char* kLogHeader = "Tidal-Log";
+inline constexpr const char* kJournalMarker = "journal";
 
 // InvalidArgument naming the field for a config no cluster could serve.
 Status check_config(const Config& config);
+// The config of the privacy journal's stream: `config` with stream and
+// subject_prefix set to journal_stream and journal_subject_prefix, which are
+// checked (and must differ from the change feed's). InvalidArgument naming
+// the field otherwise.
+Result<Config> journal_config(const Config& config);
 
 // "<subject_prefix>.<shard>", and the JetStream message id
 // "<shard>-<seq>-<incarnation>" ("<shard>-<seq>" when the incarnation is
@@ -48,6 +58,9 @@ inline bool is_reseed(const ChangeBatch& b) {
 // (checked against the subject), the payload from its data. Corruption
 // saying why otherwise.
 Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config);
+// The same for any log: also Corruption when the message's Tidal-Log header
+// is not `marker` (absent for an empty marker), i.e. a record of another log.
+Result<LogRecord> record_of(natsMsg* msg, const Config& config, const std::string& marker);
 
 // "<status text>: <the client's last error>" for the calling thread.
 std::string nats_error(natsStatus s);

@@ -43,6 +43,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using tidal::testing::TempDir;
+using testing::Js;
 using testing::NatsCluster;
 using testing::caught_up;
 using testing::compare;
@@ -295,53 +296,6 @@ TEST(NatsStream, AStreamWhoseSubjectsDoNotMatchIsInvalidArgumentNamingServerAndS
 }
 
 // ---- Streams that cannot drop an acknowledged batch ----
-
-// A connection to `cluster` and its JetStream context, for a test's own requests.
-class Js {
- public:
-  explicit Js(const NatsCluster& cluster) {
-    ok_ = natsConnection_ConnectTo(&nc_, cluster.servers().c_str()) == NATS_OK &&
-          natsConnection_JetStream(&js_, nc_, nullptr) == NATS_OK;
-  }
-  ~Js() {
-    if (js_ != nullptr) jsCtx_Destroy(js_);
-    if (nc_ != nullptr) natsConnection_Destroy(nc_);
-  }
-  Js(const Js&) = delete;
-  Js& operator=(const Js&) = delete;
-  bool ok() const { return ok_; }
-  jsCtx* js() const { return js_; }
-
-  // Creates `name` on tidal.<name>.* with 3 replicas, file storage, limits
-  // retention and discard-new unless `edit` changes them; "" or the error.
-  template <class Edit>
-  std::string add_stream(const std::string& name, Edit&& edit) {
-    const std::string wildcard = "tidal." + name + ".*";
-    const char* subjects[] = {wildcard.c_str()};
-    jsStreamConfig sc;
-    jsStreamConfig_Init(&sc);
-    sc.Name = name.c_str();
-    sc.Subjects = subjects;
-    sc.SubjectsLen = 1;
-    sc.Replicas = 3;
-    sc.Discard = js_DiscardNew;
-    edit(sc);
-    jsErrCode jerr = static_cast<jsErrCode>(0);
-    natsStatus s = js_AddStream(nullptr, js_, &sc, nullptr, &jerr);
-    return s == NATS_OK ? "" : std::string(natsStatus_GetText(s)) + " " + std::to_string(jerr);
-  }
-
-  // The stream's config and state, or null.
-  jsStreamInfo* info(const std::string& name) {
-    jsStreamInfo* si = nullptr;
-    return js_GetStreamInfo(&si, js_, name.c_str(), nullptr, nullptr) == NATS_OK ? si : nullptr;
-  }
-
- private:
-  natsConnection* nc_ = nullptr;
-  jsCtx* js_ = nullptr;
-  bool ok_ = false;
-};
 
 TEST(NatsStream, ATidalStreamHasLimitsRetentionDiscardNewTheConfiguredReplicasWindowAndLimits) {
   NatsCluster cluster(3);

@@ -1,0 +1,121 @@
+#include "nats/journal_stream.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <utility>
+
+namespace tidal::nats::internal {
+
+namespace {
+
+struct MsgList {
+  natsMsgList list{nullptr, 0};
+  ~MsgList() {
+    if (list.Msgs != nullptr) natsMsgList_Destroy(&list);
+  }
+};
+
+struct SubGuard {
+  natsSubscription* sub = nullptr;
+  ~SubGuard() {
+    if (sub != nullptr) {
+      (void)natsSubscription_Unsubscribe(sub);  // deletes the ephemeral consumer
+      natsSubscription_Destroy(sub);
+    }
+  }
+};
+
+// The server deletes the reader's ephemeral consumer this long after the
+// reader stopped asking (a recovery that died mid-read).
+constexpr std::chrono::seconds kReaderInactive{30};
+
+}  // namespace
+
+Result<std::vector<JournalEntry>> read_journal_stream(Connection& conn, const Config& journal, std::uint64_t shard,
+                                                      std::uint64_t after_seq) {
+  const std::string subject = subject_of(journal, shard);
+  const std::string where = "NATS server " + conn.server() + ", stream " + journal.stream + ", shard " +
+                            std::to_string(shard) + " (" + subject + ")";
+  std::vector<JournalEntry> out;
+  // Where the subject ends now: what the read must reach.
+  natsMsg* last = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus ns = js_GetLastMsg(&last, conn.js(), journal.stream.c_str(), subject.c_str(), nullptr, &jerr);
+  if (ns == NATS_NOT_FOUND || jerr == JSNoMessageFoundErr || jerr == JSStreamNotFoundErr) return out;
+  if (ns != NATS_OK) return Status::IOError(where + ": cannot read the last entry: " + nats_error(ns));
+  const std::uint64_t end_at = natsMsg_GetSequence(last);
+  Result<LogRecord> end = record_of(last, journal, kJournalMarker);
+  natsMsg_Destroy(last);
+  if (!end.ok()) return Status::Corruption(where + ": " + end.status().message());
+  if (end->seq <= after_seq) return out;
+
+  SubGuard reader;
+  jsSubOptions so;
+  jsSubOptions_Init(&so);
+  so.Stream = journal.stream.c_str();
+  so.Config.DeliverPolicy = js_DeliverAll;
+  so.Config.AckPolicy = js_AckNone;
+  so.Config.FilterSubject = subject.c_str();
+  so.Config.InactiveThreshold = std::chrono::duration_cast<std::chrono::nanoseconds>(kReaderInactive).count();
+  jerr = static_cast<jsErrCode>(0);
+  ns = js_PullSubscribe(&reader.sub, conn.js(), subject.c_str(), nullptr, nullptr, &so, &jerr);
+  if (ns != NATS_OK) {
+    reader.sub = nullptr;
+    return Status::IOError(where + ": cannot read the entries: " + nats_error(ns));
+  }
+  // The subject's messages still to deliver: each fetch asks for no more
+  // than remain, so it returns once they came (a fetch for more waits until
+  // it expires).
+  jsConsumerInfo* ci = nullptr;
+  jerr = static_cast<jsErrCode>(0);
+  ns = natsSubscription_GetConsumerInfo(&ci, reader.sub, nullptr, &jerr);
+  if (ns != NATS_OK) return Status::IOError(where + ": cannot read the reader's state: " + nats_error(ns));
+  std::uint64_t remaining = ci->NumPending;
+  jsConsumerInfo_Destroy(ci);
+  std::uint64_t next = after_seq + 1;
+  std::uint64_t read_to = 0;  // the stream sequence read through
+  while (read_to < end_at && remaining > 0) {
+    MsgList got;
+    jsFetchRequest req;
+    jsFetchRequest_Init(&req);
+    req.Batch = static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(journal.fetch_batch, 1)), remaining));
+    req.MaxBytes = journal.fetch_max_bytes;
+    req.Expires = static_cast<std::int64_t>(journal.request_timeout.count()) * 1'000'000;
+    ns = natsSubscription_FetchRequest(&got.list, reader.sub, &req);
+    if (got.list.Count <= 0) {
+      return Status::IOError(where + ": reading the entries after seq " + std::to_string(next - 1) + " (through seq " +
+                             std::to_string(end->seq) + ") failed: " + nats_error(ns == NATS_OK ? NATS_TIMEOUT : ns));
+    }
+    remaining -= std::min<std::uint64_t>(remaining, static_cast<std::uint64_t>(got.list.Count));
+    for (int i = 0; i < got.list.Count; ++i) {
+      natsMsg* m = got.list.Msgs[i];
+      jsMsgMetaData* meta = nullptr;
+      if (natsMsg_GetMetaData(&meta, m) == NATS_OK) {
+        read_to = std::max<std::uint64_t>(read_to, meta->Sequence.Stream);
+        jsMsgMetaData_Destroy(meta);
+      }
+      Result<LogRecord> r = record_of(m, journal, kJournalMarker);
+      if (!r.ok()) return Status::Corruption(where + ": " + r.status().message());
+      if (r->shard_id != shard) {
+        return Status::Corruption(where + ": an entry of shard " + std::to_string(r->shard_id) + " on this subject");
+      }
+      if (r->seq < next) continue;  // the Db has it already (or a republish of an earlier one)
+      if (r->seq > next) {
+        return Status::Corruption(where + ": entries " + std::to_string(next) + ".." + std::to_string(r->seq - 1) +
+                                  " are missing (the stream holds seq " + std::to_string(r->seq) +
+                                  " next; purged or aged out of the stream): the shard cannot be recovered from "
+                                  "this stream without them");
+      }
+      out.push_back(JournalEntry{r->shard_id, r->seq, std::move(r->payload)});
+      ++next;
+    }
+  }
+  if (next <= end->seq) {
+    return Status::Corruption(where + ": the stream's last entry is seq " + std::to_string(end->seq) +
+                              " but the read ended at seq " + std::to_string(next - 1));
+  }
+  return out;
+}
+
+}  // namespace tidal::nats::internal
