@@ -354,7 +354,10 @@ int cmd_backup(tidal::Db& db, const std::string& root, std::optional<std::uint64
   }
   if (json) {
     std::string list;
-    for (const std::string& d : deleted) list += (list.empty() ? "" : ",") + json_string(d);
+    for (const std::string& d : deleted) {
+      if (!list.empty()) list += ',';  // piece by piece: GCC 12's false -Wrestrict (see cmd_stats)
+      list += json_string(d);
+    }
     std::printf("{\"action\":\"backup\",\"dir\":%s,\"files\":%s,\"seconds\":%.3f,\"deleted\":[%s]}\n",
                 json_string(dir).c_str(), json_string(files).c_str(), seconds, list.c_str());
   } else {
