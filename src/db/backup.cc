@@ -54,16 +54,13 @@ std::string parent_of(const std::string& path) {
   return parent.empty() ? std::string(".") : parent.string();
 }
 
-// Whether the SST files of `dir` are hard links (of the live Db's): the
-// first one found has more than one link.
-bool files_linked(const std::string& dir) {
-  std::error_code ec;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    if (e.path().extension() != ".sst") continue;
-    struct stat st {};
-    return ::stat(e.path().c_str(), &st) == 0 && st.st_nlink > 1;
-  }
-  return true;  // no table file: nothing was copied
+// Whether RocksDB's checkpoint into `dir` hard-linked the files of the Db
+// at `db_dir`: it links them whenever both are on one file system (and
+// copies them otherwise). Not read from the link counts: a compaction may
+// delete a linked file from the Db right after the checkpoint.
+bool same_file_system(const std::string& dir, const std::string& db_dir) {
+  struct stat a {}, b {};
+  return ::stat(dir.c_str(), &a) == 0 && ::stat(db_dir.c_str(), &b) == 0 && a.st_dev == b.st_dev;
 }
 
 Status checkpoint(rocksdb::DB* db, const std::string& dir, const std::string& what) {
@@ -143,7 +140,7 @@ Status Db::Impl::backup(const std::string& dir) const {
       fs::remove_all(dir, ec);
       return Status::IOError(what + ": moving the state engine's copy into place failed: " + ec.message());
     }
-    const bool linked = files_linked(state_dir) && files_linked(dir);
+    const bool linked = same_file_system(dir, storage_->path());
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     manifest << "files " << (linked ? "linked" : "copied") << "\nseconds " << seconds << "\n";
     const std::string path = dir + "/" + kBackupManifest;

@@ -11,6 +11,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nats/nats.h>
@@ -165,9 +166,18 @@ class Js {
     sc.Replicas = 3;
     sc.Discard = js_DiscardNew;
     edit(sc);
-    jsErrCode jerr = static_cast<jsErrCode>(0);
-    natsStatus s = js_AddStream(nullptr, js_, &sc, nullptr, &jerr);
-    return s == NATS_OK ? "" : std::string(natsStatus_GetText(s)) + " " + std::to_string(jerr);
+    // A cluster just started may not have placed its JetStream peers yet
+    // (10005, no suitable peers): asked again for up to 15 s.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+    for (;;) {
+      jsErrCode jerr = static_cast<jsErrCode>(0);
+      natsStatus s = js_AddStream(nullptr, js_, &sc, nullptr, &jerr);
+      if (s == NATS_OK) return "";
+      if (jerr != 10005 || std::chrono::steady_clock::now() > deadline) {
+        return std::string(natsStatus_GetText(s)) + " " + std::to_string(jerr);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
   }
 
   // The stream's config and state, or null.
