@@ -1775,6 +1775,8 @@ void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::
   natsMsg_Destroy(m);
 }
 
+// Not on a temporary: the pointer would dangle (ASan caught one).
+const FollowerShardStats* shard_stats(const FollowerStats&& st, std::uint64_t shard) = delete;
 const FollowerShardStats* shard_stats(const FollowerStats& st, std::uint64_t shard) {
   for (const FollowerShardStats& s : st.shards) {
     if (s.shard_id == shard) return &s;
@@ -1966,7 +1968,8 @@ TEST(NatsGap, AFollowerRestartedWhileAShardIsParkedStillAppliesEveryBatch) {
     auto f = start_follower(view.get(), config, "view");
     ASSERT_NE(f, nullptr);
     ASSERT_TRUE(eventually([&] {
-      const FollowerShardStats* s = shard_stats(f->stats(), 9);
+      const FollowerStats st_1 = f->stats();
+      const FollowerShardStats* s = shard_stats(st_1, 9);
       return s != nullptr && s->parked && s->stream_seq == 50;
     }, 10s));
     std::this_thread::sleep_for(500ms);  // the consumer has delivered (and terminated) 2..50
