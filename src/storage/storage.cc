@@ -607,13 +607,46 @@ rocksdb::DB* Storage::db_of(rocksdb::ColumnFamilyHandle* cf) const {
   return users_.db.get();
 }
 
+namespace {
+
+#if defined(__SANITIZE_THREAD__)
+extern "C" void __tsan_ignore_thread_begin();
+extern "C" void __tsan_ignore_thread_end();
+#endif
+
+// ThreadSanitizer builds only: the memory accesses of a RocksDB write are not
+// checked. RocksDB is not built with -fsanitize=thread, so TSan sees the
+// libc and libstdc++ calls inside it (memset, memcpy) but not the write
+// group's handoff through RocksDB's own atomics: two leaders clearing the
+// DB's merged batch (WriteBatch::Clear inside DBImpl::WriteImpl) looked like
+// a race whose only named frames are tidal's callers (CI, 2026-12-02), which
+// tests/tsan.supp cannot name without hiding tidal's own frames. Tidal's
+// accesses before and after the call are checked as always.
+class IgnoredByTsan {
+ public:
+#if defined(__SANITIZE_THREAD__)
+  IgnoredByTsan() { __tsan_ignore_thread_begin(); }
+  ~IgnoredByTsan() { __tsan_ignore_thread_end(); }
+#else
+  IgnoredByTsan() = default;
+#endif
+  IgnoredByTsan(const IgnoredByTsan&) = delete;
+  IgnoredByTsan& operator=(const IgnoredByTsan&) = delete;
+};
+
+}  // namespace
+
 Status Storage::write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
   if (db(engine) == nullptr) return not_upgraded(what);
   rocksdb::WriteOptions wo;
   wo.sync = mode == WriteMode::Sync;
   wo.disableWAL = mode == WriteMode::NoWal;
-  Status s = from_rocksdb(db(engine)->Write(wo, batch), what);
+  Status s;
+  {
+    IgnoredByTsan uninstrumented;
+    s = from_rocksdb(db(engine)->Write(wo, batch), what);
+  }
   // After the write: a sync that clears the flag before this point finds
   // it set again, one that clears it after it syncs this write too.
   if (engine == Engine::Users && mode == WriteMode::Async) users_unsynced_.store(true, std::memory_order_release);
