@@ -9,6 +9,9 @@
 #include <tidal/db.h>
 #include <tidal/global_view.h>
 #include <tidal/metrics.h>
+#ifdef TIDAL_HAVE_NATS
+#include <tidal/nats.h>
+#endif
 #include <unistd.h>
 
 #include <algorithm>
@@ -74,6 +77,12 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
                    Db is then recovering: it refuses signals and user-status
                    calls until the privacy journal's entries after the backup
                    are replayed and finish-recovery runs
+  restore BACKUP --nats SERVERS [--journal-stream NAME] [--journal-subject-prefix P]
+                   the whole recovery: the copy, then the journal's entries
+                   after the backup read from the journal's JetStream stream
+                   (default TIDAL_JOURNAL, tidal.journal) and replayed, then
+                   finish-recovery; the Db serves again on success and stays
+                   recovering on any failure (a missing journal range is named)
   finish-recovery  end a recovery: re-seed the change feed (views replace the
                    shard's contribution) and serve again. Only after the
                    journal was replayed: leaves and purges made after the
@@ -135,6 +144,8 @@ struct Args {
   bool help = false;
   bool repair = false;
   std::optional<std::uint64_t> keep;    // backup --keep N
+  // restore --nats SERVERS [--journal-stream NAME] [--journal-subject-prefix PREFIX]
+  std::optional<std::string> nats, journal_stream, journal_subject_prefix;
   std::vector<std::string> positional;  // command, then its operands
 };
 
@@ -179,6 +190,11 @@ std::optional<std::string> parse_args(int argc, char** argv, Args* args) {
       std::optional<std::string> v = value_of("--keep");
       args->keep = v ? tidal::cli::parse_u64(*v) : std::nullopt;
       if (!args->keep || *args->keep == 0) return "--keep needs a number of backups, at least 1";
+    } else if (is("--nats") || is("--journal-stream") || is("--journal-subject-prefix")) {
+      const std::string name(arg.substr(0, arg.find('=')));
+      std::optional<std::string> v = value_of(name);
+      if (!v || v->empty()) return name + (name == "--nats" ? " needs the cluster's URLs" : " needs a NAME");
+      (name == "--nats" ? args->nats : name == "--journal-stream" ? args->journal_stream : args->journal_subject_prefix) = v;
     } else if (arg.starts_with("--")) {
       return "unknown option '" + std::string(arg) + "'";
     } else {
@@ -369,7 +385,96 @@ int cmd_backup(tidal::Db& db, const std::string& root, std::optional<std::uint64
 
 // Table files hard-linked (immutable), every other file copied (RocksDB
 // appends to its MANIFEST and logs, which must stay the backup's own).
-int cmd_restore(const std::string& backup, const std::string& path, bool json) {
+// Opens the Db at `path`. A Db with a change feed or a privacy journal: a
+// write must go into them too. Their shard id, which the refusal names (a
+// read-only open would refuse a format-2 Db, and the refused open did not
+// upgrade it), then the writable open with them (the feed is checked first,
+// then the journal).
+tidal::Result<std::unique_ptr<tidal::Db>> open_db(const std::string& path, tidal::Options options) {
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(path, options);
+  for (int attempt = 0; attempt < 2 && !opened.ok() && !options.read_only &&
+                        opened.status().code() == tidal::StatusCode::InvalidArgument;
+       ++attempt) {
+    const std::string& message = opened.status().message();
+    const bool feed = message.find("keeps a change feed") != std::string::npos;
+    const bool journal = message.find("keeps a privacy journal") != std::string::npos;
+    if (!feed && !journal) break;
+    const std::string marker = "shard_id = ";
+    std::uint64_t shard = 0;
+    const std::size_t at = message.rfind(marker);
+    if (at == std::string::npos ||
+        std::from_chars(message.data() + at + marker.size(), message.data() + message.size(), shard).ec != std::errc()) {
+      break;
+    }
+    (feed ? options.change_feed : options.journal) = true;
+    options.shard_id = shard;
+    opened = tidal::Db::open(path, options);
+  }
+  return opened;
+}
+
+// restore --nats: the copy at `path` gets the privacy journal's entries after
+// its backup from the journal's stream, then serves again
+// (tidal::nats::recover_shard). On failure the copy stays recovering.
+int replay_journal(const std::string& backup, const std::string& path, const Args& args, std::uint64_t linked,
+                   std::uint64_t copied) {
+#ifdef TIDAL_HAVE_NATS
+  const auto start = std::chrono::steady_clock::now();
+  tidal::Options options;
+  options.create_if_missing = false;
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = open_db(path, options);
+  if (!opened.ok()) return db_failure("restore: opening the copy at '" + path + "'", opened.status());
+  tidal::Db& db = **opened;
+  const tidal::Stats before = db.stats();
+  if (!before.journal) {
+    std::fprintf(stderr,
+                 "tidalctl: restore: the backup '%s' keeps no privacy journal (it was made without "
+                 "Options::journal): there is nothing to replay from NATS. '%s' is recovering: re-apply the leaves "
+                 "and purges made since the backup, then run finish-recovery\n",
+                 backup.c_str(), path.c_str());
+    return kExitFailed;
+  }
+  tidal::nats::Config config;
+  config.servers = *args.nats;
+  if (args.journal_stream) config.journal_stream = *args.journal_stream;
+  if (args.journal_subject_prefix) config.journal_subject_prefix = *args.journal_subject_prefix;
+  if (tidal::Status s = tidal::nats::recover_shard(&db, config); !s.ok()) {
+    std::fprintf(stderr,
+                 "tidalctl: restore: %s\n'%s' is still recovering (it serves nothing): fix the cause, delete it and "
+                 "run the restore again\n",
+                 s.to_string().c_str(), path.c_str());
+    return kExitFailed;
+  }
+  const tidal::Stats after = db.stats();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto n = [](std::uint64_t v) { return static_cast<unsigned long long>(v); };
+  if (args.json) {
+    std::printf("{\"action\":\"restore\",\"db\":%s,\"linked\":%llu,\"copied\":%llu,\"recovering\":false,"
+                "\"shard_id\":%llu,\"journal_stream\":%s,\"replayed\":%llu,\"journal_last_seq\":%llu,"
+                "\"incarnation\":%s,\"seconds\":%.3f}\n",
+                json_string(path).c_str(), n(linked), n(copied), n(after.journal_shard_id),
+                json_string(config.journal_stream).c_str(), n(after.journal_last_seq - before.journal_last_seq),
+                n(after.journal_last_seq), json_string(after.change_feed_incarnation).c_str(), seconds);
+  } else {
+    std::printf("restore: %s is a copy of %s (%llu files linked, %llu copied).\n"
+                "replayed %llu journal entries of shard %llu (seqs %llu..%llu) from stream %s; ",
+                path.c_str(), backup.c_str(), n(linked), n(copied), n(after.journal_last_seq - before.journal_last_seq),
+                n(after.journal_shard_id), n(before.journal_last_seq + 1), n(after.journal_last_seq),
+                config.journal_stream.c_str());
+    if (after.change_feed) std::printf("change feed re-seeded as incarnation %s; ", after.change_feed_incarnation.c_str());
+    std::printf("the Db serves again (%.2f s after the copy).\n", seconds);
+  }
+  return kExitOk;
+#else
+  (void)linked, (void)copied, (void)args;
+  std::fprintf(stderr, "tidalctl: restore --nats: this tidalctl was built without tidal::nats (TIDAL_BUILD_NATS=OFF); "
+               "'%s' is a copy of '%s' and recovering\n", path.c_str(), backup.c_str());
+  return kExitFailed;
+#endif
+}
+
+int cmd_restore(const std::string& backup, const std::string& path, const Args& args) {
+  const bool json = args.json;
   namespace fs = std::filesystem;
   std::error_code ec;
   if (!fs::exists(fs::path(backup) / "TIDAL_BACKUP", ec)) {
@@ -406,13 +511,15 @@ int cmd_restore(const std::string& backup, const std::string& path, bool json) {
     fs::remove_all(path, ec);
     return kExitFailed;
   }
+  if (args.nats) return replay_journal(backup, path, args, linked, copied);
   if (json) {
     std::printf("{\"action\":\"restore\",\"db\":%s,\"linked\":%llu,\"copied\":%llu,\"recovering\":true}\n",
                 json_string(path).c_str(), static_cast<unsigned long long>(linked),
                 static_cast<unsigned long long>(copied));
   } else {
     std::printf("restore: %s is a copy of %s (%llu files linked, %llu copied). It is recovering: replay the privacy\n"
-                "journal's entries after the backup (tidal::nats::recover_shard), then run finish-recovery.\n",
+                "journal's entries after the backup (restore --nats does, or tidal::nats::recover_shard), then run\n"
+                "finish-recovery.\n",
                 path.c_str(), backup.c_str(), static_cast<unsigned long long>(linked),
                 static_cast<unsigned long long>(copied));
   }
@@ -938,7 +1045,13 @@ int run(int argc, char** argv) {
     return usage_error(name + " takes no arguments (got '" + operands[0] + "')");
   }
   if (args.keep && name != "backup") return usage_error("--keep applies to backup only, not " + name);
-  if (name == "restore") return cmd_restore(operands[0], *args.db, args.json);
+  if ((args.nats || args.journal_stream || args.journal_subject_prefix) && name != "restore") {
+    return usage_error("--nats, --journal-stream and --journal-subject-prefix apply to restore only, not " + name);
+  }
+  if ((args.journal_stream || args.journal_subject_prefix) && !args.nats) {
+    return usage_error("--journal-stream and --journal-subject-prefix need --nats SERVERS");
+  }
+  if (name == "restore") return cmd_restore(operands[0], *args.db, args);
 
   // The library refuses, before touching anything, a path that does not
   // exist, holds no database, or is held read-write by another process.
@@ -957,29 +1070,7 @@ int run(int argc, char** argv) {
     tidal::Result<std::unique_ptr<tidal::Db>> probe = tidal::Db::open(path, ro);
     upgraded = !probe.ok() && probe.status().message().find("in format 2") != std::string::npos;
   }
-  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(path, options);
-  // A Db with a change feed or a privacy journal: a write must go into them
-  // too. Their shard id, which the refusal names (a read-only open would
-  // refuse a format-2 Db, and the refused open did not upgrade it), then the
-  // writable open with them (the feed is checked first, then the journal).
-  for (int attempt = 0; attempt < 2 && !opened.ok() && !options.read_only &&
-                        opened.status().code() == tidal::StatusCode::InvalidArgument;
-       ++attempt) {
-    const std::string& message = opened.status().message();
-    const bool feed = message.find("keeps a change feed") != std::string::npos;
-    const bool journal = message.find("keeps a privacy journal") != std::string::npos;
-    if (!feed && !journal) break;
-    const std::string marker = "shard_id = ";
-    std::uint64_t shard = 0;
-    const std::size_t at = message.rfind(marker);
-    if (at == std::string::npos ||
-        std::from_chars(message.data() + at + marker.size(), message.data() + message.size(), shard).ec != std::errc()) {
-      break;
-    }
-    (feed ? options.change_feed : options.journal) = true;
-    options.shard_id = shard;
-    opened = tidal::Db::open(path, options);
-  }
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = open_db(path, options);
   if (!opened.ok()) {
     const tidal::Status& s = opened.status();
     if (s.code() == tidal::StatusCode::Busy) return held_failure(name, path, s.to_string());

@@ -7,7 +7,11 @@
 // system allows). The users engine's copy is the newer one, so every purge
 // receipt in the state copy cites a leave that is in the users copy, as
 // after a crash (E2); the state copy may lack signals the users copy's
-// later leaves did not gate, never part of one.
+// later leaves did not gate, never part of one. With the journal, no purge
+// runs between its intent and its marks' deletion while the two are copied
+// (backup_mu_): a purge whose intent is in the users copy is then in the
+// state copy too, or still marked there and finished by the restored Db's
+// open.
 //
 // The manifest (kBackupManifest, text, one "key value" a line) says where
 // the copy stands: the change feed's shard, incarnation and seqs, and how
@@ -108,6 +112,11 @@ Status Db::Impl::backup(const std::string& dir) const {
                     std::chrono::system_clock::now().time_since_epoch())
                     .count()
              << "\n";
+    // No purge between its intent and its marks' deletion while both engines
+    // are copied: otherwise the users copy could hold a purge's intent (so the
+    // replay after a restore skips it) without its mark (so the open does
+    // not finish it) while the older state copy lacks the purge itself.
+    std::unique_lock<std::shared_mutex> no_purge(backup_mu_);
     // The state engine's copy and the feed's position at one batch boundary.
     Status s = state_->between_batches([&]() -> Status {
       if (Status c = checkpoint(storage_->db(Storage::Engine::State), state_tmp, what + ": the state engine");
@@ -128,6 +137,7 @@ Status Db::Impl::backup(const std::string& dir) const {
     // last_journal_seq() is exact).
     if (s.ok() && journal_) manifest << "journal_last_seq " << journal_->last_seq() << "\n";
     if (s.ok()) s = checkpoint(storage_->db(Storage::Engine::Users), dir, what + ": the users engine");
+    no_purge.unlock();
     if (!s.ok()) {
       fs::remove_all(state_tmp, ec);
       fs::remove_all(dir, ec);

@@ -143,6 +143,9 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
           impl->unfinished_purges_.insert(users.begin(), users.end());
         }
       } unfinished{this, users};
+      // No backup between the intents and the marks' deletion (backup_mu_).
+      std::shared_lock<std::shared_mutex> no_backup(backup_mu_, std::defer_lock);
+      if (journal_) no_backup.lock();
       {
         const auto locks = lock_stripes(users, /*wait_for_purges=*/false);
         for (std::size_t i = 0; i < users.size(); ++i) {

@@ -644,7 +644,7 @@ Status Storage::write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode,
   wo.disableWAL = mode == WriteMode::NoWal;
   Status s;
   {
-    IgnoredByTsan uninstrumented;
+    [[maybe_unused]] IgnoredByTsan uninstrumented;
     s = from_rocksdb(db(engine)->Write(wo, batch), what);
   }
   // After the write: a sync that clears the flag before this point finds

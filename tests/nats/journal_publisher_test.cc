@@ -464,15 +464,24 @@ TEST(NatsJournal, TheStreamReadsBackAShardsEntriesAfterASeqAndAHoleIsCorruption)
     ASSERT_TRUE(got.ok()) << got.status().to_string();
     same(*got, after);
   }
-  // Another shard has nothing; so has a stream that does not exist.
+  // Another shard has nothing: fine for a Db whose journal is empty, an
+  // error for one that has entries the stream should hold. A stream that
+  // does not exist is NotFound, never an empty read (a recovery would pass).
   auto none = internal::read_journal_stream(conn, *jc, 9, 0);
   ASSERT_TRUE(none.ok()) << none.status().to_string();
   EXPECT_TRUE(none->empty());
+  none = internal::read_journal_stream(conn, *jc, 9, 3);
+  EXPECT_EQ(none.status().code(), StatusCode::Corruption) << none.status().to_string();
+  EXPECT_NE(none.status().message().find("the Db's journal reaches seq 3"), std::string::npos) << none.status().to_string();
+  none = internal::read_journal_stream(conn, *jc, 8, 25);
+  EXPECT_EQ(none.status().code(), StatusCode::Corruption) << none.status().to_string();
+  EXPECT_NE(none.status().message().find("last entry of the shard is seq 20"), std::string::npos)
+      << none.status().to_string();
   Config missing = *jc;
   missing.stream = "NOSUCH";
   none = internal::read_journal_stream(conn, missing, 8, 0);
-  ASSERT_TRUE(none.ok()) << none.status().to_string();
-  EXPECT_TRUE(none->empty());
+  EXPECT_EQ(none.status().code(), StatusCode::NotFound) << none.status().to_string();
+  EXPECT_NE(none.status().message().find("stream NOSUCH"), std::string::npos) << none.status().to_string();
 
   // Entry 10 deleted from the stream: a read that needs it is Corruption.
   Js js(cluster);

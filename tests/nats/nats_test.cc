@@ -34,6 +34,7 @@
 
 #include "../prometheus_parse.h"
 #include "../test_util.h"
+#include "child_process.h"
 #include "nats_cluster.h"
 #include "nats_test_util.h"
 #include "tidal/nats.h"
@@ -151,56 +152,10 @@ std::uint64_t stream_bytes(const NatsCluster& cluster, const std::string& stream
   return n;
 }
 
-// A child process (tests/nats/nats_child.cc), SIGKILLed by the destructor.
-class Child {
+// A child process of tests/nats/nats_child.cc.
+class Child : public testing::Child {
  public:
-  explicit Child(const std::vector<std::string>& args) {
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(TIDAL_NATS_CHILD));
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    pid_ = ::fork();
-    if (pid_ == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);
-      int devnull = ::open("/dev/null", O_WRONLY);
-      if (devnull >= 0) ::dup2(devnull, 1);
-      ::execv(TIDAL_NATS_CHILD, argv.data());
-      ::_exit(127);
-    }
-  }
-  ~Child() { kill(); }
-  Child(const Child&) = delete;
-  Child& operator=(const Child&) = delete;
-  // SIGKILL; false when the child had exited by itself before (it failed).
-  bool kill() {
-    if (pid_ <= 0) return true;
-    int status = 0;
-    bool alive = ::waitpid(pid_, &status, WNOHANG) == 0;
-    if (alive) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, &status, 0);
-    }
-    pid_ = 0;
-    return alive;
-  }
-  // Waits (at most `limit`) for the child to end by itself: true when it
-  // SIGKILLed itself.
-  bool killed_itself(std::chrono::seconds limit) {
-    int status = 0;
-    for (auto until = std::chrono::steady_clock::now() + limit; std::chrono::steady_clock::now() < until;) {
-      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-        pid_ = 0;
-        return WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return false;
-  }
-
- private:
-  pid_t pid_ = 0;
+  explicit Child(const std::vector<std::string>& args) : testing::Child(TIDAL_NATS_CHILD, args) {}
 };
 
 // ---- Bad input: clear errors, no cluster needed ----

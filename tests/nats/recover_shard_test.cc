@@ -3,10 +3,14 @@
 // after the backup back from the journal's stream, then serves again, and
 // its JournalPublisher resumes over the stream without a fence.
 
+#include <sys/wait.h>
+
 #include <chrono>
+#include <cstdio>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -149,6 +153,72 @@ TEST(NatsRecover, AJournalEntryMissingFromTheStreamLeavesTheShardRecoveringNamin
   EXPECT_TRUE(restored->stats().recovering);
   EXPECT_EQ(restored->leave_community_layer(1).code(), StatusCode::Busy);
 }
+
+#ifdef TIDAL_TIDALCTL
+// Runs `command`; its exit code and stdout.
+std::pair<int, std::string> run(const std::string& command) {
+  std::string out;
+  FILE* p = ::popen(command.c_str(), "r");
+  if (p == nullptr) return {-1, out};
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  const int status = ::pclose(p);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// tidalctl restore --nats runs the whole procedure: the copy, the journal's
+// replay from its stream, finish-recovery; a missing range fails closed.
+TEST(NatsRecover, TidalctlRestoreWithNatsCopiesReplaysAndServesAgain) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = testing::test_config(cluster, "CTLRESTORE", 3);
+  config.journal_stream = "CTLRESTORE_J";
+  config.journal_subject_prefix = "tidal.CTLRESTORE_J";
+  constexpr std::uint64_t kUsers = 20;
+  std::string expected;
+  {
+    auto db = open_recover_db(dir.sub("db"), 8);
+    ASSERT_NE(db, nullptr);
+    auto p = JournalPublisher::start(db.get(), config);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    for (std::uint64_t u = 1; u <= kUsers; ++u) {
+      ASSERT_OK(db->join_community(u, 1 + u % 3));
+      ASSERT_TRUE(db->signal_with_context({u, 1 + u % 5, 1.0}, {{1 + u % 4}}).ok());
+    }
+    ASSERT_OK(db->backup(dir.sub("backup")));
+    for (std::uint64_t u = 1; u <= 12; ++u) ASSERT_OK(db->leave_community_layer(u));
+    for (std::uint64_t u = 1; u <= 3; ++u) ASSERT_OK(db->rejoin_community_layer(u));
+    ASSERT_TRUE(db->purge_community_contributions(10).ok());
+    ASSERT_TRUE(eventually([&] { return confirmed(db.get(), **p); }, 30s)) << (*p)->stats().last_error;
+    EXPECT_OK((*p)->stop());
+    expected = statuses(db.get(), kUsers);
+    ASSERT_OK(db->close());
+  }
+  const std::string ctl = std::string(TIDAL_TIDALCTL) + " --db ";
+  const std::string nats = " --nats " + config.servers + " --journal-stream CTLRESTORE_J --journal-subject-prefix "
+                           "tidal.CTLRESTORE_J";
+  auto [rc, out] = run(ctl + dir.sub("restored") + " restore " + dir.sub("backup") + nats + " 2>&1");
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("replayed 16 journal entries of shard 8 (seqs 1..16)"), std::string::npos) << out;
+  EXPECT_NE(out.find("the Db serves again"), std::string::npos) << out;
+  {
+    auto restored = open_recover_db(dir.sub("restored"), 8);
+    ASSERT_NE(restored, nullptr);
+    EXPECT_FALSE(restored->stats().recovering);
+    EXPECT_EQ(statuses(restored.get(), kUsers), expected);
+    ASSERT_EQ(restored->purge_receipts(10)->size(), 1u);
+  }
+  // A stream without the shard's entries: the copy stays recovering.
+  auto [rc2, out2] = run(ctl + dir.sub("restored2") + " restore " + dir.sub("backup") + " --nats " + config.servers +
+                         " --journal-stream OTHER_J --journal-subject-prefix tidal.OTHER_J 2>&1");
+  EXPECT_EQ(rc2, 1) << out2;
+  EXPECT_NE(out2.find("is still recovering"), std::string::npos) << out2;
+  auto stuck = open_recover_db(dir.sub("restored2"), 8);
+  ASSERT_NE(stuck, nullptr);
+  EXPECT_TRUE(stuck->stats().recovering);
+}
+#endif  // TIDAL_TIDALCTL
 
 }  // namespace
 }  // namespace tidal::nats
