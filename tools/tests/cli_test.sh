@@ -205,6 +205,9 @@ t --db "$WORK/restored" --json finish-recovery; rc_is 0; json 'd["was_recovering
 t --db "$WORK/restored" finish-recovery; rc_is 0; out_has 'was not recovering'
 t --db "$WORK/restored" status 4; rc_is 0; out_has 'Left'
 [ -f "$WORK/backups/$newest/TIDAL_BACKUP" ] || fail "the restore must leave the backup as it was"
+t --db "$WORK/restored" status 4 --nats nats://127.0.0.1:1; rc_is 2; err_has 'apply to restore only'
+t --db "$WORK/restored3" restore "$WORK/backups/$newest" --journal-stream J; rc_is 2; err_has 'need --nats SERVERS'
+[ ! -e "$WORK/restored3" ] || fail "a refused restore must not create its directory"
 t --db "$DB" reseed; rc_is 1; err_has 'keeps no change feed'
 # A Db with a change feed and a privacy journal: write commands go into both.
 JDB=$WORK/journaldb
