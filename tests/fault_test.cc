@@ -146,6 +146,11 @@ TEST(TwoEnginesTest, LeavesNeverWaitForAPurgeInTheStateEngine) {
   for (bool bulk_purge : {false, true}) {
     SCOPED_TRACE(bulk_purge ? "bulk purge" : "purge of user 64");
     fault.fs->hold_syncs_under(path + "/state/");
+    // The background writer's syncs are held too: a held sync alone does not
+    // say the purge has registered its users (a rejoin of 64 before that
+    // would make the purge find an Active user).
+    std::atomic<bool> registered{false};
+    Db::Impl::after_purge_intent_for_testing = [&] { registered = true; };
     std::atomic<bool> purged{false};
     std::thread purger([&] {
       if (bulk_purge) {
@@ -155,9 +160,10 @@ TEST(TwoEnginesTest, LeavesNeverWaitForAPurgeInTheStateEngine) {
       }
       purged = true;
     });
-    for (int i = 0; i < 10'000 && fault.fs->held_syncs() == 0; ++i) {
+    for (int i = 0; i < 10'000 && (fault.fs->held_syncs() == 0 || !registered); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
+    ASSERT_TRUE(registered) << "the purge never registered its users";
     ASSERT_GT(fault.fs->held_syncs(), 0u) << "the purge never synced under state/";
     const std::uint64_t other = bulk_purge ? 2 : 128;  // a stripe of the purge's users
     std::atomic<bool> left{false};
@@ -183,6 +189,7 @@ TEST(TwoEnginesTest, LeavesNeverWaitForAPurgeInTheStateEngine) {
     purger.join();
     leaver.join();
     if (rejoiner.joinable()) rejoiner.join();
+    Db::Impl::after_purge_intent_for_testing = nullptr;
     ASSERT_TRUE(leave_returned) << "a leave of user " << other << " waited for the purge in the state engine";
     EXPECT_TRUE(purge_still_held) << "the purge was not held while the leave ran: the test proves nothing";
     if (!bulk_purge) {

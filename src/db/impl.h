@@ -107,9 +107,10 @@ class Db::Impl {
   // Tests only: run by every purge between its durable batches and their
   // physical erasure, with no lock held. Set it while no purge runs.
   static inline std::function<void()> before_erasure_for_testing;
-  // Tests only: run by every purge of a Db with a journal once its intents
-  // are durable, before its first batch, with no lock held (a test kills
-  // the process or throws there). Set it while no purge runs.
+  // Tests only: run by every purge once its users are registered (a rejoin
+  // of them now waits for it) and, with a journal, its intents are durable,
+  // before its first batch, with no lock held (a test kills the process or
+  // throws there). Set it while no purge runs.
   static inline std::function<void()> after_purge_intent_for_testing;
   // Aggregate cells a purge batch sums in memory at once (one pass over the
   // purged users' ledgers per this many cells). Tests lower it.

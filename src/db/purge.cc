@@ -186,7 +186,7 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
           impl->purge_ended_.notify_all();
         }
       } unregister{this, users};
-      if (journal_ && after_purge_intent_for_testing) after_purge_intent_for_testing();
+      if (after_purge_intent_for_testing) after_purge_intent_for_testing();
       Result<std::vector<PurgeReceipt>> done = purge_registered(what, users, left_at, purged_at, &to_erase);
       // Durable: the intents are done, and so is every earlier unfinished
       // one of these users (this purge removed everything before the same

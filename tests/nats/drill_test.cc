@@ -33,6 +33,7 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <rocksdb/db.h>
 
 #include "../test_util.h"
 #include "child_process.h"
@@ -40,6 +41,7 @@
 #include "nats_cluster.h"
 #include "nats_test_util.h"
 #include "storage/format.h"
+#include "storage/state_format.h"
 #include "tidal/nats.h"
 
 namespace tidal::nats {
@@ -57,9 +59,9 @@ struct Acknowledged {
   bool known = false;    // a leave or rejoin returned OK, and no later one is in doubt
   bool left = false;     // the last acknowledged was a leave ...
   std::uint64_t left_at_ns = 0;  // ... with this boundary
-  // (purged_at_ns, left_at_ns) of each acknowledged purge that removed
-  // something (one that removed nothing writes no receipt)
-  std::vector<std::pair<std::uint64_t, std::uint64_t>> purges;
+  // The boundary (left_at_ns) of the last acknowledged purge; 0: none.
+  std::uint64_t purged_through_ns = 0;
+  std::size_t purges = 0;  // acknowledged purges
 };
 
 std::map<std::uint64_t, Acknowledged> read_ack_log(const std::string& path) {
@@ -69,11 +71,14 @@ std::map<std::uint64_t, Acknowledged> read_ack_log(const std::string& path) {
   while (std::getline(in, line)) {
     std::istringstream words(line);
     std::string state, kind;
-    std::uint64_t user = 0, a = 0, b = 0, removed = 0;
-    words >> state >> kind >> user >> a >> b >> removed;
+    std::uint64_t user = 0, a = 0, b = 0;
+    words >> state >> kind >> user >> a >> b;
     Acknowledged& u = users[user];
     if (kind == "P") {
-      if (state == "A" && removed > 0) u.purges.emplace_back(a, b);
+      if (state == "A") {
+        u.purged_through_ns = b;
+        ++u.purges;
+      }
       continue;
     }
     if (state == "A") {
@@ -89,7 +94,10 @@ std::map<std::uint64_t, Acknowledged> read_ack_log(const std::string& path) {
 
 // Each acknowledged privacy event of the shard's users that `db` does not
 // hold, one line each.
-std::vector<std::string> lost_events(Db* db, std::uint64_t shard, const std::map<std::uint64_t, Acknowledged>& log) {
+// `purged_left` gets the users whose last acknowledged purge must have left
+// them no ledger record (ledger_violations checks them once the Db is closed).
+std::vector<std::string> lost_events(Db* db, std::uint64_t shard, const std::map<std::uint64_t, Acknowledged>& log,
+                                     std::vector<std::uint64_t>* purged_left) {
   std::vector<std::string> lost;
   const std::string on = " on shard " + std::to_string(shard) + ": ";
   for (const auto& [user, ack] : log) {
@@ -111,27 +119,54 @@ std::vector<std::string> lost_events(Db* db, std::uint64_t shard, const std::map
         lost.push_back("lost rejoin of " + who + on + "the Db says Left");
       }
     }
-    if (ack.purges.empty()) continue;
-    Result<std::vector<PurgeReceipt>> receipts = db->purge_receipts(user);
-    if (!receipts.ok()) {
-      lost.push_back(who + on + receipts.status().to_string());
-      continue;
-    }
-    for (const auto& [purged_at, left_at] : ack.purges) {
-      bool found = false;
-      for (const PurgeReceipt& r : *receipts) found |= r.purged_at_ns == purged_at && r.left_at_ns == left_at;
-      if (!found) {
-        std::string held;
-        for (const PurgeReceipt& r : *receipts) {
-          held += " (" + std::to_string(r.purged_at_ns) + ", " + std::to_string(r.left_at_ns) + ")";
-        }
-        lost.push_back("lost purge of " + who + on + "acknowledged with (purged_at_ns, left_at_ns) (" +
-                       std::to_string(purged_at) + ", " + std::to_string(left_at) + "), the Db's receipts:" +
-                       (held.empty() ? " none" : held));
-      }
+    if (ack.purged_through_ns == 0) continue;
+    // A purge removes the user's whole ledger, and a Left user adds to it
+    // no more: still Left since the boundary of their last acknowledged
+    // purge, they must have no ledger record, in this copy or any other
+    // (the receipt alone proves less: a purge replayed into a copy that
+    // lacks the contributions it removed, lost with the disk, rightly finds
+    // nothing and writes none).
+    Result<CommunityMembership> m = db->community_layer_status(user);
+    if (m.ok() && m->status == MembershipStatus::Left && m->left_at_ns == ack.purged_through_ns) {
+      purged_left->push_back(user);
     }
   }
   return lost;
+}
+
+// The users of `users` that still have contribution-ledger records in the
+// closed Db at `db_dir` (its state engine opened read-only as plain RocksDB).
+std::vector<std::string> ledger_violations(const std::string& db_dir, std::uint64_t shard,
+                                           const std::vector<std::uint64_t>& users) {
+  std::vector<std::string> out;
+  if (users.empty()) return out;
+  const std::string state = state_engine_dir(db_dir);
+  std::vector<std::string> names;
+  rocksdb::Status s = rocksdb::DB::ListColumnFamilies(rocksdb::DBOptions(), state, &names);
+  std::vector<rocksdb::ColumnFamilyDescriptor> families;
+  for (const std::string& n : names) families.emplace_back(n, rocksdb::ColumnFamilyOptions());
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  if (s.ok()) s = rocksdb::DB::OpenForReadOnly(rocksdb::DBOptions(), state, families, &handles, &raw);
+  if (!s.ok()) return {"reading the ledger of shard " + std::to_string(shard) + ": " + s.ToString()};
+  std::unique_ptr<rocksdb::DB> db(raw);
+  rocksdb::ColumnFamilyHandle* ledger = nullptr;
+  for (auto* h : handles) {
+    if (h->GetName() == "ledger") ledger = h;
+  }
+  for (std::uint64_t user : users) {
+    const std::string prefix = encode_ledger_key(user, 0).substr(0, 9);
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), ledger));
+    std::size_t records = 0;
+    for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) ++records;
+    if (records > 0) {
+      out.push_back("lost purge of user " + std::to_string(user) + " on shard " + std::to_string(shard) + ": Left since " +
+                    "the boundary of their last acknowledged purge, yet " + std::to_string(records) +
+                    " ledger records of theirs remain");
+    }
+  }
+  for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
+  return out;
 }
 
 // Every workload cell of `a` and `b`, bit for bit: the first differences.
@@ -215,6 +250,8 @@ class Drill {
     return ::testing::AssertionSuccess();
   }
   int restores() const { return restores_; }
+  // Purged users found with an empty ledger, over every check.
+  std::size_t purges_checked() const { return purges_checked_; }
 
   // Opens every shard (every process is stopped), publishes what is left,
   // waits for the follower's view, and returns every violation: acknowledged
@@ -236,10 +273,12 @@ class Drill {
       shards.push_back(db->get());
       dbs.push_back(std::move(*db));
     }
+    std::map<std::uint64_t, std::vector<std::uint64_t>> purged_left;
     for (std::uint64_t s = 1; s <= drill::kShards; ++s) {
-      for (const std::string& lost : lost_events(shards[s - 1], s, read_ack_log(ack_log(s)))) {
+      for (const std::string& lost : lost_events(shards[s - 1], s, read_ack_log(ack_log(s)), &purged_left[s])) {
         violations.push_back(lost);
       }
+      purges_checked_ += purged_left[s].size();
       Result<RematerializeReport> rm = shards[s - 1]->rematerialize_shared_aggregates(false);
       if (!rm.ok() || !rm->mismatches.empty()) {
         violations.push_back("shard " + std::to_string(s) + "'s aggregates differ from its ledger: " +
@@ -300,6 +339,9 @@ class Drill {
     for (auto& db : dbs) {
       if (Status c = db->close(); !c.ok()) violations.push_back(c.to_string());
     }
+    for (std::uint64_t s = 1; s <= drill::kShards; ++s) {
+      for (const std::string& v : ledger_violations(db_dir(s), s, purged_left[s])) violations.push_back(v);
+    }
     return violations;
   }
 
@@ -309,6 +351,7 @@ class Drill {
   drill::Mode mode_;
   std::map<std::uint64_t, std::unique_ptr<testing::Child>> children_;
   int restores_ = 0;
+  std::size_t purges_checked_ = 0;
 };
 
 int env_int(const char* name, int fallback) {
@@ -360,18 +403,18 @@ TEST(NatsDrill, LosingAShardsMachineAndDiskForgetsNoAcknowledgedLeaveRejoinOrPur
   for (std::uint64_t s = 1; s <= drill::kShards; ++s) {
     for (const auto& [user, ack] : read_ack_log(d.ack_log(s))) {
       acknowledged += ack.known ? 1 : 0;
-      purges += ack.purges.size();
+      purges += ack.purges;
     }
   }
   std::string all;
   for (std::size_t i = 0; i < violations.size() && i < 10; ++i) all += violations[i] + "\n";
   EXPECT_TRUE(violations.empty()) << violations.size() << " violations:\n" << all;
-  EXPECT_GT(purges, 0u) << "no purge was acknowledged: the drill tested none";
+  EXPECT_GT(d.purges_checked(), 0u) << "no purged user was checked: the drill tested no purge";
   std::printf("drill: %d rounds, %d restores (%d mid-replay) in %.1f s; %zu users with a known status, %zu "
-              "acknowledged purges; %zu violations\n",
+              "acknowledged purges, %zu purged users' ledgers checked empty; %zu violations\n",
               rounds_run, d.restores(), mid_replay,
               std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), acknowledged, purges,
-              violations.size());
+              d.purges_checked(), violations.size());
 }
 
 // The drill's checks go red when a restore forgets: a shard restored from
@@ -393,18 +436,25 @@ TEST(NatsDrill, ARestoreThatSkipsTheJournalIsCaughtByTheDrillsChecks) {
   ASSERT_TRUE(restored.ok()) << restored.status().to_string();
   ASSERT_TRUE((*restored)->stats().recovering);
   ASSERT_OK((*restored)->finish_recovery());  // the replay skipped
-  const std::vector<std::string> lost = lost_events(restored->get(), 1, read_ack_log(d.ack_log(1)));
+  std::vector<std::uint64_t> purged_left;
+  std::vector<std::string> lost = lost_events(restored->get(), 1, read_ack_log(d.ack_log(1)), &purged_left);
+  ASSERT_OK((*restored)->close());
+  for (const std::string& v : ledger_violations(d.db_dir(1), 1, purged_left)) lost.push_back(v);
   ASSERT_FALSE(lost.empty()) << "a restore without the journal's replay lost nothing: the drill cannot fail";
   EXPECT_NE(lost.front().find("lost "), std::string::npos) << lost.front();
   std::printf("without the replay: %zu acknowledged events lost, e.g. %s\n", lost.size(), lost.front().c_str());
-  ASSERT_OK((*restored)->close());
 
   // And the replay finds each of them again.
   ASSERT_TRUE(d.restore(1));
   auto replayed = Db::open(d.db_dir(1), drill::shard_options(1, drill::Mode::kNormal));
   ASSERT_TRUE(replayed.ok()) << replayed.status().to_string();
   ASSERT_OK(recover_shard(replayed->get(), d.config()));
-  EXPECT_EQ(lost_events(replayed->get(), 1, read_ack_log(d.ack_log(1))), std::vector<std::string>{});
+  purged_left.clear();
+  lost = lost_events(replayed->get(), 1, read_ack_log(d.ack_log(1)), &purged_left);
+  ASSERT_OK((*replayed)->close());
+  for (const std::string& v : ledger_violations(d.db_dir(1), 1, purged_left)) lost.push_back(v);
+  EXPECT_EQ(lost, std::vector<std::string>{});
+  EXPECT_FALSE(purged_left.empty()) << "no purged user to check";
 }
 
 }  // namespace
