@@ -7,7 +7,8 @@
 //    medians <= 1.2.
 //  - BM_BackupUnderSignals: Db::backup of the 1M-user Db below, alone and
 //    while range(0) threads signal; signals/s in phases without backups and
-//    with backups (range(1) ms apart, 0 = back to back), alternating.
+//    with backups (range(1) ms apart, 0 = back to back), in the order
+//    without, with, with, without (twice); the ratio of the phases' means.
 //    Targets: a backup <= 10 s; signals/s with backups >= 0.9 x without.
 //  - BM_RecoveryTime: a backup of that Db, then 10,000 journal entries
 //    (leaves and rejoins, range(0) purges besides), then the restore: the
@@ -494,11 +495,13 @@ void BM_BackupUnderSignals(benchmark::State& state) {
   });
   std::this_thread::sleep_for(std::chrono::seconds(3));  // warm up
 
-  // Phases of 5 s: without, with, without, with, ... (8 in all).
+  // Phases of 5 s in the order without, with, with, without (twice): the
+  // signal rate drifts as the state engine grows and compacts, and this
+  // order cancels a linear drift out of the means.
   std::vector<double> without, with;
   for (auto _ : state) {
     for (int phase = 0; phase < 8; ++phase) {
-      const bool on = phase % 2 == 1;
+      const bool on = phase % 4 == 1 || phase % 4 == 2;
       backing_up = on;
       const std::uint64_t n0 = signals.load();
       const auto t0 = Clock::now();
@@ -519,9 +522,14 @@ void BM_BackupUnderSignals(benchmark::State& state) {
   state.counters["backups_loaded"] = static_cast<double>(loaded.size());
   state.counters["backup_loaded_p50_s"] = percentile(loaded, 0.5);
   state.counters["backup_loaded_max_s"] = percentile(loaded, 1.0);
-  state.counters["signals_s_without"] = percentile(without, 0.5);
-  state.counters["signals_s_with"] = percentile(with, 0.5);
-  state.counters["ratio"] = percentile(with, 0.5) / percentile(without, 0.5);
+  auto mean = [](const std::vector<double>& v) {
+    double sum = 0;
+    for (double x : v) sum += x;
+    return v.empty() ? 0 : sum / static_cast<double>(v.size());
+  };
+  state.counters["signals_s_without"] = mean(without);
+  state.counters["signals_s_with"] = mean(with);
+  state.counters["ratio"] = mean(with) / mean(without);
   check(db->close(), "close");
 }
 BENCHMARK(BM_BackupUnderSignals)
