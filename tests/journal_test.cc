@@ -278,6 +278,60 @@ TEST(JournalTest, JournalWaitReturnsOkOnceAnotherThreadConfirms) {
   ASSERT_OK(db->close());
 }
 
+// What a journal's publisher waits on instead of polling (Db::wait_journal):
+// it returns at a new entry written by another thread, long before its
+// wait; after its wait when none comes; at once when one is there already;
+// and when close() begins.
+TEST(JournalTest, WaitJournalReturnsAtANewEntryAfterItsWaitOrAtClose) {
+  TempDir dir;
+  auto db = open_db(dir.path(), journal_options());
+  ASSERT_NE(db, nullptr);
+  const auto long_wait = std::chrono::milliseconds(30'000);
+
+  auto start = SteadyClock::now();
+  Result<std::uint64_t> none = db->wait_journal(0, std::chrono::milliseconds(50));
+  ASSERT_OK(none.status());
+  EXPECT_EQ(*none, 0u);
+  EXPECT_GE(SteadyClock::now() - start, std::chrono::milliseconds(50));
+
+  std::thread leaver([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    EXPECT_OK(db->leave_community_layer(5));
+  });
+  start = SteadyClock::now();
+  Result<std::uint64_t> woken = db->wait_journal(0, long_wait);
+  leaver.join();
+  ASSERT_OK(woken.status());
+  EXPECT_EQ(*woken, 1u);
+  EXPECT_LT(SteadyClock::now() - start, std::chrono::seconds(10)) << "woken by the entry, not by the wait";
+
+  start = SteadyClock::now();
+  Result<std::uint64_t> there = db->wait_journal(0, long_wait);  // entry 1 is there already
+  ASSERT_OK(there.status());
+  EXPECT_EQ(*there, 1u);
+  EXPECT_LT(SteadyClock::now() - start, std::chrono::seconds(10));
+
+  Result<std::uint64_t> at_close = std::uint64_t{999};
+  std::thread waiter([&] { at_close = db->wait_journal(1, long_wait); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  start = SteadyClock::now();
+  ASSERT_OK(db->close());
+  waiter.join();
+  EXPECT_LT(SteadyClock::now() - start, std::chrono::seconds(10)) << "close waited for the waiter's whole wait";
+  // Either woken by the close (the last seq) or refused as Closed when it started after it.
+  if (at_close.ok()) {
+    EXPECT_EQ(*at_close, 1u);
+  } else {
+    EXPECT_EQ(at_close.status().code(), StatusCode::Closed) << at_close.status().to_string();
+  }
+  EXPECT_EQ(db->wait_journal(0, long_wait).status().code(), StatusCode::Closed);
+
+  TempDir plain;
+  auto no_journal = open_db(plain.path(), Options{});
+  ASSERT_NE(no_journal, nullptr);
+  EXPECT_EQ(no_journal->wait_journal(0, std::chrono::milliseconds(1)).status().code(), StatusCode::InvalidArgument);
+}
+
 TEST(JournalTest, JournalWaitReturnsNotReplicatedWhenNobodyConfirmsAndARetryIsSafe) {
   TempDir dir;
   const auto wait = std::chrono::milliseconds(200);

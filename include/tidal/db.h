@@ -544,6 +544,13 @@ class Db {
   Result<std::vector<JournalEntry>> read_journal(std::uint64_t after_seq, std::size_t max_bytes) const;
   // The last entry's seq; 0 before the first.
   Result<std::uint64_t> last_journal_seq() const;
+  // Waits until the journal holds an entry with seq > after_seq, for at
+  // most `wait`, or until close() begins; returns the last seq then (at or
+  // below after_seq when none came in time). What a journal's publisher
+  // waits on, so that a leave waiting for its confirmation
+  // (Options::journal_wait) is published at once rather than at its next
+  // poll. InvalidArgument when the Db keeps none; Closed once closed.
+  Result<std::uint64_t> wait_journal(std::uint64_t after_seq, std::chrono::milliseconds wait) const;
   // The journal is replicated through through_seq: the point is stored
   // durably, the entries up to it are removed, and leaves, rejoins and
   // purges waiting for them (Options::journal_wait) return OK.

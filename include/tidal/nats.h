@@ -119,7 +119,9 @@ struct Config {
   std::chrono::milliseconds min_backoff{50};
   std::chrono::milliseconds max_backoff{2000};
   // Publisher: how often it looks for new batches when the feed is drained.
-  // Default: 5 ms.
+  // A JournalPublisher instead waits on the Db (Db::wait_journal) and wakes
+  // at a new entry; this is then the longest it waits at once (so also how
+  // long stop() may wait for it). Default: 5 ms.
   std::chrono::milliseconds poll_interval{5};
   // Publisher: bound on the payload bytes read from the feed at once (at
   // least one batch is read). Default: 4 MiB.

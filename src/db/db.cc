@@ -214,6 +214,9 @@ Result<std::vector<JournalEntry>> Db::read_journal(std::uint64_t after_seq, std:
   return impl_->read_journal(after_seq, max_bytes);
 }
 Result<std::uint64_t> Db::last_journal_seq() const { return impl_->last_journal_seq(); }
+Result<std::uint64_t> Db::wait_journal(std::uint64_t after_seq, std::chrono::milliseconds wait) const {
+  return impl_->wait_journal(after_seq, wait);
+}
 Status Db::confirm_journal(std::uint64_t through_seq) { return impl_->confirm_journal(through_seq); }
 
 }  // namespace tidal

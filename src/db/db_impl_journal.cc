@@ -30,6 +30,17 @@ Result<std::uint64_t> Db::Impl::last_journal_seq() const {
   });
 }
 
+// A read: close() wakes it (Journal::shutdown) before it waits for the
+// calls in flight.
+Result<std::uint64_t> Db::Impl::wait_journal(std::uint64_t after_seq, std::chrono::milliseconds wait) const {
+  return guarded("wait_journal", [&]() -> Result<std::uint64_t> {
+    Call call(this, "wait_journal", /*write=*/false);
+    if (!call.status().ok()) return call.status();
+    if (Status s = check_journal("wait_journal"); !s.ok()) return s;
+    return journal_->wait_written(after_seq, wait);
+  });
+}
+
 // A write: refused on a read-only Db and from inside a ContributionSink callback.
 Status Db::Impl::confirm_journal(std::uint64_t through_seq) {
   return guarded("confirm_journal", [&]() -> Status {

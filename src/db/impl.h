@@ -97,6 +97,7 @@ class Db::Impl {
   // The privacy journal (journal/journal.h).
   Result<std::vector<JournalEntry>> read_journal(std::uint64_t after_seq, std::size_t max_bytes) const;
   Result<std::uint64_t> last_journal_seq() const;
+  Result<std::uint64_t> wait_journal(std::uint64_t after_seq, std::chrono::milliseconds wait) const;
   Status confirm_journal(std::uint64_t through_seq);
 
   // Closes every Db still open; run once by std::atexit (see db_impl_open.cc).

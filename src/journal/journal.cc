@@ -271,12 +271,19 @@ bool Journal::wait_confirmed(std::uint64_t seq, std::chrono::milliseconds wait) 
   return confirmed_seq_ >= seq;
 }
 
+std::uint64_t Journal::wait_written(std::uint64_t after_seq, std::chrono::milliseconds wait) const {
+  std::unique_lock<std::mutex> lock(mu_);
+  written_.wait_for(lock, wait, [&] { return last_seq_ > after_seq || shutdown_; });
+  return last_seq_;
+}
+
 void Journal::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     shutdown_ = true;
   }
   confirmed_.notify_all();
+  written_.notify_all();  // wait_written returns; queued writers look again and wait on
 }
 
 Journal::Stats Journal::stats() const {

@@ -77,6 +77,10 @@ class Journal {
   // after_seq were confirmed and removed already.
   Result<std::vector<JournalEntry>> read(std::uint64_t after_seq, std::size_t max_bytes) const;
   std::uint64_t last_seq() const;
+  // Waits until the journal holds an entry past `after_seq`, for at most
+  // `wait` or until shutdown(); the last seq then (after_seq or less when
+  // none came). For the journal's publisher: it wakes at a new entry.
+  std::uint64_t wait_written(std::uint64_t after_seq, std::chrono::milliseconds wait) const;
   // Durable on return; wakes every waiter it covers.
   Status confirm(std::uint64_t through_seq);
   // Waits until the journal is confirmed through `seq`, for at most `wait`
@@ -111,7 +115,7 @@ class Journal {
   // of the record, so that the record never goes backwards.
   std::mutex confirm_mu_;
   mutable std::mutex mu_;
-  std::condition_variable written_;            // a group was written (queued writers look)
+  mutable std::condition_variable written_;    // a group was written (queued writers and wait_written look), or shutdown
   mutable std::condition_variable confirmed_;  // confirmed_seq_ grew, or shutdown
   std::deque<Writer*> queue_;                  // writers waiting for a leader
   bool leading_ = false;                       // a leader is writing a group

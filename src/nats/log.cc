@@ -101,6 +101,11 @@ class JournalLog final : public Log {
     for (JournalEntry& e : *entries) out.push_back(LogRecord{e.shard_id, e.seq, {}, std::move(e.payload)});
     return out;
   }
+  // A leave waiting for its confirmation (Options::journal_wait) is
+  // published as soon as its entry is written, not at the next poll.
+  bool wait_for_record(std::uint64_t after_seq, std::chrono::milliseconds wait) const override {
+    return db_->wait_journal(after_seq, wait).ok();
+  }
   Status done_through(std::uint64_t seq) override { return db_->confirm_journal(seq); }
   bool is_reseed(const LogRecord&) const override { return false; }
 

@@ -8,6 +8,7 @@
 #ifndef TIDAL_SRC_NATS_LOG_H_
 #define TIDAL_SRC_NATS_LOG_H_
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -62,6 +63,12 @@ class Log {
 
   virtual LogPosition position() const = 0;
   virtual Result<std::vector<LogRecord>> read(std::uint64_t after_seq, std::size_t max_bytes) const = 0;
+  // When the log can tell its publisher of a new record: waits until a
+  // record past `after_seq` exists, for at most `wait`, and returns true;
+  // false when it cannot (the publisher then sleeps Config::poll_interval).
+  virtual bool wait_for_record(std::uint64_t /*after_seq*/, std::chrono::milliseconds /*wait*/) const {
+    return false;
+  }
   // The stream acknowledged every record through `seq`: trim or confirm.
   virtual Status done_through(std::uint64_t seq) = 0;
   // Whether `r` may be published over the stream's records of another

@@ -83,14 +83,14 @@ class LogPublisher::Engine {
       if (!conn.connected()) return Status::IOError(where(conn) + ": connection lost");
       if (log_->position().last_seq <= published) {
         update_lag(published);
-        if (!worker_.wait_for(config_.poll_interval)) break;
+        if (!idle_wait(published)) break;
         continue;
       }
       Result<std::vector<LogRecord>> batches = log_->read(published, config_.read_max_bytes);
       if (!batches.ok()) return db_error(conn, log_->read_call(), batches.status());
       if (batches->empty()) {
         update_lag(published);
-        if (!worker_.wait_for(config_.poll_interval)) break;
+        if (!idle_wait(published)) break;
         continue;
       }
       for (const LogRecord& b : *batches) {
@@ -116,6 +116,14 @@ class LogPublisher::Engine {
       update_lag(published);
     }
     return Status::OK();
+  }
+
+  // With nothing to publish: waits for the log's next record where the log
+  // can tell (the journal), at most poll_interval, else sleeps
+  // poll_interval. False when stopping.
+  bool idle_wait(std::uint64_t published) {
+    if (log_->wait_for_record(published, config_.poll_interval)) return !worker_.stopping();
+    return worker_.wait_for(config_.poll_interval);
   }
 
   // A failed Db call, with the call's name and where.
