@@ -222,8 +222,9 @@ class Drill {
     return ::testing::AssertionFailure() << "shard " << s << "'s process had failed on its own (its stderr is above)";
   }
 
-  // The newest backup of shard s with a manifest; empty when there is none.
-  std::string newest_backup(std::uint64_t s) const {
+  // The newest (or oldest) backup of shard s with a manifest; empty when
+  // there is none.
+  std::string newest_backup(std::uint64_t s, bool oldest = false) const {
     std::string best;
     std::uint64_t best_n = 0;
     std::error_code ec;
@@ -232,15 +233,15 @@ class Drill {
       if (name.size() < 2 || name[0] != 'b' || name.find('.') != std::string::npos) continue;
       if (!fs::exists(e.path() / kBackupManifest, ec)) continue;
       const std::uint64_t n = std::strtoull(name.c_str() + 1, nullptr, 10);
-      if (n > best_n) best_n = n, best = e.path().string();
+      if (best.empty() || (oldest ? n < best_n : n > best_n)) best_n = n, best = e.path().string();
     }
     return best;
   }
 
   // The machine and disk of shard s are lost: its directory is replaced by
-  // a copy of its newest backup.
-  ::testing::AssertionResult restore(std::uint64_t s) {
-    const std::string backup = newest_backup(s);
+  // a copy of its newest backup (or its oldest kept one).
+  ::testing::AssertionResult restore(std::uint64_t s, bool oldest = false) {
+    const std::string backup = newest_backup(s, oldest);
     if (backup.empty()) return ::testing::AssertionFailure() << "shard " << s << " has no complete backup";
     std::error_code ec;
     fs::remove_all(db_dir(s), ec);
@@ -427,11 +428,13 @@ TEST(NatsDrill, ARestoreThatSkipsTheJournalIsCaughtByTheDrillsChecks) {
   TempDir dir;
   Drill d(cluster, dir, "DRILLRED", drill::Mode::kNormal);
   ASSERT_TRUE(d.start(1, 7));
-  // Long enough for backups, then privacy events after the newest one.
+  // Long enough for three backups; the oldest kept one is then hundreds of
+  // ms old (the newest may have been taken just before the kill, with no
+  // privacy event after it to lose).
   ASSERT_TRUE(eventually([&] { return !d.newest_backup(1).empty(); }, 30s));
   std::this_thread::sleep_for(1500ms);
   ASSERT_TRUE(d.kill(1));
-  ASSERT_TRUE(d.restore(1));
+  ASSERT_TRUE(d.restore(1, /*oldest=*/true));
   auto restored = Db::open(d.db_dir(1), drill::shard_options(1, drill::Mode::kNormal));
   ASSERT_TRUE(restored.ok()) << restored.status().to_string();
   ASSERT_TRUE((*restored)->stats().recovering);
@@ -445,7 +448,7 @@ TEST(NatsDrill, ARestoreThatSkipsTheJournalIsCaughtByTheDrillsChecks) {
   std::printf("without the replay: %zu acknowledged events lost, e.g. %s\n", lost.size(), lost.front().c_str());
 
   // And the replay finds each of them again.
-  ASSERT_TRUE(d.restore(1));
+  ASSERT_TRUE(d.restore(1, /*oldest=*/true));
   auto replayed = Db::open(d.db_dir(1), drill::shard_options(1, drill::Mode::kNormal));
   ASSERT_TRUE(replayed.ok()) << replayed.status().to_string();
   ASSERT_OK(recover_shard(replayed->get(), d.config()));
