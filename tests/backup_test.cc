@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include "db/impl.h"
 #include "test_util.h"
 #include "tidal/db.h"
 #include "tidal/journal_entry.h"
@@ -287,6 +288,53 @@ TEST(Backup, ARestoreReplaysTheJournalAndForgetsNoLeaveRejoinOrPurge) {
   Result<SignalOutcome> gated = restored->signal_with_context({2, 0, 5.0}, {{7}});
   ASSERT_OK(gated);
   EXPECT_EQ(value_of(restored->cohort_score(7, 0)), value_of(original->cohort_score(7, 0)));
+}
+
+// B1: a journaled purge that starts while a backup copies its two engines
+// waits for the copy. Before, it could run whole between the state copy and
+// the users copy: the copy then held its intent (so the replay skipped it)
+// and not its marks (so the open did not finish it), and the state copy
+// lacked it: the restored Db still counted the purged user's contributions.
+TEST(Backup, APurgeDuringABackupIsReplayedAfterTheRestore) {
+  TempDir dir;
+  Options options = feed_options(4);
+  options.journal = true;
+  auto db = open_db(dir.sub("db"), options);
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t u = 1; u <= 3; ++u) {
+    ASSERT_OK(db->join_community(u, 100));
+    ASSERT_OK(db->signal_with_context({u, 1, 2.0}, {{7}}));
+  }
+  ASSERT_OK(db->leave_community_layer(1));
+  std::thread purger;
+  std::atomic<bool> purged{false};
+  Db::Impl::between_backup_copies_for_testing = [&] {
+    purger = std::thread([&] {
+      EXPECT_OK(db->purge_community_contributions(1));
+      purged = true;
+    });
+    // Long enough for a purge that does not wait for the backup (a few ms).
+    for (int i = 0; i < 1000 && !purged; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  Status backed_up = db->backup(dir.sub("b"));
+  Db::Impl::between_backup_copies_for_testing = nullptr;
+  purger.join();
+  ASSERT_OK(backed_up);
+  ASSERT_EQ(db->purge_receipts(1)->size(), 1u);
+  EXPECT_EQ(*db->cohort_score(7, 1), 4.0);
+  Result<std::vector<JournalEntry>> journal = db->read_journal(0, 1 << 20);
+  ASSERT_OK(journal);
+  ASSERT_OK(db->close());
+
+  auto restored = open_db(dir.sub("b"), options);
+  ASSERT_NE(restored, nullptr);
+  ASSERT_OK(restored->replay_journal(*journal));
+  ASSERT_OK(restored->finish_recovery());
+  ASSERT_EQ(restored->purge_receipts(1)->size(), 1u) << "the purge during the backup is lost";
+  EXPECT_EQ(*restored->cohort_score(7, 1), 4.0);
+  Result<RematerializeReport> rm = restored->rematerialize_shared_aggregates(false);
+  ASSERT_OK(rm);
+  EXPECT_TRUE(rm->mismatches.empty());
 }
 
 }  // namespace

@@ -132,6 +132,7 @@ Status Db::Impl::backup(const std::string& dir) const {
       }
       return Status::OK();
     });
+    if (s.ok() && between_backup_copies_for_testing) between_backup_copies_for_testing();
     // The journal's position, read before the users engine is copied: the
     // copy holds at least these entries (the restored Db's
     // last_journal_seq() is exact).

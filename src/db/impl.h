@@ -113,6 +113,9 @@ class Db::Impl {
   // before its first batch, with no lock held (a test kills the process or
   // throws there). Set it while no purge runs.
   static inline std::function<void()> after_purge_intent_for_testing;
+  // Tests only: run by backup() between its state engine's copy and its
+  // users engine's, with the backup's exclusion of purges held.
+  static inline std::function<void()> between_backup_copies_for_testing;
   // Aggregate cells a purge batch sums in memory at once (one pass over the
   // purged users' ledgers per this many cells). Tests lower it.
   static inline std::size_t purge_pass_cells = 1 << 18;
