@@ -337,5 +337,49 @@ TEST(Backup, APurgeDuringABackupIsReplayedAfterTheRestore) {
   EXPECT_TRUE(rm->mismatches.empty());
 }
 
+// B3: the replay writes a run of leaves and rejoins at once; a user's last
+// entry in the run decides their status, history and gate.
+TEST(Backup, AReplayedRunOfLeavesAndRejoinsLeavesEachUserAsTheirLastEntry) {
+  TempDir dir;
+  Options options = feed_options(5);
+  options.journal = true;
+  auto db = open_db(dir.sub("db"), options);
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t u = 1; u <= 3; ++u) ASSERT_OK(db->join_community(u, 100));
+  ASSERT_OK(db->backup(dir.sub("b")));
+  ASSERT_OK(db->leave_community_layer(1));
+  ASSERT_OK(db->leave_community_layer(3));
+  ASSERT_OK(db->rejoin_community_layer(1));
+  ASSERT_OK(db->leave_community_layer(2));
+  ASSERT_OK(db->rejoin_community_layer(3));
+  ASSERT_OK(db->leave_community_layer(3));
+  Result<std::vector<JournalEntry>> journal = db->read_journal(0, 1 << 20);
+  ASSERT_OK(journal);
+  ASSERT_EQ(journal->size(), 6u);
+  std::vector<CommunityMembership> want;
+  std::vector<std::size_t> history;
+  for (std::uint64_t u = 1; u <= 3; ++u) {
+    want.push_back(*db->community_layer_status(u));
+    history.push_back(db->community_layer_history(u)->size());
+  }
+  ASSERT_OK(db->close());
+
+  auto restored = open_db(dir.sub("b"), options);
+  ASSERT_NE(restored, nullptr);
+  ASSERT_OK(restored->replay_journal(*journal));
+  EXPECT_EQ(*restored->last_journal_seq(), 6u);
+  ASSERT_OK(restored->finish_recovery());
+  for (std::uint64_t u = 1; u <= 3; ++u) {
+    EXPECT_EQ(restored->community_layer_status(u)->status, want[u - 1].status) << "user " << u;
+    EXPECT_EQ(restored->community_layer_status(u)->left_at_ns, want[u - 1].left_at_ns) << "user " << u;
+    EXPECT_EQ(restored->community_layer_history(u)->size(), history[u - 1]) << "user " << u;
+    ASSERT_OK(restored->signal_with_context({u, 1, 1.0}, {{7}}));
+  }
+  ASSERT_OK(restored->flush());
+  // Only user 1 (rejoined last) reaches the shared aggregates.
+  EXPECT_EQ(*restored->cohort_score(7, 1), 1.0);
+  EXPECT_EQ(*restored->community_score(100, 1), 1.0);
+}
+
 }  // namespace
 }  // namespace tidal

@@ -65,7 +65,9 @@ class Db::Impl {
   // At open: a backup's manifest in the directory makes the Db recovering.
   Status load_recovery_state();
   // One journal entry of replay_journal, at `seq` (db/replay.cc).
-  Status replay_entry(const JournalRecord& rec, std::uint64_t seq, const std::string& what);
+  // A run of leave and rejoin entries, seqs first_seq.., in one write.
+  Status replay_memberships(std::span<const JournalRecord> run, std::uint64_t first_seq, const std::string& what);
+  Status replay_purge(const JournalRecord& rec, std::uint64_t seq, const std::string& what);
 
   Status join_community(std::uint64_t user_id, std::uint64_t community_id);
   Status exit_community(std::uint64_t user_id, std::uint64_t community_id);

@@ -5,7 +5,8 @@
 // (docs/CONTRACT.md, B3).
 //
 // Each entry is applied exactly as it was first made, with its original
-// times, in the same atomic write as its own journal entry at its own seq:
+// times, in the same atomic write as its own journal entry at its own seq
+// (consecutive leaves and rejoins share one write, one fsync):
 // the restored Db's journal then continues the replicated one without a gap
 // or a second numbering, and an entry at or below the Db's last seq is
 // already in it (a replay is idempotent).
@@ -35,41 +36,124 @@ Status Db::Impl::replay_journal(std::span<const JournalEntry> entries) {
                                      "' is not recovering from a backup; a journal is replayed only into a Db opened "
                                      "from one (its entries would otherwise be applied twice); nothing changed");
     }
+    // Consecutive leaves and rejoins go in one write (one fsync) per run;
+    // a purge ends the run and is re-run on its own.
+    std::vector<JournalRecord> run;
+    std::vector<const std::string*> run_payloads;
+    std::uint64_t run_first = 0;
+    const auto flush_run = [&]() -> Status {
+      if (run.empty()) return Status::OK();
+      const std::string what = "replay_journal: entries seq " + std::to_string(run_first) + ".." +
+                               std::to_string(run_first + run.size() - 1) + " of shard " +
+                               std::to_string(options_.shard_id);
+      Status s = replay_memberships(run, run_first, what);
+      run.clear();
+      run_payloads.clear();
+      return s;
+    };
     for (const JournalEntry& e : entries) {
       const std::string what = "replay_journal: entry seq " + std::to_string(e.seq) + " of shard " +
                                 std::to_string(e.shard_id);
       if (e.shard_id != options_.shard_id) {
+        if (Status s = flush_run(); !s.ok()) return s;
         return Status::InvalidArgument(what + ": the Db at '" + storage_->path() + "' journals shard " +
                                        std::to_string(options_.shard_id) + "; nothing of it or later applied");
       }
       std::string error;
       std::optional<JournalRecord> rec = decode_journal_payload(e.payload, &error);
-      if (!rec) return Status::Corruption(what + ": the payload does not decode: " + error + "; nothing of it or later applied");
-      const std::uint64_t last = journal_->last_seq();
+      if (!rec) {
+        if (Status s = flush_run(); !s.ok()) return s;
+        return Status::Corruption(what + ": the payload does not decode: " + error + "; nothing of it or later applied");
+      }
+      const std::uint64_t written = journal_->last_seq();
+      const std::uint64_t last = written + run.size();
       if (e.seq <= last) {
         // In the Db already (the backup held it, or an earlier replay wrote
-        // it). While the Db still holds it, it must be the same entry.
-        Result<std::vector<JournalEntry>> mine = journal_->read(e.seq - 1, 1);
-        if (mine.ok() && !mine->empty() && mine->front().seq == e.seq && mine->front().payload != e.payload) {
+        // it) or in the run: it must be the same entry.
+        bool differs = false;
+        if (e.seq > written) {
+          differs = *run_payloads[e.seq - run_first] != e.payload;
+        } else {
+          Result<std::vector<JournalEntry>> mine = journal_->read(e.seq - 1, 1);
+          differs = mine.ok() && !mine->empty() && mine->front().seq == e.seq && mine->front().payload != e.payload;
+        }
+        if (differs) {
+          if (Status s = flush_run(); !s.ok()) return s;
           return Status::Corruption(what + " differs from this Db's entry of that seq (another shard's journal, or "
                                            "a Db that diverged from the backup); nothing of it or later applied");
         }
         continue;
       }
       if (e.seq != last + 1) {
+        if (Status s = flush_run(); !s.ok()) return s;
         return Status::Corruption("replay_journal: gap: the Db's journal ends at seq " + std::to_string(last) +
                                   "; entry seq " + std::to_string(e.seq) + " of shard " + std::to_string(e.shard_id) +
                                   ": replay seq " + std::to_string(last + 1) + " first; nothing of it or later applied");
       }
-      if (Status s = replay_entry(*rec, e.seq, what); !s.ok()) return s;
+      if (rec->kind != JournalKind::Purge) {
+        if (run.empty()) run_first = e.seq;
+        run.push_back(*rec);
+        run_payloads.push_back(&e.payload);
+        continue;
+      }
+      if (Status s = flush_run(); !s.ok()) return s;
+      if (Status s = replay_purge(*rec, e.seq, what); !s.ok()) return s;
     }
+    if (Status s = flush_run(); !s.ok()) return s;
     return Status::OK();
   });
 }
 
-Status Db::Impl::replay_entry(const JournalRecord& rec, std::uint64_t seq, const std::string& what) {
-  const std::uint64_t user = rec.user_id;
+Status Db::Impl::replay_memberships(std::span<const JournalRecord> run, std::uint64_t first_seq,
+                                     const std::string& what) {
   // Every later time of this Db is above the replayed ones (G3, G5).
+  std::uint64_t newest = 0;
+  std::vector<std::uint64_t> users;
+  std::vector<std::uint64_t> floors(user_locks_.size(), 0);
+  for (const JournalRecord& rec : run) {
+    newest = std::max({newest, rec.at_ns, rec.left_at_ns});
+    users.push_back(rec.user_id);
+    std::uint64_t& floor = floors[rec.user_id % floors.size()];
+    floor = std::max(floor, rec.at_ns);
+  }
+  clock_.advance_past(newest);
+  const auto membership = [](const JournalRecord& rec) {
+    return CommunityMembership{rec.user_id,
+                               rec.kind == JournalKind::Leave ? MembershipStatus::Left : MembershipStatus::Active,
+                               rec.left_at_ns == 0 ? std::nullopt : std::optional<std::uint64_t>(rec.left_at_ns)};
+  };
+  const auto lock = lock_stripes(users, /*wait_for_purges=*/true);
+  for (const JournalRecord& rec : run) {
+    if (rec.kind == JournalKind::Leave) gate_.close(rec.user_id);  // before the write, as a leave closes it (G6)
+  }
+  // A user twice in the run: their record is put twice (the later wins),
+  // each history entry once (keyed by its time).
+  const Journal::Fill fill = [&](rocksdb::WriteBatch* batch, std::uint64_t) {
+    for (const JournalRecord& rec : run) put_membership(batch, rec.user_id, membership(rec), rec.at_ns);
+    put_clock_floors(batch, floors);
+  };
+  Result<std::uint64_t> written = write_journaled(fill, run, what);
+  if (!written.ok()) return Status(written.status().code(), what + ": " + written.status().message());
+  if (*written != first_seq + run.size() - 1) {
+    return Status::Corruption(what + ": written through seq " + std::to_string(*written) +
+                              " of this Db's journal (another write interleaved)");
+  }
+  for (const JournalRecord& rec : run) {  // in order: the last entry of a user decides their gate
+    leave_status_.insert_or_assign(rec.user_id, membership(rec));
+    if (rec.kind == JournalKind::Leave) {
+      gate_.close(rec.user_id);
+      held_back_.erase(rec.user_id);
+      leaves_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      gate_.open(rec.user_id);
+      rejoins_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  return Status::OK();
+}
+
+Status Db::Impl::replay_purge(const JournalRecord& rec, std::uint64_t seq, const std::string& what) {
+  const std::uint64_t user = rec.user_id;
   clock_.advance_past(std::max(rec.at_ns, rec.left_at_ns));
   auto check_seq = [&](const Result<std::uint64_t>& written) -> Status {
     if (!written.ok()) return Status(written.status().code(), what + ": " + written.status().message());
@@ -79,28 +163,6 @@ Status Db::Impl::replay_entry(const JournalRecord& rec, std::uint64_t seq, const
     }
     return Status::OK();
   };
-  if (rec.kind == JournalKind::Leave || rec.kind == JournalKind::Rejoin) {
-    const auto lock = lock_stripes({&user, 1}, /*wait_for_purges=*/true);
-    const bool leave = rec.kind == JournalKind::Leave;
-    const CommunityMembership m{user, leave ? MembershipStatus::Left : MembershipStatus::Active,
-                                rec.left_at_ns == 0 ? std::nullopt : std::optional<std::uint64_t>(rec.left_at_ns)};
-    const Journal::Fill fill = [&](rocksdb::WriteBatch* batch, std::uint64_t) {
-      put_membership(batch, user, m, rec.at_ns);
-      put_clock_floor(batch, user, rec.at_ns);
-    };
-    if (leave) gate_.close(user);  // before the write, as a leave closes it (G6)
-    if (Status s = check_seq(write_journaled(fill, {&rec, 1}, what)); !s.ok()) return s;
-    leave_status_.insert_or_assign(user, m);
-    if (leave) {
-      held_back_.erase(user);
-      leaves_.fetch_add(1, std::memory_order_relaxed);
-    } else {
-      gate_.open(user);
-      rejoins_.fetch_add(1, std::memory_order_relaxed);
-    }
-    return Status::OK();
-  }
-
   // A purge: done already when the copy holds its receipt.
   std::string receipt;
   Status found = storage_->get(storage_->receipts(), encode_receipt_key(user, rec.at_ns), &receipt);
