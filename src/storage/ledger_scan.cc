@@ -1,15 +1,23 @@
 #include "storage/ledger_scan.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
-#include <iterator>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <vector>
 
+#include <rocksdb/env.h>
 #include <rocksdb/snapshot.h>
 
 namespace tidal {
@@ -17,6 +25,7 @@ namespace {
 
 std::atomic<std::size_t> g_pass_cells{kLedgerPassCells};
 std::atomic<std::uint64_t> g_passes{0};
+std::atomic<std::uint64_t> g_runs{0};
 std::atomic<std::size_t> g_peak_cells{0};
 
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
@@ -35,69 +44,296 @@ struct KeyLess {
 // Sums of ledger entries per aggregate, in key order.
 using Totals = std::map<AggregateKey, Units, KeyLess>;
 
-// The aggregate keys of one pass, [lo, hi); no hi is the end of the key space.
-struct Range {
-  std::string lo;  // empty: the start
-  std::optional<AggregateKey> hi;
-  bool below_hi(std::string_view key) const { return !hi || key < view(*hi); }
-};
+// A record of a run: the key, then the sum as put_units writes it.
+constexpr std::size_t kRecordSize = kAggregateKeySize + kUnitsSize;
+// Bytes gathered before one append to the run file.
+constexpr std::size_t kWriteBuffer = std::size_t{1} << 20;
+// Bounds of a run's read buffer, in records: below the minimum a merge of
+// very many runs would make a read per few records; above the maximum a
+// larger buffer reads no faster.
+constexpr std::size_t kMinReadRecords = 16, kMaxReadRecords = kWriteBuffer / kRecordSize;
+
+constexpr std::string_view kTmpPrefix = "verify-tmp-";
 
 std::string describe_key(std::string_view key) {
   std::optional<AggregateCell> cell = decode_aggregate_key(key);
   return (cell ? describe(*cell) + " " : std::string()) + "(key " + hex(key) + ")";
 }
 
-// Adds `units` to the sum of `key`, a cell in [range->lo, range->hi). When
-// the cell is new and `totals` is full, the largest key is dropped (the new
-// one or the map's last) and range->hi lowered to it.
-void add(Totals* totals, std::size_t max_cells, Range* range, const AggregateKey& key, Units units) {
-  auto it = totals->find(key);
-  if (it == totals->end()) {
-    if (totals->size() >= max_cells) {
-      auto last = std::prev(totals->end());
-      if (KeyLess{}(last->first, key)) {
-        range->hi = key;
-        return;
-      }
-      range->hi = last->first;
-      totals->erase(last);
+// The directories of the checks running in this process (full paths): a
+// directory named with this process's pid and not in the set is stale.
+std::mutex g_dirs_mu;
+std::set<std::string> g_live_dirs;  // guarded by g_dirs_mu
+std::atomic<std::uint64_t> g_dir_seq{0};
+
+// Deletes a directory of runs and its files, quietly: a directory left
+// behind is deleted by a later check.
+void remove_dir(rocksdb::Env* env, const std::string& dir) {
+  std::vector<std::string> names;
+  if (env->GetChildren(dir, &names).ok()) {
+    for (const std::string& name : names) {
+      if (name != "." && name != "..") (void)env->DeleteFile(dir + "/" + name);
     }
-    it = totals->emplace(key, 0).first;
   }
-  it->second += units;
+  (void)env->DeleteDir(dir);
 }
 
-// Step 1 of a pass: sums the ledger entries of the cells in `range`, lowering
-// its hi to stay within `max_cells`. The first pass also counts the records
-// and entries and reports the records that do not decode.
-Status sum_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, bool first, std::size_t max_cells,
-                  Range* range, Totals* totals, std::size_t* peak, LedgerCheck* out,
-                  const std::function<void(std::string)>& problem) {
+// Deletes the directories of runs in `db_path` that no running check owns:
+// those a crash left (their process is gone) and those of this process
+// that are not live (a deletion that failed). Another process's, while it
+// runs, are its own: a read-only open may be checking the same Db.
+void remove_stale_dirs(rocksdb::Env* env, const std::string& db_path) {
+  std::vector<std::string> names;
+  if (!env->GetChildren(db_path, &names).ok()) return;
+  const auto self = static_cast<unsigned long long>(::getpid());
+  std::lock_guard<std::mutex> lock(g_dirs_mu);
+  for (const std::string& name : names) {
+    if (!name.starts_with(kTmpPrefix)) continue;
+    const std::string dir = db_path + "/" + name;
+    const unsigned long long pid = std::strtoull(name.c_str() + kTmpPrefix.size(), nullptr, 10);
+    const bool running = pid == self ? g_live_dirs.count(dir) != 0
+                                     : pid != 0 && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+    if (!running) remove_dir(env, dir);
+  }
+}
+
+// The sorted runs of one check, in one file of a directory of their own,
+// both deleted when it is destroyed. Written first (spill), then read back
+// once, merged (start, next).
+class Runs {
+ public:
+  Runs(rocksdb::Env* env, const std::string& db_path, std::size_t max_cells)
+      : env_(env), db_path_(db_path), max_cells_(max_cells) {}
+  ~Runs() {
+    writer_.reset();
+    reader_.reset();
+    if (dir_.empty()) return;
+    std::lock_guard<std::mutex> lock(g_dirs_mu);
+    remove_dir(env_, dir_);
+    g_live_dirs.erase(dir_);
+  }
+  Runs(const Runs&) = delete;
+  Runs& operator=(const Runs&) = delete;
+
+  std::size_t count() const { return ends_.size(); }
+
+  // Appends `totals` as one run.
+  Status spill(const Totals& totals) {
+    if (writer_ == nullptr) {
+      if (Status s = create(); !s.ok()) return s;
+    }
+    std::string buffer;
+    buffer.reserve(std::min(kWriteBuffer, totals.size() * kRecordSize) + kRecordSize);
+    for (const auto& [key, sum] : totals) {
+      buffer.append(key.data(), key.size());
+      put_units(&buffer, sum);
+      if (buffer.size() >= kWriteBuffer) {
+        if (Status s = append(&buffer); !s.ok()) return s;
+      }
+    }
+    if (Status s = append(&buffer); !s.ok()) return s;
+    ends_.push_back(written_);
+    return Status::OK();
+  }
+
+  // Closes the file for writing and positions the merge at the first cell.
+  Status start() {
+    if (Status s = from_rocksdb(writer_->Close(), "closing " + file_); !s.ok()) return s;
+    writer_.reset();
+    if (Status s = from_rocksdb(env_->NewRandomAccessFile(file_, &reader_, rocksdb::EnvOptions()), "opening " + file_);
+        !s.ok()) {
+      return s;
+    }
+    // The read buffers share about max_cells records, as the map did.
+    const std::size_t records = std::clamp(max_cells_ / ends_.size(), kMinReadRecords, kMaxReadRecords);
+    cursors_.resize(ends_.size());
+    for (std::size_t i = 0; i < ends_.size(); ++i) {
+      Cursor& c = cursors_[i];
+      c.pos = i == 0 ? 0 : ends_[i - 1];
+      c.end = ends_[i];
+      c.buffer.reset(new char[records * kRecordSize]);
+      c.capacity = records * kRecordSize;
+      bool more = false;
+      if (Status s = advance(&c, &more); !s.ok()) return s;
+      if (more) heap_.push_back(i);
+    }
+    std::make_heap(heap_.begin(), heap_.end(), Later{&cursors_});
+    return next();
+  }
+
+  // The cell at the merge's position, while valid().
+  bool valid() const { return valid_; }
+  const AggregateKey& key() const { return key_; }
+  Units sum() const { return sum_; }
+
+  // Moves to the next cell: the smallest key of any run, summed over the
+  // runs that hold it.
+  Status next() {
+    valid_ = !heap_.empty();
+    if (!valid_) return Status::OK();
+    const Later later{&cursors_};
+    key_ = cursors_[heap_.front()].key;
+    sum_ = 0;
+    while (!heap_.empty() && cursors_[heap_.front()].key == key_) {
+      std::pop_heap(heap_.begin(), heap_.end(), later);
+      Cursor& c = cursors_[heap_.back()];
+      sum_ += c.sum;
+      bool more = false;
+      if (Status s = advance(&c, &more); !s.ok()) return s;
+      if (more) {
+        std::push_heap(heap_.begin(), heap_.end(), later);
+      } else {
+        heap_.pop_back();
+      }
+    }
+    return Status::OK();
+  }
+
+ private:
+  // One run being read: its next record is key, sum.
+  struct Cursor {
+    std::uint64_t pos = 0, end = 0;  // of what is not yet in the buffer
+    std::unique_ptr<char[]> buffer;
+    std::size_t capacity = 0, at = 0, size = 0;
+    AggregateKey key{};
+    Units sum = 0;
+  };
+  // Orders the heap's run numbers so that the smallest next key is on top.
+  struct Later {
+    const std::vector<Cursor>* cursors;
+    bool operator()(std::size_t a, std::size_t b) const { return KeyLess{}((*cursors)[b].key, (*cursors)[a].key); }
+  };
+
+  Status create() {
+    std::lock_guard<std::mutex> lock(g_dirs_mu);
+    std::string dir = db_path_ + "/";
+    dir += kTmpPrefix;
+    dir += std::to_string(::getpid());
+    dir += "-";
+    dir += std::to_string(g_dir_seq.fetch_add(1, std::memory_order_relaxed));
+    // Registered first: the destructor deletes whatever part of it exists.
+    dir_ = dir;
+    g_live_dirs.insert(dir_);
+    file_ = dir_ + "/runs";
+    if (Status s = from_rocksdb(env_->CreateDirIfMissing(dir_), "creating the directory of the I1 check's runs");
+        !s.ok()) {
+      return s;
+    }
+    return from_rocksdb(env_->NewWritableFile(file_, &writer_, rocksdb::EnvOptions()), "creating " + file_);
+  }
+
+  Status append(std::string* buffer) {
+    if (buffer->empty()) return Status::OK();
+    if (Status s = from_rocksdb(writer_->Append(*buffer), "writing " + file_); !s.ok()) return s;
+    written_ += buffer->size();
+    buffer->clear();
+    return Status::OK();
+  }
+
+  // Reads the next record of `c` (*more false past its last one).
+  Status advance(Cursor* c, bool* more) {
+    if (c->at == c->size) {
+      *more = c->pos < c->end;
+      if (!*more) return Status::OK();
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(c->capacity, c->end - c->pos));
+      rocksdb::Slice got;
+      if (Status s = from_rocksdb(reader_->Read(c->pos, n, &got, c->buffer.get()), "reading " + file_); !s.ok()) {
+        return s;
+      }
+      if (got.size() != n) {
+        return Status::IOError("reading " + file_ + ": " + std::to_string(got.size()) + " bytes at offset " +
+                               std::to_string(c->pos) + " where " + std::to_string(n) + " were written");
+      }
+      if (got.data() != c->buffer.get()) std::memcpy(c->buffer.get(), got.data(), n);
+      c->pos += n;
+      c->at = 0;
+      c->size = n;
+    }
+    const char* record = c->buffer.get() + c->at;
+    std::memcpy(c->key.data(), record, c->key.size());
+    c->sum = get_units(record + kAggregateKeySize);
+    c->at += kRecordSize;
+    *more = true;
+    return Status::OK();
+  }
+
+  rocksdb::Env* const env_;
+  const std::string db_path_;
+  const std::size_t max_cells_;
+  std::string dir_, file_;  // empty until the first run
+  std::unique_ptr<rocksdb::WritableFile> writer_;
+  std::unique_ptr<rocksdb::RandomAccessFile> reader_;
+  std::uint64_t written_ = 0;
+  std::vector<std::uint64_t> ends_;  // the end offset of each run, in the order written
+  std::vector<Cursor> cursors_;
+  std::vector<std::size_t> heap_;  // the runs not yet read to their end
+  bool valid_ = false;
+  AggregateKey key_{};
+  Units sum_ = 0;
+};
+
+// Every cell's ledger total in key order: the map's cells, or (when any
+// run was written) the merge of the runs.
+class Cells {
+ public:
+  Cells(const Totals* totals, Runs* runs) : totals_(totals), runs_(runs), it_(totals->begin()) {}
+  Status start() { return runs_->count() == 0 ? Status::OK() : runs_->start(); }
+  bool valid() const { return runs_->count() == 0 ? it_ != totals_->end() : runs_->valid(); }
+  const AggregateKey& key() const { return runs_->count() == 0 ? it_->first : runs_->key(); }
+  Units sum() const { return runs_->count() == 0 ? it_->second : runs_->sum(); }
+  Status next() {
+    if (runs_->count() != 0) return runs_->next();
+    ++it_;
+    return Status::OK();
+  }
+
+ private:
+  const Totals* totals_;
+  Runs* runs_;
+  Totals::const_iterator it_;
+};
+
+// Step 1: sums the ledger entries per cell, writing the map out as a run
+// whenever a new cell would not fit (and, if it ever did, at the end too:
+// the merge then reads runs only, and the map's memory is free for it).
+// Counts the records and entries and reports the records that do not decode.
+Status sum_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, std::size_t max_cells, Totals* totals,
+                  Runs* runs, std::size_t* peak, LedgerCheck* out, const std::function<void(std::string)>& problem) {
   auto it = storage.iterator(storage.ledger(), /*bulk=*/true, snapshot);
   std::string encoded;
   AggregateKey key;
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
-    if (first) ++out->ledger_records;
+    ++out->ledger_records;
     std::optional<LedgerKey> k = decode_ledger_key(view(it->key()));
     std::optional<std::vector<LedgerEntry>> entries = decode_ledger_value(view(it->value()));
     if (!k || !entries) {
-      if (first) {
-        problem("ledger key " + hex(view(it->key())) + ": contribution ledger record (0x13) does not decode (" +
-                std::to_string(it->value().size()) + "-byte value; expected a multiple of 33)");
-      }
+      problem("ledger key " + hex(view(it->key())) + ": contribution ledger record (0x13) does not decode (" +
+              std::to_string(it->value().size()) + "-byte value; expected a multiple of 33)");
       continue;
     }
-    if (first) out->ledger_entries += entries->size();
+    out->ledger_entries += entries->size();
     for (const LedgerEntry& e : *entries) {
       encoded.clear();
       put_aggregate_key(&encoded, e.target, e.target_id, e.item);
-      if (encoded < range->lo || !range->below_hi(encoded)) continue;
       std::memcpy(key.data(), encoded.data(), key.size());
-      add(totals, max_cells, range, key, e.units);
-      *peak = std::max(*peak, totals->size());
+      auto cell = totals->find(key);
+      if (cell == totals->end()) {
+        if (totals->size() >= max_cells) {
+          if (Status s = runs->spill(*totals); !s.ok()) return s;
+          totals->clear();
+        }
+        cell = totals->emplace(key, 0).first;
+        *peak = std::max(*peak, totals->size());
+      }
+      cell->second += e.units;
     }
   }
-  return from_rocksdb(it->status(), "ledger scan of '" + storage.path() + "'");
+  if (Status s = from_rocksdb(it->status(), "ledger scan of '" + storage.path() + "'"); !s.ok()) return s;
+  if (runs->count() != 0 && !totals->empty()) {
+    if (Status s = runs->spill(*totals); !s.ok()) return s;
+    totals->clear();
+  }
+  return Status::OK();
 }
 
 void report_absent(const AggregateKey& k, Units units, const std::function<void(const AggregateMismatch&)>& fn) {
@@ -107,22 +343,24 @@ void report_absent(const AggregateKey& k, Units units, const std::function<void(
       units, Units{0}});
 }
 
-// Step 2 of a pass: walks the stored aggregates in `range` beside `totals`.
-Status compare_range(const Storage& storage, const rocksdb::Snapshot* snapshot, const Range& range,
-                     const Totals& totals, LedgerCheck* out, const std::function<void(const AggregateMismatch&)>& fn) {
+// Steps 2 and 3: walks the stored aggregates beside the cells' totals.
+Status compare(const Storage& storage, const rocksdb::Snapshot* snapshot, Cells* cells, LedgerCheck* out,
+               const std::function<void(const AggregateMismatch&)>& fn) {
+  if (Status s = cells->start(); !s.ok()) return s;
   std::string last_key;
-  auto total = totals.begin();
   auto it = storage.iterator(storage.aggregates(), /*bulk=*/true, snapshot);
-  for (it->Seek(range.lo); it->Valid(); it->Next()) {
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
     const std::string_view key = view(it->key());
-    if (!range.below_hi(key)) break;
     ++out->aggregates;
     last_key.assign(key);
-    for (; total != totals.end() && view(total->first) < key; ++total) report_absent(total->first, total->second, fn);
+    for (; cells->valid() && view(cells->key()) < key;) {
+      report_absent(cells->key(), cells->sum(), fn);
+      if (Status s = cells->next(); !s.ok()) return s;
+    }
     Units recomputed = 0;
-    if (total != totals.end() && view(total->first) == key) {
-      recomputed = total->second;
-      ++total;
+    if (cells->valid() && view(cells->key()) == key) {
+      recomputed = cells->sum();
+      if (Status s = cells->next(); !s.ok()) return s;
     }
     std::optional<AggregateCell> cell = decode_aggregate_key(key);
     std::optional<Units> stored = decode_units(view(it->value()));
@@ -147,7 +385,10 @@ Status compare_range(const Storage& storage, const rocksdb::Snapshot* snapshot, 
                                           (last_key.empty() ? std::string("(none)") : describe_key(last_key)));
   }
   // What is left has no stored aggregate.
-  for (; total != totals.end(); ++total) report_absent(total->first, total->second, fn);
+  for (; cells->valid();) {
+    report_absent(cells->key(), cells->sum(), fn);
+    if (Status s = cells->next(); !s.ok()) return s;
+  }
   return Status::OK();
 }
 
@@ -160,11 +401,13 @@ void set_ledger_pass_cells(std::size_t cells) {
 }
 
 LedgerPassTally ledger_pass_tally() {
-  return {g_passes.load(std::memory_order_relaxed), g_peak_cells.load(std::memory_order_relaxed)};
+  return {g_passes.load(std::memory_order_relaxed), g_runs.load(std::memory_order_relaxed),
+          g_peak_cells.load(std::memory_order_relaxed)};
 }
 
 void reset_ledger_pass_tally() {
   g_passes.store(0, std::memory_order_relaxed);
+  g_runs.store(0, std::memory_order_relaxed);
   g_peak_cells.store(0, std::memory_order_relaxed);
 }
 
@@ -172,24 +415,26 @@ Status check_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, L
                     const std::function<void(std::string)>& problem,
                     const std::function<void(const AggregateMismatch&)>& mismatch, std::size_t max_cells) {
   std::optional<rocksdb::ManagedSnapshot> own;
-  if (snapshot == nullptr) snapshot = own.emplace(storage.db(Storage::Engine::State)).snapshot();
+  rocksdb::DB* db = storage.db(Storage::Engine::State);
+  if (snapshot == nullptr) snapshot = own.emplace(db).snapshot();
   max_cells = std::max<std::size_t>(max_cells, 1);
-  Range range;
+  rocksdb::Env* env = db->GetEnv();
+  remove_stale_dirs(env, storage.path());
+  // Declared before the map: on return the map is freed, then the runs.
+  Runs runs(env, storage.path(), max_cells);
   Totals totals;
-  for (bool first = true;; first = false) {
-    std::size_t peak = 0;
-    Status s = sum_ledger(storage, snapshot, first, max_cells, &range, &totals, &peak, out, problem);
-    if (s.ok()) s = compare_range(storage, snapshot, range, totals, out, mismatch);
-    ++out->passes;
-    g_passes.fetch_add(1, std::memory_order_relaxed);
-    for (std::size_t seen = g_peak_cells.load(std::memory_order_relaxed);
-         peak > seen && !g_peak_cells.compare_exchange_weak(seen, peak, std::memory_order_relaxed);) {
-    }
-    if (!s.ok() || !range.hi) return s;
-    range.lo.assign(view(*range.hi));
-    range.hi.reset();
-    totals.clear();
+  std::size_t peak = 0;
+  Status s = sum_ledger(storage, snapshot, max_cells, &totals, &runs, &peak, out, problem);
+  ++out->passes;
+  out->runs += runs.count();
+  g_passes.fetch_add(1, std::memory_order_relaxed);
+  g_runs.fetch_add(runs.count(), std::memory_order_relaxed);
+  for (std::size_t seen = g_peak_cells.load(std::memory_order_relaxed);
+       peak > seen && !g_peak_cells.compare_exchange_weak(seen, peak, std::memory_order_relaxed);) {
   }
+  if (!s.ok()) return s;
+  Cells cells(&totals, &runs);
+  return compare(storage, snapshot, &cells, out, mismatch);
 }
 
 }  // namespace tidal
