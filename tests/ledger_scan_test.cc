@@ -147,7 +147,7 @@ std::vector<std::string> run_dirs(const std::string& path) {
   return out;
 }
 
-TEST(LedgerScan, ATinyCapFindsExactlyWhatTheWholeMapFinds) {
+TEST(LedgerScan, ATinyCapFindsExactlyWhatTheWholeTableFinds) {
   TempDir dir;
   const std::string path = dir.sub("db");
   const Workload w;
@@ -358,7 +358,7 @@ TEST(LedgerScan, AHealthyDbHasNoMismatchUnderAnyCap) {
   }
 }
 
-TEST(LedgerScan, TheMapNeverHoldsMoreCellsThanTheCapAndTheLedgerIsReadOnce) {
+TEST(LedgerScan, TheTableNeverHoldsMoreCellsThanTheCapAndTheLedgerIsReadOnce) {
   TempDir dir;
   const Workload w;
   build(dir.sub("db"), w);
@@ -370,7 +370,7 @@ TEST(LedgerScan, TheMapNeverHoldsMoreCellsThanTheCapAndTheLedgerIsReadOnce) {
     ASSERT_OK(v);
     EXPECT_TRUE(v->ok()) << all(v->problems);
     const LedgerPassTally tally = ledger_pass_tally();
-    EXPECT_EQ(tally.peak_cells, cap);  // the map is full before each run is written
+    EXPECT_EQ(tally.peak_cells, cap);  // the table is full before each run is written
     EXPECT_EQ(tally.passes, 1u);
     EXPECT_GE(tally.runs, ceil_div(w.cells.size(), cap));
   }

@@ -5,13 +5,14 @@
 // In bounded memory and in time linear in the state. The ledger is keyed by
 // user and the aggregates by cell, so the sums cannot be formed in one walk
 // beside the aggregates. They are formed by an external sort instead:
-//   1. one read of the whole ledger adds each entry to its cell's sum in an
-//      ordered map of at most `max_cells` cells; when a new cell would not
-//      fit, the map is written out as a sorted run of (key, sum) records and
-//      cleared. If any run was written, the map's last cells are one more;
+//   1. one read of the whole ledger adds each entry to its cell's sum in a
+//      hash table of at most `max_cells` cells; when a new cell would not
+//      fit, the cells are sorted by key in place and written out as a
+//      sorted run of (key, sum) records, and the table emptied. If any run
+//      was written, the table's last cells are one more;
 //   2. a k-way merge of the runs (a min-heap on each run's next key) yields
 //      every cell's total, added up over the runs, in key order; with no run
-//      the map itself is that sequence;
+//      the table, sorted, is that sequence;
 //   3. one read of the stored aggregates beside it compares, in key order.
 // Both reads are of one RocksDB snapshot. The runs are records of a 17-byte
 // key and a 16-byte sum (Units, little-endian, as aggregates store them)
@@ -23,12 +24,13 @@
 // start of the next check (in any process: one whose pid no longer runs).
 // Cost: one read of the ledger, one write and one read of the runs (at
 // most 33 bytes per ledger entry, none when the shared cells fit in the
-// map), one read of the aggregates. Memory: during the ledger read at most
-// `max_cells` map nodes, about 96 bytes each (a 17-byte key and a 16-byte
-// sum in a std::map node, as glibc allocates it): about 96 MiB at the
-// default of 2^20 cells. During the merge the map is freed and each run is
-// read through a buffer of its share of `max_cells` records (at least 16,
-// at most 1 MiB): about 33 MiB at 2^20.
+// table), one read of the aggregates. Memory: during the ledger read the
+// table, 2 * `max_cells` slots (rounded up to a power of two) of 40 bytes
+// (a 17-byte key, a 16-byte sum, a flag), touched as cells arrive: 80 MiB at
+// the default of 2^20 cells. A std::map held about 96 bytes a cell, and each
+// of its lookups cost ~20 dependent loads. During the merge the table is
+// freed and each run is read through a buffer of its share of `max_cells`
+// records (at least 16, at most 1 MiB): about 33 MiB at 2^20.
 #ifndef TIDAL_STORAGE_LEDGER_SCAN_H_
 #define TIDAL_STORAGE_LEDGER_SCAN_H_
 
@@ -43,7 +45,7 @@
 
 namespace tidal {
 
-// The most cells the map holds, by default.
+// The most cells the table of sums holds, by default.
 inline constexpr std::size_t kLedgerPassCells = std::size_t{1} << 20;
 
 // The cap of the checks that start from now on: kLedgerPassCells unless
@@ -57,8 +59,8 @@ void set_ledger_pass_cells(std::size_t cells);
 // benchmarks. Thread-safe.
 struct LedgerPassTally {
   std::uint64_t passes = 0;  // reads of the whole ledger: one per check
-  std::uint64_t runs = 0;  // sorted runs written (0 for a check whose cells fit in the map)
-  std::size_t peak_cells = 0;  // the most cells the map held at once
+  std::uint64_t runs = 0;  // sorted runs written (0 for a check whose cells fit in the table)
+  std::size_t peak_cells = 0;  // the most cells the table held at once
 };
 LedgerPassTally ledger_pass_tally();
 void reset_ledger_pass_tally();
