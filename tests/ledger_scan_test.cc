@@ -450,6 +450,53 @@ TEST(LedgerScan, AMismatchInASpilledRunIsFoundInKeyOrderWithItsExactSums) {
   EXPECT_EQ(run_dirs(dir.sub("db")), std::vector<std::string>{});
 }
 
+// More cells than the table's first 4,096 slots take at half load: it grows
+// (rehashing every cell) during the scan, and finds exactly the mismatches
+// that a cap of 3 cells (the whole table from the start, many runs) finds.
+TEST(LedgerScan, TheTableGrowsWithoutLosingACell) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  std::set<std::string> cells;
+  {
+    auto db = open_db(path, manual_writes());
+    ASSERT_NE(db, nullptr);
+    std::mt19937_64 rng(29);
+    for (int i = 0; i < 3000; ++i) {
+      const std::uint64_t user = 1 + rng() % 200, item = rng() % 100;
+      SignalContext ctx;
+      ctx.cohort_ids = {rng() % 100, 100 + rng() % 100};
+      ASSERT_OK(db->signal_with_context({user, item, 1.5}, ctx));
+      for (std::uint64_t c : ctx.cohort_ids) cells.insert(encode_aggregate_key(AggregateKind::Cohort, c, item));
+    }
+    ASSERT_OK(db->flush());
+    ASSERT_OK(db->close());
+  }
+  ASSERT_GT(cells.size(), 4096u);
+  {
+    RawDb raw(path);
+    std::string one;
+    put_units(&one, 1);
+    ASSERT_TRUE(raw.db(RawDb::kAggregates)->Merge(rocksdb::WriteOptions(), raw.cf(RawDb::kAggregates), *cells.begin(), one).ok());
+    ASSERT_TRUE(raw.db(RawDb::kAggregates)->Delete(rocksdb::WriteOptions(), raw.cf(RawDb::kAggregates), *cells.rbegin()).ok());
+  }
+  auto db = open_db(path, manual_writes());
+  std::vector<std::string> found[2];
+  for (std::size_t cap : {std::size_t{0}, std::size_t{3}}) {
+    SCOPED_TRACE("cap " + std::to_string(cap));
+    PassCells limit(cap);
+    Result<VerifyReport> v = db->verify();
+    ASSERT_OK(v);
+    ASSERT_EQ(v->problems.size(), 2u) << all(v->problems);
+    EXPECT_NE(v->problems[0].find(hex(*cells.begin())), std::string::npos) << v->problems[0];
+    EXPECT_NE(v->problems[1].find(hex(*cells.rbegin())), std::string::npos) << v->problems[1];
+    EXPECT_NE(v->problems[1].find("stored 0 (absent)"), std::string::npos) << v->problems[1];
+    EXPECT_EQ(ledger_pass_tally().peak_cells, cap == 0 ? cells.size() : cap);
+    EXPECT_EQ(ledger_pass_tally().runs == 0, cap == 0);
+    found[cap == 0 ? 0 : 1] = v->problems;
+  }
+  EXPECT_EQ(all(found[0]), all(found[1]));
+}
+
 // The runs' directory is deleted when the check fails too, and one that a
 // crash left (of a process that is gone, or of this one but not live) is
 // deleted by the next check; one of a running process is left alone.

@@ -65,8 +65,10 @@ std::uint64_t mix64(std::uint64_t h) {  // MurmurHash3's finalizer
   return h ^ (h >> 33);
 }
 
-// The sums of at most `max_cells` cells, in an open-addressing hash table of
-// 2 * max_cells slots (rounded up to a power of two) with linear probing.
+// The sums of at most `max_cells` cells, in an open-addressing hash table
+// with linear probing, at most half full: it grows fourfold as cells arrive,
+// up to 2 * max_cells slots (rounded up to a power of two), so that a small
+// Db's check stays small (hashed cells touch every page of a table).
 // Not a std::map: with 2^20 cells a lookup there is about 20 dependent
 // loads, most of them cache misses (~0.6 us an entry, nearly all of the
 // check's time); here it is one or two. The key order is made once per run
@@ -81,12 +83,8 @@ class CellSums {
     Units sum() const { return static_cast<Units>((static_cast<UUnits>(hi) << 64) | lo); }
   };
 
-  explicit CellSums(std::size_t max_cells)
-      : max_cells_(max_cells), capacity_(std::bit_ceil(2 * max_cells)) {
-    // calloc: zero bytes are empty slots, and the pages are touched only as
-    // cells land in them, so a small Db's check stays small.
-    slots_ = static_cast<Slot*>(std::calloc(capacity_, sizeof(Slot)));
-    if (slots_ == nullptr) throw std::bad_alloc();
+  explicit CellSums(std::size_t max_cells) : max_cells_(max_cells), full_(std::bit_ceil(2 * max_cells)) {
+    allocate(std::min<std::size_t>(full_, 4096));
   }
   ~CellSums() { std::free(slots_); }
   CellSums(const CellSums&) = delete;
@@ -94,28 +92,30 @@ class CellSums {
 
   std::size_t size() const { return size_; }
 
-  // The slot where the search for `key` starts.
-  std::size_t home(const AggregateKey& key) const {
-    const std::uint64_t h =
-        mix64(load_be64(key.data() + 1) ^ mix64(load_be64(key.data() + 9) ^ static_cast<unsigned char>(key[0])));
-    return static_cast<std::size_t>(h) & (capacity_ - 1);
+  static std::uint64_t hash(const AggregateKey& key) {
+    return mix64(load_be64(key.data() + 1) ^ mix64(load_be64(key.data() + 9) ^ static_cast<unsigned char>(key[0])));
   }
-  // Starts loading the slot (both cache lines it may span): the lookups of
-  // a ledger record's entries then wait for memory together, not in turn.
-  void prefetch(std::size_t slot) const {
-    const char* p = reinterpret_cast<const char*>(slots_ + slot);
+  // Starts loading the slot of `hash` (both cache lines it may span): the
+  // lookups of a ledger record's entries then wait for memory together, not
+  // in turn.
+  void prefetch(std::uint64_t hash) const {
+    const char* p = reinterpret_cast<const char*>(slots_ + (static_cast<std::size_t>(hash) & (capacity_ - 1)));
     __builtin_prefetch(p, 1);
     __builtin_prefetch(p + sizeof(Slot) - 1, 1);
   }
 
-  // Adds `units` to the sum of `key`, whose home() is `home`. False, adding
+  // Adds `units` to the sum of `key`, whose hash() is `hash`. False, adding
   // nothing, when the cell is new and max_cells are held.
-  bool add(const AggregateKey& key, std::size_t home, Units units) {
+  bool add(const AggregateKey& key, std::uint64_t hash, Units units) {
     const std::size_t mask = capacity_ - 1;
-    for (std::size_t i = home;; i = (i + 1) & mask) {
+    for (std::size_t i = static_cast<std::size_t>(hash) & mask;; i = (i + 1) & mask) {
       Slot& s = slots_[i];
       if (!s.used) {
         if (size_ >= max_cells_) return false;
+        if (2 * (size_ + 1) > capacity_) {
+          grow();
+          return add(key, hash, units);
+        }
         s = Slot{0, 0, key, true};
         ++size_;
       } else if (s.key != key) {
@@ -132,7 +132,7 @@ class CellSums {
   // Moves the cells to the front, then sorts them by key.
   void sort() {
     std::size_t n = 0;
-    for (std::size_t i = 0; n < size_; ++i) {
+    for (std::size_t i = 0; n < size_ && i < capacity_; ++i) {
       if (!slots_[i].used) continue;
       // [n, i) holds no cell.
       if (i != n) {
@@ -159,7 +159,32 @@ class CellSums {
   }
 
  private:
-  const std::size_t max_cells_, capacity_;
+  void allocate(std::size_t capacity) {
+    // Zero bytes are empty slots.
+    slots_ = static_cast<Slot*>(std::calloc(capacity, sizeof(Slot)));
+    if (slots_ == nullptr) throw std::bad_alloc();
+    capacity_ = capacity;
+  }
+  // Four times the slots (at most full_): while it copies, the old table is
+  // a quarter of the new one.
+  void grow() {
+    Slot* const old = slots_;
+    const std::size_t old_capacity = capacity_;
+    allocate(std::min(full_, 4 * capacity_));
+    const std::size_t mask = capacity_ - 1;
+    for (std::size_t i = 0; i < old_capacity; ++i) {
+      if (!old[i].used) continue;
+      std::size_t j = static_cast<std::size_t>(hash(old[i].key)) & mask;
+      while (slots_[j].used) j = (j + 1) & mask;
+      slots_[j] = old[i];
+    }
+    std::free(old);
+  }
+
+  // 2 * max_cells_ <= full_: a full table is at most half full, and so is a
+  // smaller one (add grows it first).
+  const std::size_t max_cells_, full_;
+  std::size_t capacity_ = 0;
   Slot* slots_ = nullptr;
   std::size_t size_ = 0;
 };
@@ -430,7 +455,7 @@ Status sum_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, Cel
   std::string encoded;
   struct Pending {
     AggregateKey key;
-    std::size_t home;
+    std::uint64_t hash;
     Units units;
   };
   std::vector<Pending> pending;  // one record's entries, their slots being loaded
@@ -450,15 +475,15 @@ Status sum_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, Cel
       put_aggregate_key(&encoded, e.target, e.target_id, e.item);
       Pending& p = pending.emplace_back();
       std::memcpy(p.key.data(), encoded.data(), p.key.size());
-      p.home = sums->home(p.key);
+      p.hash = CellSums::hash(p.key);
       p.units = e.units;
-      sums->prefetch(p.home);
+      sums->prefetch(p.hash);
     }
     for (const Pending& p : pending) {
-      if (!sums->add(p.key, p.home, p.units)) {
+      if (!sums->add(p.key, p.hash, p.units)) {
         *peak = std::max(*peak, sums->size());
         if (Status s = runs->spill(sums); !s.ok()) return s;
-        sums->add(p.key, p.home, p.units);
+        sums->add(p.key, p.hash, p.units);
       }
     }
   }

@@ -25,10 +25,11 @@
 // Cost: one read of the ledger, one write and one read of the runs (at
 // most 33 bytes per ledger entry, none when the shared cells fit in the
 // table), one read of the aggregates. Memory: during the ledger read the
-// table, 2 * `max_cells` slots (rounded up to a power of two) of 40 bytes
-// (a 17-byte key, a 16-byte sum, a flag), touched as cells arrive: 80 MiB at
-// the default of 2^20 cells. A std::map held about 96 bytes a cell, and each
-// of its lookups cost ~20 dependent loads. During the merge the table is
+// table, slots of 40 bytes (a 17-byte key, a 16-byte sum, a flag), at most
+// half full, grown fourfold as cells arrive up to 2 * `max_cells` slots
+// (rounded up to a power of two): 80 MiB at the default of 2^20 cells, 100
+// MiB while its last growth copies. A std::map held about 96 bytes a cell,
+// and each of its lookups cost ~20 dependent loads. During the merge the table is
 // freed and each run is read through a buffer of its share of `max_cells`
 // records (at least 16, at most 1 MiB): about 33 MiB at 2^20.
 #ifndef TIDAL_STORAGE_LEDGER_SCAN_H_
