@@ -450,9 +450,10 @@ TEST(LedgerScan, AMismatchInASpilledRunIsFoundInKeyOrderWithItsExactSums) {
   EXPECT_EQ(run_dirs(dir.sub("db")), std::vector<std::string>{});
 }
 
-// More cells than the table's first 4,096 slots take at half load: it grows
-// (rehashing every cell) during the scan, and finds exactly the mismatches
-// that a cap of 3 cells (the whole table from the start, many runs) finds.
+// More cells than the table's first 2,048 slots (at the default cap) take at
+// half load: it grows twice (rehashing every cell) during the scan, and finds
+// exactly the mismatches that a cap of 3 cells (the whole table from the
+// start, many runs) finds.
 TEST(LedgerScan, TheTableGrowsWithoutLosingACell) {
   TempDir dir;
   const std::string path = dir.sub("db");

@@ -84,7 +84,10 @@ class CellSums {
   };
 
   explicit CellSums(std::size_t max_cells) : max_cells_(max_cells), full_(std::bit_ceil(2 * max_cells)) {
-    allocate(std::min<std::size_t>(full_, 4096));
+    // full_ / 4^k: the last growth too is fourfold.
+    std::size_t first = full_;
+    while (first > 4096) first /= 4;
+    allocate(first);
   }
   ~CellSums() { std::free(slots_); }
   CellSums(const CellSums&) = delete;
@@ -165,8 +168,8 @@ class CellSums {
     if (slots_ == nullptr) throw std::bad_alloc();
     capacity_ = capacity;
   }
-  // Four times the slots (at most full_): while it copies, the old table is
-  // a quarter of the new one.
+  // Four times the slots (full_ at the end): while it copies, the old table
+  // is a quarter of the new one.
   void grow() {
     Slot* const old = slots_;
     const std::size_t old_capacity = capacity_;
