@@ -10,9 +10,10 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
-#include <new>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <set>
 #include <string_view>
@@ -162,10 +163,13 @@ class CellSums {
   }
 
  private:
+  // Replaces slots_ only when the allocation succeeds (the old table is
+  // then still the one the destructor frees).
   void allocate(std::size_t capacity) {
     // Zero bytes are empty slots.
-    slots_ = static_cast<Slot*>(std::calloc(capacity, sizeof(Slot)));
-    if (slots_ == nullptr) throw std::bad_alloc();
+    auto* slots = static_cast<Slot*>(std::calloc(capacity, sizeof(Slot)));
+    if (slots == nullptr) throw std::bad_alloc();
+    slots_ = slots;
     capacity_ = capacity;
   }
   // Four times the slots (full_ at the end): while it copies, the old table
@@ -228,8 +232,10 @@ void remove_dir(rocksdb::Env* env, const std::string& dir) {
 
 // Deletes the directories of runs in `db_path` that no running check owns:
 // those a crash left (their process is gone) and those of this process
-// that are not live (a deletion that failed). Another process's, while it
-// runs, are its own: a read-only open may be checking the same Db.
+// that are not live (a deletion that failed, or a crashed process's whose
+// pid this one reuses). Another process's, while it runs, are its own: a
+// read-only open may be checking the same Db (a crashed one's pid reused by
+// an unrelated process only delays its deletion).
 void remove_stale_dirs(rocksdb::Env* env, const std::string& db_path) {
   std::vector<std::string> names;
   if (!env->GetChildren(db_path, &names).ok()) return;
@@ -239,8 +245,9 @@ void remove_stale_dirs(rocksdb::Env* env, const std::string& db_path) {
     if (!name.starts_with(kTmpPrefix)) continue;
     const std::string dir = db_path + "/" + name;
     const unsigned long long pid = std::strtoull(name.c_str() + kTmpPrefix.size(), nullptr, 10);
+    const bool pid_ok = pid > 0 && pid <= static_cast<unsigned long long>(std::numeric_limits<pid_t>::max());
     const bool running = pid == self ? g_live_dirs.count(dir) != 0
-                                     : pid != 0 && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+                                     : pid_ok && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
     if (!running) remove_dir(env, dir);
   }
 }
