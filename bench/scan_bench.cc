@@ -1,10 +1,11 @@
 // verify() and rematerialize_shared_aggregates(false) on a Db of
 // TIDAL_SCAN_BENCH_CELLS shared cells (default 2M: half cohort, half
 // community cells, two ledger entries each, 20 entries per ledger record),
-// with the I1 check's cap per pass (storage/ledger_scan.h) as the argument
-// (0: the default, 2^20 cells):
-//   BM_Verify/<cap>, BM_Rematerialize/<cap>   counters passes, peak_cells,
-//       rss_before_MiB (after open) and peak_rss_MiB (the process's ru_maxrss)
+// with the I1 check's cap on the cells it holds (storage/ledger_scan.h) as
+// the argument (0: the default, 2^20 cells):
+//   BM_Verify/<cap>, BM_Rematerialize/<cap>   counters passes (reads of the
+//       ledger), runs (sorted runs written), peak_cells, rss_before_MiB
+//       (after open) and peak_rss_MiB (the process's ru_maxrss)
 // Peak RSS is per process: run one benchmark per process, on a Db built once
 // by an earlier run with TIDAL_SCAN_BENCH_DIR set (kept, and reused when it
 // holds a Db of the same size):
@@ -147,6 +148,7 @@ void run(benchmark::State& state, Call call) {
   }
   const LedgerPassTally tally = ledger_pass_tally();
   state.counters["passes"] = static_cast<double>(tally.passes) / static_cast<double>(state.iterations());
+  state.counters["runs"] = static_cast<double>(tally.runs) / static_cast<double>(state.iterations());
   state.counters["peak_cells"] = static_cast<double>(tally.peak_cells);
   state.counters["rss_before_MiB"] = before;
   state.counters["peak_rss_MiB"] = peak_rss_mib();

@@ -1,8 +1,8 @@
 // Db::Impl::rematerialize_shared_aggregates: every cohort and community
 // aggregate recomputed from the contribution ledger and compared exactly;
 // with repair, the differing ones corrected in one synced batch
-// (docs/CONTRACT.md, P6). The check runs in passes of bounded memory
-// (storage/ledger_scan.h).
+// (docs/CONTRACT.md, P6). The check reads the ledger once, in bounded
+// memory (an external sort: storage/ledger_scan.h).
 //
 // The scan holds no lock: it reads one snapshot, taken after the write
 // buffers were drained, while the writer goes on writing batches (each an

@@ -586,7 +586,7 @@ StateStoreStats StateStore::stats() const {
 }
 
 Status StateStore::verify(VerifyReport* report) const {
-  // In passes of bounded memory, at one snapshot (storage/ledger_scan.h).
+  // In bounded memory, at one snapshot (storage/ledger_scan.h).
   LedgerCheck check;
   Status s = check_ledger(
       *storage_, /*snapshot=*/nullptr, &check,

@@ -1,15 +1,25 @@
 #include "storage/ledger_scan.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
-#include <iterator>
-#include <map>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <new>
 #include <optional>
+#include <set>
 #include <string_view>
 #include <vector>
 
+#include <rocksdb/env.h>
 #include <rocksdb/snapshot.h>
 
 namespace tidal {
@@ -17,6 +27,7 @@ namespace {
 
 std::atomic<std::size_t> g_pass_cells{kLedgerPassCells};
 std::atomic<std::uint64_t> g_passes{0};
+std::atomic<std::uint64_t> g_runs{0};
 std::atomic<std::size_t> g_peak_cells{0};
 
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
@@ -26,78 +37,475 @@ std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
 using AggregateKey = std::array<char, kAggregateKeySize>;
 std::string_view view(const AggregateKey& k) { return {k.data(), k.size()}; }
 
-// Bytewise, as RocksDB orders the keys (std::array's own < compares signed chars).
+std::uint64_t load_be64(const char* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  if constexpr (std::endian::native == std::endian::little) v = __builtin_bswap64(v);
+  return v;
+}
+
+// Bytewise, as RocksDB orders the keys (std::array's own < compares signed
+// chars): the kind byte, then the owner and the item as big-endian words,
+// which compare as the bytes do (inline: the sorts and the merge compare
+// keys hundreds of millions of times).
 struct KeyLess {
   bool operator()(const AggregateKey& a, const AggregateKey& b) const noexcept {
-    return std::memcmp(a.data(), b.data(), a.size()) < 0;
+    const auto ka = static_cast<unsigned char>(a[0]), kb = static_cast<unsigned char>(b[0]);
+    if (ka != kb) return ka < kb;
+    const std::uint64_t oa = load_be64(a.data() + 1), ob = load_be64(b.data() + 1);
+    if (oa != ob) return oa < ob;
+    return load_be64(a.data() + 9) < load_be64(b.data() + 9);
   }
 };
-// Sums of ledger entries per aggregate, in key order.
-using Totals = std::map<AggregateKey, Units, KeyLess>;
 
-// The aggregate keys of one pass, [lo, hi); no hi is the end of the key space.
-struct Range {
-  std::string lo;  // empty: the start
-  std::optional<AggregateKey> hi;
-  bool below_hi(std::string_view key) const { return !hi || key < view(*hi); }
+std::uint64_t mix64(std::uint64_t h) {  // MurmurHash3's finalizer
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdULL;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ULL;
+  return h ^ (h >> 33);
+}
+
+// The sums of at most `max_cells` cells, in an open-addressing hash table
+// with linear probing, at most half full: it grows fourfold as cells arrive,
+// up to 2 * max_cells slots (rounded up to a power of two), so that a small
+// Db's check stays small (hashed cells touch every page of a table).
+// Not a std::map: with 2^20 cells a lookup there is about 20 dependent
+// loads, most of them cache misses (~0.6 us an entry, nearly all of the
+// check's time); here it is one or two. The key order is made once per run
+// instead, by sorting the cells in place (sort()), after which the table is
+// an array of size() cells in key order until clear().
+class CellSums {
+ public:
+  struct Slot {
+    std::uint64_t lo, hi;  // the sum's halves (8-byte aligned: 40 bytes a slot, not 48)
+    AggregateKey key;
+    bool used;
+    Units sum() const { return static_cast<Units>((static_cast<UUnits>(hi) << 64) | lo); }
+  };
+
+  explicit CellSums(std::size_t max_cells) : max_cells_(max_cells), full_(std::bit_ceil(2 * max_cells)) {
+    // full_ / 4^k: the last growth too is fourfold.
+    std::size_t first = full_;
+    while (first > 4096) first /= 4;
+    allocate(first);
+  }
+  ~CellSums() { std::free(slots_); }
+  CellSums(const CellSums&) = delete;
+  CellSums& operator=(const CellSums&) = delete;
+
+  std::size_t size() const { return size_; }
+
+  static std::uint64_t hash(const AggregateKey& key) {
+    return mix64(load_be64(key.data() + 1) ^ mix64(load_be64(key.data() + 9) ^ static_cast<unsigned char>(key[0])));
+  }
+  // Starts loading the slot of `hash` (both cache lines it may span): the
+  // lookups of a ledger record's entries then wait for memory together, not
+  // in turn.
+  void prefetch(std::uint64_t hash) const {
+    const char* p = reinterpret_cast<const char*>(slots_ + (static_cast<std::size_t>(hash) & (capacity_ - 1)));
+    __builtin_prefetch(p, 1);
+    __builtin_prefetch(p + sizeof(Slot) - 1, 1);
+  }
+
+  // Adds `units` to the sum of `key`, whose hash() is `hash`. False, adding
+  // nothing, when the cell is new and max_cells are held.
+  bool add(const AggregateKey& key, std::uint64_t hash, Units units) {
+    const std::size_t mask = capacity_ - 1;
+    for (std::size_t i = static_cast<std::size_t>(hash) & mask;; i = (i + 1) & mask) {
+      Slot& s = slots_[i];
+      if (!s.used) {
+        if (size_ >= max_cells_) return false;
+        if (2 * (size_ + 1) > capacity_) {
+          grow();
+          return add(key, hash, units);
+        }
+        s = Slot{0, 0, key, true};
+        ++size_;
+      } else if (s.key != key) {
+        continue;
+      }
+      // Modulo 2^128, as the merge operator adds.
+      const UUnits sum = ((static_cast<UUnits>(s.hi) << 64) | s.lo) + static_cast<UUnits>(units);
+      s.lo = static_cast<std::uint64_t>(sum);
+      s.hi = static_cast<std::uint64_t>(sum >> 64);
+      return true;
+    }
+  }
+
+  // Moves the cells to the front, then sorts them by key.
+  void sort() {
+    std::size_t n = 0;
+    for (std::size_t i = 0; n < size_ && i < capacity_; ++i) {
+      if (!slots_[i].used) continue;
+      // [n, i) holds no cell.
+      if (i != n) {
+        slots_[n] = slots_[i];
+        slots_[i].used = false;
+      }
+      ++n;
+    }
+    std::sort(slots_, slots_ + size_, [](const Slot& a, const Slot& b) { return KeyLess{}(a.key, b.key); });
+  }
+  // Cell i in key order, after sort().
+  const Slot& cell(std::size_t i) const { return slots_[i]; }
+  // Empties the table, after sort().
+  void clear() {
+    for (std::size_t i = 0; i < size_; ++i) slots_[i].used = false;
+    size_ = 0;
+  }
+  // Gives the table's memory back (to the system: calloc of this size maps
+  // it) once the runs hold every cell; nothing may be added after.
+  void release() {
+    std::free(slots_);
+    slots_ = nullptr;
+    size_ = 0;
+  }
+
+ private:
+  // Replaces slots_ only when the allocation succeeds (the old table is
+  // then still the one the destructor frees).
+  void allocate(std::size_t capacity) {
+    // Zero bytes are empty slots.
+    auto* slots = static_cast<Slot*>(std::calloc(capacity, sizeof(Slot)));
+    if (slots == nullptr) throw std::bad_alloc();
+    slots_ = slots;
+    capacity_ = capacity;
+  }
+  // Four times the slots (full_ at the end): while it copies, the old table
+  // is a quarter of the new one.
+  void grow() {
+    Slot* const old = slots_;
+    const std::size_t old_capacity = capacity_;
+    allocate(std::min(full_, 4 * capacity_));
+    const std::size_t mask = capacity_ - 1;
+    for (std::size_t i = 0; i < old_capacity; ++i) {
+      if (!old[i].used) continue;
+      std::size_t j = static_cast<std::size_t>(hash(old[i].key)) & mask;
+      while (slots_[j].used) j = (j + 1) & mask;
+      slots_[j] = old[i];
+    }
+    std::free(old);
+  }
+
+  // 2 * max_cells_ <= full_: a full table is at most half full, and so is a
+  // smaller one (add grows it first).
+  const std::size_t max_cells_, full_;
+  std::size_t capacity_ = 0;
+  Slot* slots_ = nullptr;
+  std::size_t size_ = 0;
 };
+
+// A record of a run: the key, then the sum as put_units writes it.
+constexpr std::size_t kRecordSize = kAggregateKeySize + kUnitsSize;
+// Bytes gathered before one append to the run file.
+constexpr std::size_t kWriteBuffer = std::size_t{1} << 20;
+// Bounds of a run's read buffer, in records: below the minimum a merge of
+// very many runs would make a read per few records; above the maximum a
+// larger buffer reads no faster.
+constexpr std::size_t kMinReadRecords = 16, kMaxReadRecords = kWriteBuffer / kRecordSize;
+
+constexpr std::string_view kTmpPrefix = "verify-tmp-";
 
 std::string describe_key(std::string_view key) {
   std::optional<AggregateCell> cell = decode_aggregate_key(key);
   return (cell ? describe(*cell) + " " : std::string()) + "(key " + hex(key) + ")";
 }
 
-// Adds `units` to the sum of `key`, a cell in [range->lo, range->hi). When
-// the cell is new and `totals` is full, the largest key is dropped (the new
-// one or the map's last) and range->hi lowered to it.
-void add(Totals* totals, std::size_t max_cells, Range* range, const AggregateKey& key, Units units) {
-  auto it = totals->find(key);
-  if (it == totals->end()) {
-    if (totals->size() >= max_cells) {
-      auto last = std::prev(totals->end());
-      if (KeyLess{}(last->first, key)) {
-        range->hi = key;
-        return;
-      }
-      range->hi = last->first;
-      totals->erase(last);
+// The directories of the checks running in this process (full paths): a
+// directory named with this process's pid and not in the set is stale.
+std::mutex g_dirs_mu;
+std::set<std::string> g_live_dirs;  // guarded by g_dirs_mu
+std::atomic<std::uint64_t> g_dir_seq{0};
+
+// Deletes a directory of runs and its files, quietly: a directory left
+// behind is deleted by a later check.
+void remove_dir(rocksdb::Env* env, const std::string& dir) {
+  std::vector<std::string> names;
+  if (env->GetChildren(dir, &names).ok()) {
+    for (const std::string& name : names) {
+      if (name != "." && name != "..") (void)env->DeleteFile(dir + "/" + name);
     }
-    it = totals->emplace(key, 0).first;
   }
-  it->second += units;
+  (void)env->DeleteDir(dir);
 }
 
-// Step 1 of a pass: sums the ledger entries of the cells in `range`, lowering
-// its hi to stay within `max_cells`. The first pass also counts the records
-// and entries and reports the records that do not decode.
-Status sum_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, bool first, std::size_t max_cells,
-                  Range* range, Totals* totals, std::size_t* peak, LedgerCheck* out,
-                  const std::function<void(std::string)>& problem) {
+// Deletes the directories of runs in `db_path` that no running check owns:
+// those a crash left (their process is gone) and those of this process
+// that are not live (a deletion that failed, or a crashed process's whose
+// pid this one reuses). Another process's, while it runs, are its own: a
+// read-only open may be checking the same Db (a crashed one's pid reused by
+// an unrelated process only delays its deletion).
+void remove_stale_dirs(rocksdb::Env* env, const std::string& db_path) {
+  std::vector<std::string> names;
+  if (!env->GetChildren(db_path, &names).ok()) return;
+  const auto self = static_cast<unsigned long long>(::getpid());
+  std::lock_guard<std::mutex> lock(g_dirs_mu);
+  for (const std::string& name : names) {
+    if (!name.starts_with(kTmpPrefix)) continue;
+    const std::string dir = db_path + "/" + name;
+    const unsigned long long pid = std::strtoull(name.c_str() + kTmpPrefix.size(), nullptr, 10);
+    const bool pid_ok = pid > 0 && pid <= static_cast<unsigned long long>(std::numeric_limits<pid_t>::max());
+    const bool running = pid == self ? g_live_dirs.count(dir) != 0
+                                     : pid_ok && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+    if (!running) remove_dir(env, dir);
+  }
+}
+
+// The sorted runs of one check, in one file of a directory of their own,
+// both deleted when it is destroyed. Written first (spill), then read back
+// once, merged (start, next).
+class Runs {
+ public:
+  Runs(rocksdb::Env* env, const std::string& db_path, std::size_t max_cells)
+      : env_(env), db_path_(db_path), max_cells_(max_cells) {}
+  ~Runs() {
+    writer_.reset();
+    reader_.reset();
+    if (dir_.empty()) return;
+    std::lock_guard<std::mutex> lock(g_dirs_mu);
+    remove_dir(env_, dir_);
+    g_live_dirs.erase(dir_);
+  }
+  Runs(const Runs&) = delete;
+  Runs& operator=(const Runs&) = delete;
+
+  std::size_t count() const { return ends_.size(); }
+
+  // Appends the cells of `sums` as one run, and empties it.
+  Status spill(CellSums* sums) {
+    if (writer_ == nullptr) {
+      if (Status s = create(); !s.ok()) return s;
+    }
+    sums->sort();
+    std::string buffer;
+    buffer.reserve(std::min(kWriteBuffer, sums->size() * kRecordSize) + kRecordSize);
+    for (std::size_t i = 0; i < sums->size(); ++i) {
+      const CellSums::Slot& cell = sums->cell(i);
+      buffer.append(cell.key.data(), cell.key.size());
+      put_units(&buffer, cell.sum());
+      if (buffer.size() >= kWriteBuffer) {
+        if (Status s = append(&buffer); !s.ok()) return s;
+      }
+    }
+    if (Status s = append(&buffer); !s.ok()) return s;
+    ends_.push_back(written_);
+    sums->clear();
+    return Status::OK();
+  }
+
+  // Closes the file for writing and positions the merge at the first cell.
+  Status start() {
+    if (Status s = from_rocksdb(writer_->Close(), "closing " + file_); !s.ok()) return s;
+    writer_.reset();
+    if (Status s = from_rocksdb(env_->NewRandomAccessFile(file_, &reader_, rocksdb::EnvOptions()), "opening " + file_);
+        !s.ok()) {
+      return s;
+    }
+    // The read buffers share about max_cells records.
+    const std::size_t records = std::clamp(max_cells_ / ends_.size(), kMinReadRecords, kMaxReadRecords);
+    cursors_.resize(ends_.size());
+    for (std::size_t i = 0; i < ends_.size(); ++i) {
+      Cursor& c = cursors_[i];
+      c.pos = i == 0 ? 0 : ends_[i - 1];
+      c.end = ends_[i];
+      c.buffer.reset(new char[records * kRecordSize]);
+      c.capacity = records * kRecordSize;
+      bool more = false;
+      if (Status s = advance(&c, &more); !s.ok()) return s;
+      if (more) heap_.push_back(i);
+    }
+    std::make_heap(heap_.begin(), heap_.end(), Later{&cursors_});
+    return next();
+  }
+
+  // The cell at the merge's position, while valid().
+  bool valid() const { return valid_; }
+  const AggregateKey& key() const { return key_; }
+  Units sum() const { return sum_; }
+
+  // Moves to the next cell: the smallest key of any run, summed over the
+  // runs that hold it.
+  Status next() {
+    valid_ = !heap_.empty();
+    if (!valid_) return Status::OK();
+    const Later later{&cursors_};
+    key_ = cursors_[heap_.front()].key;
+    sum_ = 0;
+    while (!heap_.empty() && cursors_[heap_.front()].key == key_) {
+      std::pop_heap(heap_.begin(), heap_.end(), later);
+      Cursor& c = cursors_[heap_.back()];
+      sum_ += c.sum;
+      bool more = false;
+      if (Status s = advance(&c, &more); !s.ok()) return s;
+      if (more) {
+        std::push_heap(heap_.begin(), heap_.end(), later);
+      } else {
+        heap_.pop_back();
+      }
+    }
+    return Status::OK();
+  }
+
+ private:
+  // One run being read: its next record is key, sum.
+  struct Cursor {
+    std::uint64_t pos = 0, end = 0;  // of what is not yet in the buffer
+    std::unique_ptr<char[]> buffer;
+    std::size_t capacity = 0, at = 0, size = 0;
+    AggregateKey key{};
+    Units sum = 0;
+  };
+  // Orders the heap's run numbers so that the smallest next key is on top.
+  struct Later {
+    const std::vector<Cursor>* cursors;
+    bool operator()(std::size_t a, std::size_t b) const { return KeyLess{}((*cursors)[b].key, (*cursors)[a].key); }
+  };
+
+  Status create() {
+    std::lock_guard<std::mutex> lock(g_dirs_mu);
+    std::string dir = db_path_ + "/";
+    dir += kTmpPrefix;
+    dir += std::to_string(::getpid());
+    dir += "-";
+    dir += std::to_string(g_dir_seq.fetch_add(1, std::memory_order_relaxed));
+    // Registered first: the destructor deletes whatever part of it exists.
+    dir_ = dir;
+    g_live_dirs.insert(dir_);
+    file_ = dir_ + "/runs";
+    if (Status s = from_rocksdb(env_->CreateDirIfMissing(dir_), "creating the directory of the I1 check's runs");
+        !s.ok()) {
+      return s;
+    }
+    return from_rocksdb(env_->NewWritableFile(file_, &writer_, rocksdb::EnvOptions()), "creating " + file_);
+  }
+
+  Status append(std::string* buffer) {
+    if (buffer->empty()) return Status::OK();
+    if (Status s = from_rocksdb(writer_->Append(*buffer), "writing " + file_); !s.ok()) return s;
+    written_ += buffer->size();
+    buffer->clear();
+    return Status::OK();
+  }
+
+  // Reads the next record of `c` (*more false past its last one).
+  Status advance(Cursor* c, bool* more) {
+    if (c->at == c->size) {
+      *more = c->pos < c->end;
+      if (!*more) return Status::OK();
+      const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(c->capacity, c->end - c->pos));
+      rocksdb::Slice got;
+      if (Status s = from_rocksdb(reader_->Read(c->pos, n, &got, c->buffer.get()), "reading " + file_); !s.ok()) {
+        return s;
+      }
+      if (got.size() != n) {
+        return Status::IOError("reading " + file_ + ": " + std::to_string(got.size()) + " bytes at offset " +
+                               std::to_string(c->pos) + " where " + std::to_string(n) + " were written");
+      }
+      if (got.data() != c->buffer.get()) std::memcpy(c->buffer.get(), got.data(), n);
+      c->pos += n;
+      c->at = 0;
+      c->size = n;
+    }
+    const char* record = c->buffer.get() + c->at;
+    std::memcpy(c->key.data(), record, c->key.size());
+    c->sum = get_units(record + kAggregateKeySize);
+    c->at += kRecordSize;
+    *more = true;
+    return Status::OK();
+  }
+
+  rocksdb::Env* const env_;
+  const std::string db_path_;
+  const std::size_t max_cells_;
+  std::string dir_, file_;  // empty until the first run
+  std::unique_ptr<rocksdb::WritableFile> writer_;
+  std::unique_ptr<rocksdb::RandomAccessFile> reader_;
+  std::uint64_t written_ = 0;
+  std::vector<std::uint64_t> ends_;  // the end offset of each run, in the order written
+  std::vector<Cursor> cursors_;
+  std::vector<std::size_t> heap_;  // the runs not yet read to their end
+  bool valid_ = false;
+  AggregateKey key_{};
+  Units sum_ = 0;
+};
+
+// Every cell's ledger total in key order: the table's cells (sorted), or
+// (when any run was written) the merge of the runs.
+class Cells {
+ public:
+  Cells(CellSums* sums, Runs* runs) : sums_(sums), runs_(runs) {}
+  Status start() {
+    if (runs_->count() != 0) return runs_->start();
+    sums_->sort();
+    return Status::OK();
+  }
+  bool valid() const { return runs_->count() == 0 ? at_ < sums_->size() : runs_->valid(); }
+  const AggregateKey& key() const { return runs_->count() == 0 ? sums_->cell(at_).key : runs_->key(); }
+  Units sum() const { return runs_->count() == 0 ? sums_->cell(at_).sum() : runs_->sum(); }
+  Status next() {
+    if (runs_->count() != 0) return runs_->next();
+    ++at_;
+    return Status::OK();
+  }
+
+ private:
+  CellSums* sums_;
+  Runs* runs_;
+  std::size_t at_ = 0;
+};
+
+// Step 1: sums the ledger entries per cell, writing the table out as a run
+// whenever a new cell would not fit (and, if it ever did, at the end too:
+// the merge then reads runs only). Counts the records and entries and
+// reports the records that do not decode.
+Status sum_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, CellSums* sums, Runs* runs,
+                  std::size_t* peak, LedgerCheck* out, const std::function<void(std::string)>& problem) {
   auto it = storage.iterator(storage.ledger(), /*bulk=*/true, snapshot);
   std::string encoded;
-  AggregateKey key;
+  struct Pending {
+    AggregateKey key;
+    std::uint64_t hash;
+    Units units;
+  };
+  std::vector<Pending> pending;  // one record's entries, their slots being loaded
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
-    if (first) ++out->ledger_records;
+    ++out->ledger_records;
     std::optional<LedgerKey> k = decode_ledger_key(view(it->key()));
     std::optional<std::vector<LedgerEntry>> entries = decode_ledger_value(view(it->value()));
     if (!k || !entries) {
-      if (first) {
-        problem("ledger key " + hex(view(it->key())) + ": contribution ledger record (0x13) does not decode (" +
-                std::to_string(it->value().size()) + "-byte value; expected a multiple of 33)");
-      }
+      problem("ledger key " + hex(view(it->key())) + ": contribution ledger record (0x13) does not decode (" +
+              std::to_string(it->value().size()) + "-byte value; expected a multiple of 33)");
       continue;
     }
-    if (first) out->ledger_entries += entries->size();
+    out->ledger_entries += entries->size();
+    pending.clear();
     for (const LedgerEntry& e : *entries) {
       encoded.clear();
       put_aggregate_key(&encoded, e.target, e.target_id, e.item);
-      if (encoded < range->lo || !range->below_hi(encoded)) continue;
-      std::memcpy(key.data(), encoded.data(), key.size());
-      add(totals, max_cells, range, key, e.units);
-      *peak = std::max(*peak, totals->size());
+      Pending& p = pending.emplace_back();
+      std::memcpy(p.key.data(), encoded.data(), p.key.size());
+      p.hash = CellSums::hash(p.key);
+      p.units = e.units;
+      sums->prefetch(p.hash);
+    }
+    for (const Pending& p : pending) {
+      if (!sums->add(p.key, p.hash, p.units)) {
+        *peak = std::max(*peak, sums->size());
+        if (Status s = runs->spill(sums); !s.ok()) return s;
+        sums->add(p.key, p.hash, p.units);
+      }
     }
   }
-  return from_rocksdb(it->status(), "ledger scan of '" + storage.path() + "'");
+  *peak = std::max(*peak, sums->size());
+  if (Status s = from_rocksdb(it->status(), "ledger scan of '" + storage.path() + "'"); !s.ok()) return s;
+  if (runs->count() == 0) return Status::OK();
+  if (sums->size() != 0) {
+    if (Status s = runs->spill(sums); !s.ok()) return s;
+  }
+  // The merge reads the runs only: its buffers take the table's place.
+  sums->release();
+  return Status::OK();
 }
 
 void report_absent(const AggregateKey& k, Units units, const std::function<void(const AggregateMismatch&)>& fn) {
@@ -107,22 +515,24 @@ void report_absent(const AggregateKey& k, Units units, const std::function<void(
       units, Units{0}});
 }
 
-// Step 2 of a pass: walks the stored aggregates in `range` beside `totals`.
-Status compare_range(const Storage& storage, const rocksdb::Snapshot* snapshot, const Range& range,
-                     const Totals& totals, LedgerCheck* out, const std::function<void(const AggregateMismatch&)>& fn) {
+// Steps 2 and 3: walks the stored aggregates beside the cells' totals.
+Status compare(const Storage& storage, const rocksdb::Snapshot* snapshot, Cells* cells, LedgerCheck* out,
+               const std::function<void(const AggregateMismatch&)>& fn) {
+  if (Status s = cells->start(); !s.ok()) return s;
   std::string last_key;
-  auto total = totals.begin();
   auto it = storage.iterator(storage.aggregates(), /*bulk=*/true, snapshot);
-  for (it->Seek(range.lo); it->Valid(); it->Next()) {
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
     const std::string_view key = view(it->key());
-    if (!range.below_hi(key)) break;
     ++out->aggregates;
     last_key.assign(key);
-    for (; total != totals.end() && view(total->first) < key; ++total) report_absent(total->first, total->second, fn);
+    for (; cells->valid() && view(cells->key()) < key;) {
+      report_absent(cells->key(), cells->sum(), fn);
+      if (Status s = cells->next(); !s.ok()) return s;
+    }
     Units recomputed = 0;
-    if (total != totals.end() && view(total->first) == key) {
-      recomputed = total->second;
-      ++total;
+    if (cells->valid() && view(cells->key()) == key) {
+      recomputed = cells->sum();
+      if (Status s = cells->next(); !s.ok()) return s;
     }
     std::optional<AggregateCell> cell = decode_aggregate_key(key);
     std::optional<Units> stored = decode_units(view(it->value()));
@@ -147,7 +557,10 @@ Status compare_range(const Storage& storage, const rocksdb::Snapshot* snapshot, 
                                           (last_key.empty() ? std::string("(none)") : describe_key(last_key)));
   }
   // What is left has no stored aggregate.
-  for (; total != totals.end(); ++total) report_absent(total->first, total->second, fn);
+  for (; cells->valid();) {
+    report_absent(cells->key(), cells->sum(), fn);
+    if (Status s = cells->next(); !s.ok()) return s;
+  }
   return Status::OK();
 }
 
@@ -160,11 +573,13 @@ void set_ledger_pass_cells(std::size_t cells) {
 }
 
 LedgerPassTally ledger_pass_tally() {
-  return {g_passes.load(std::memory_order_relaxed), g_peak_cells.load(std::memory_order_relaxed)};
+  return {g_passes.load(std::memory_order_relaxed), g_runs.load(std::memory_order_relaxed),
+          g_peak_cells.load(std::memory_order_relaxed)};
 }
 
 void reset_ledger_pass_tally() {
   g_passes.store(0, std::memory_order_relaxed);
+  g_runs.store(0, std::memory_order_relaxed);
   g_peak_cells.store(0, std::memory_order_relaxed);
 }
 
@@ -172,24 +587,25 @@ Status check_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, L
                     const std::function<void(std::string)>& problem,
                     const std::function<void(const AggregateMismatch&)>& mismatch, std::size_t max_cells) {
   std::optional<rocksdb::ManagedSnapshot> own;
-  if (snapshot == nullptr) snapshot = own.emplace(storage.db(Storage::Engine::State)).snapshot();
+  rocksdb::DB* db = storage.db(Storage::Engine::State);
+  if (snapshot == nullptr) snapshot = own.emplace(db).snapshot();
   max_cells = std::max<std::size_t>(max_cells, 1);
-  Range range;
-  Totals totals;
-  for (bool first = true;; first = false) {
-    std::size_t peak = 0;
-    Status s = sum_ledger(storage, snapshot, first, max_cells, &range, &totals, &peak, out, problem);
-    if (s.ok()) s = compare_range(storage, snapshot, range, totals, out, mismatch);
-    ++out->passes;
-    g_passes.fetch_add(1, std::memory_order_relaxed);
-    for (std::size_t seen = g_peak_cells.load(std::memory_order_relaxed);
-         peak > seen && !g_peak_cells.compare_exchange_weak(seen, peak, std::memory_order_relaxed);) {
-    }
-    if (!s.ok() || !range.hi) return s;
-    range.lo.assign(view(*range.hi));
-    range.hi.reset();
-    totals.clear();
+  rocksdb::Env* env = db->GetEnv();
+  remove_stale_dirs(env, storage.path());
+  Runs runs(env, storage.path(), max_cells);
+  CellSums sums(max_cells);
+  std::size_t peak = 0;
+  Status s = sum_ledger(storage, snapshot, &sums, &runs, &peak, out, problem);
+  ++out->passes;
+  out->runs += runs.count();
+  g_passes.fetch_add(1, std::memory_order_relaxed);
+  g_runs.fetch_add(runs.count(), std::memory_order_relaxed);
+  for (std::size_t seen = g_peak_cells.load(std::memory_order_relaxed);
+       peak > seen && !g_peak_cells.compare_exchange_weak(seen, peak, std::memory_order_relaxed);) {
   }
+  if (!s.ok()) return s;
+  Cells cells(&sums, &runs);
+  return compare(storage, snapshot, &cells, out, mismatch);
 }
 
 }  // namespace tidal

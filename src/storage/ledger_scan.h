@@ -2,23 +2,36 @@
 // the sum of the contribution-ledger entries for it. verify() checks it;
 // re-materialization recomputes aggregates from the same check.
 //
-// In bounded memory, whatever the size of the state. The ledger is keyed by
+// In bounded memory and in time linear in the state. The ledger is keyed by
 // user and the aggregates by cell, so the sums cannot be formed in one walk
-// beside the aggregates. They are formed in passes over ranges [lo, hi) of
-// aggregate keys instead:
-//   1. read the whole ledger, summing only the entries whose cell is in
-//      [lo, hi), in an ordered map of at most `max_cells` cells. When a new
-//      cell would not fit, the largest key (the new one or the map's last)
-//      is dropped and hi lowered to it, so hi ends at the smallest key
-//      dropped and every cell below it is summed whole;
-//   2. read the stored aggregates in [lo, hi) and compare, in key order;
-//   3. the next pass starts at lo = hi; the pass whose hi was never lowered
-//      (it reached the end of the key space) is the last.
-// Every pass reads one RocksDB snapshot, so together they check one state.
-// Cost: max(1, ceil(shared cells / max_cells)) reads of the whole ledger,
-// one read of the aggregates. Memory: at most `max_cells` map nodes, about
-// 96 bytes each (a 17-byte key and a 16-byte sum in a std::map node, as
-// glibc allocates it): about 96 MiB at the default of 2^20 cells.
+// beside the aggregates. They are formed by an external sort instead:
+//   1. one read of the whole ledger adds each entry to its cell's sum in a
+//      hash table of at most `max_cells` cells; when a new cell would not
+//      fit, the cells are sorted by key in place and written out as a
+//      sorted run of (key, sum) records, and the table emptied. If any run
+//      was written, the table's last cells are one more;
+//   2. a k-way merge of the runs (a min-heap on each run's next key) yields
+//      every cell's total, added up over the runs, in key order; with no run
+//      the table, sorted, is that sequence;
+//   3. one read of the stored aggregates beside it compares, in key order.
+// Both reads are of one RocksDB snapshot. The runs are records of a 17-byte
+// key and a 16-byte sum (Units, little-endian, as aggregates store them)
+// back to back, all in one file, each run a range of it: a plain file read
+// with positioned reads, not an SST file, since nothing looks a key up in
+// it. The file is written through the Db's Env in a directory of its own,
+// <db path>/verify-tmp-<pid>-<n>, made at the first run and deleted on
+// every return, errors included. One that a crash left is deleted at the
+// start of the next check (in any process: one whose pid no longer runs).
+// Cost: one read of the ledger, one write and one read of the runs (at
+// most 33 bytes per ledger entry, none when the shared cells fit in the
+// table), one read of the aggregates. Memory: during the ledger read the
+// table, slots of 40 bytes (a 17-byte key, a 16-byte sum, a flag), at most
+// half full, grown fourfold as cells arrive up to 2 * `max_cells` slots
+// (rounded up to a power of two): 80 MiB at the default of 2^20 cells, 100
+// MiB while its last growth copies. A std::map held about 96 bytes a cell,
+// and each of its lookups cost ~20 dependent loads. During the merge the table is
+// freed and each run is read through a buffer of its share of `max_cells`
+// records (at least 16, at most 1 MiB): about 33 MiB at 2^20.
 #ifndef TIDAL_STORAGE_LEDGER_SCAN_H_
 #define TIDAL_STORAGE_LEDGER_SCAN_H_
 
@@ -33,7 +46,7 @@
 
 namespace tidal {
 
-// The most cells one pass holds, by default.
+// The most cells the table of sums holds, by default.
 inline constexpr std::size_t kLedgerPassCells = std::size_t{1} << 20;
 
 // The cap of the checks that start from now on: kLedgerPassCells unless
@@ -46,8 +59,9 @@ void set_ledger_pass_cells(std::size_t cells);
 // What the checks of this process did since the last reset, for tests and
 // benchmarks. Thread-safe.
 struct LedgerPassTally {
-  std::uint64_t passes = 0;
-  std::size_t peak_cells = 0;  // the most cells one pass held at once
+  std::uint64_t passes = 0;  // reads of the whole ledger: one per check
+  std::uint64_t runs = 0;  // sorted runs written (0 for a check whose cells fit in the table)
+  std::size_t peak_cells = 0;  // the most cells the table held at once
 };
 LedgerPassTally ledger_pass_tally();
 void reset_ledger_pass_tally();
@@ -61,19 +75,22 @@ struct AggregateMismatch {
 };
 
 struct LedgerCheck {
-  std::uint64_t ledger_records = 0;  // ledger records read (counted in the first pass only)
+  std::uint64_t ledger_records = 0;  // ledger records read
   std::uint64_t ledger_entries = 0;  // entries in them
   std::uint64_t aggregates = 0;  // stored cells checked, personal ones included
-  std::uint64_t passes = 0;
+  std::uint64_t passes = 0;  // reads of the whole ledger (1)
+  std::uint64_t runs = 0;  // sorted runs written
 };
 
-// Checks I1 as of `snapshot` (null: a snapshot of its own, for every pass).
+// Checks I1 as of `snapshot` (null: a snapshot of its own).
 // Calls `problem` once per ledger record that does not decode (naming the
 // key), all before the first call of `mismatch`; then `mismatch` per shared
 // aggregate that differs from its ledger sum or does not decode, in key
 // order (a sum with no stored aggregate reads "stored 0 (absent)"). Personal
 // cells are checked only to decode. Holds at most `max_cells` cells at once
-// (at least 1). Non-OK when a read fails, naming what was being read.
+// (at least 1). Non-OK when a read fails, naming what was being read, or
+// when the runs cannot be written or read back (the Db's directory must be
+// writable once the shared cells outnumber `max_cells`).
 Status check_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerCheck* out,
                     const std::function<void(std::string)>& problem,
                     const std::function<void(const AggregateMismatch&)>& mismatch,
