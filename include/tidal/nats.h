@@ -349,9 +349,9 @@ class JournalPublisher {
 // incarnation). OK and nothing done when the Db is not recovering.
 // InvalidArgument for a null Db, one without a journal, a bad config;
 // Corruption naming the shard, the stream and the seqs when the stream lacks
-// an entry the Db needs (purged or aged out of it), ends before the Db's
-// own last entry (a wrong stream) or holds something else on the shard's
-// subject; NotFound when the stream does not exist: the Db stays recovering
+// an entry the Db needs (purged or aged out of it) or holds something else
+// on the shard's subject; NotFound when the stream does not exist (a wrong
+// name): the Db stays recovering
 // (it serves nothing rather than forget a leave; after a recovery that
 // truly has nothing to replay, call Db::finish_recovery()); IOError when the cluster does not answer (call
 // again: what was replayed stays replayed, and is skipped). Start the

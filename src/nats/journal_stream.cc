@@ -42,29 +42,22 @@ Result<std::vector<JournalEntry>> read_journal_stream(Connection& conn, const Co
   natsMsg* last = nullptr;
   jsErrCode jerr = static_cast<jsErrCode>(0);
   natsStatus ns = js_GetLastMsg(&last, conn.js(), journal.stream.c_str(), subject.c_str(), nullptr, &jerr);
-  // A recovery that reads nothing it should have must not pass: a missing
-  // stream, or one behind the Db, is an error (a wrong name, or a stream
-  // that lost what the Db's backup already holds).
+  // A recovery that reads nothing must not pass for a wrong stream name. A
+  // stream that ends before the Db's journal (or holds none of the shard's
+  // entries) is not an error: the backup may hold entries that were never
+  // replicated (written, not yet acknowledged, when the machine was lost);
+  // the restored Db keeps them and its JournalPublisher publishes them.
   if (jerr == JSStreamNotFoundErr) {
     return Status::NotFound(where + ": the stream does not exist (a wrong journal_stream, or a cluster that lost "
                                     "it): nothing can be read back");
   }
-  const std::string behind = "; the Db's journal reaches seq " + std::to_string(after_seq) +
-                             " (a wrong stream, or one that lost entries the Db holds)";
-  if (ns == NATS_NOT_FOUND || jerr == JSNoMessageFoundErr) {
-    if (after_seq == 0) return out;
-    return Status::Corruption(where + ": the stream holds no entry of the shard" + behind);
-  }
+  if (ns == NATS_NOT_FOUND || jerr == JSNoMessageFoundErr) return out;
   if (ns != NATS_OK) return Status::IOError(where + ": cannot read the last entry: " + nats_error(ns));
   const std::uint64_t end_at = natsMsg_GetSequence(last);
   Result<LogRecord> end = record_of(last, journal, kJournalMarker);
   natsMsg_Destroy(last);
   if (!end.ok()) return Status::Corruption(where + ": " + end.status().message());
-  if (end->seq < after_seq) {
-    return Status::Corruption(where + ": the stream's last entry of the shard is seq " + std::to_string(end->seq) +
-                              behind);
-  }
-  if (end->seq == after_seq) return out;
+  if (end->seq <= after_seq) return out;
 
   SubGuard reader;
   jsSubOptions so;

@@ -19,9 +19,9 @@ namespace tidal::nats::internal {
 // subject_prefix are the journal's), in seq order, read through an
 // ephemeral pull consumer filtered on the shard's subject (DeliverAll, no
 // acks) up to the subject's last message as it was when the read started.
-// Empty when the stream's last entry of the shard is after_seq (or it holds
-// none and after_seq is 0). NotFound when the stream does not exist;
-// Corruption when it ends before after_seq (a wrong stream, or entries lost).
+// Empty when the stream holds nothing of the shard newer than after_seq
+// (entries the Db holds and the stream lacks were never replicated; its
+// publisher sends them). NotFound when the stream does not exist.
 // Corruption naming the shard and the seqs when an entry is missing (the
 // stream holds seq after_seq + 1 .. last with a hole, or starts past
 // after_seq + 1: purged or aged out) or a message is not a journal entry of
