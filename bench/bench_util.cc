@@ -77,12 +77,7 @@ void bulk_load(const std::string& path, std::uint64_t leavers, std::uint64_t oth
   };
   const std::uint64_t at = 1'700'000'000'000'000'000ULL;
   for (std::uint64_t u = 0; u < leavers; ++u) {
-    auto v = serialize_membership({u, MembershipStatus::Left, at + u});
-    std::string ts;
-    put_u64_be(&ts, at + u);
-    const char history = serialize_history_status(MembershipStatus::Left);
-    st.put_record(&batch, EntityId(u), Tag::CommunityLeave, {}, {v.data(), v.size()});
-    st.put_record(&batch, EntityId(u), Tag::CommunityLeaveHistory, ts, {&history, 1});
+    put_left(st, &batch, u, at + u);
     flush_batch(false);
   }
   for (std::uint64_t i = 0; i < others; ++i) {
@@ -93,6 +88,15 @@ void bulk_load(const std::string& path, std::uint64_t leavers, std::uint64_t oth
   }
   flush_batch(true);
   check(st.close());
+}
+
+void put_left(const Storage& storage, rocksdb::WriteBatch* batch, std::uint64_t u, std::uint64_t left_at_ns) {
+  auto v = serialize_membership({u, MembershipStatus::Left, left_at_ns});
+  std::string ts;
+  put_u64_be(&ts, left_at_ns);
+  const char history = serialize_history_status(MembershipStatus::Left);
+  storage.put_record(batch, EntityId(u), Tag::CommunityLeave, {}, {v.data(), v.size()});
+  storage.put_record(batch, EntityId(u), Tag::CommunityLeaveHistory, ts, {&history, 1});
 }
 
 }  // namespace tidal::bench

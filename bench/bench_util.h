@@ -8,6 +8,14 @@
 
 #include "tidal/db.h"
 
+namespace rocksdb {
+class WriteBatch;
+}
+
+namespace tidal {
+class Storage;
+}
+
 namespace tidal::bench {
 
 // A fresh directory under $TMPDIR (or $TIDAL_BENCH_DIR), removed at exit.
@@ -24,6 +32,10 @@ std::unique_ptr<Db> must_open(const std::string& path, const Options& options = 
 // entry and index copy, exactly as leave_community_layer does) and `others`
 // records of a tag tidal does not read at start-up, straight into RocksDB.
 void bulk_load(const std::string& path, std::uint64_t leavers, std::uint64_t others);
+
+// Adds user `u`'s Left 0x11 record with boundary `left_at_ns`, its index copy
+// and its history entry to `batch`, as leave_community_layer writes them.
+void put_left(const Storage& storage, rocksdb::WriteBatch* batch, std::uint64_t u, std::uint64_t left_at_ns);
 
 }  // namespace tidal::bench
 

@@ -254,12 +254,7 @@ void build_big_db(const std::string& path) {
       st.put_record(&batch, EntityId(u), Tag::CommunityMember, suffix, {});
     }
     if (left_at_start(u)) {
-      auto v = serialize_membership({u, MembershipStatus::Left, at + u});
-      std::string ts;
-      put_u64_be(&ts, at + u);
-      const char history = serialize_history_status(MembershipStatus::Left);
-      st.put_record(&batch, EntityId(u), Tag::CommunityLeave, {}, {v.data(), v.size()});
-      st.put_record(&batch, EntityId(u), Tag::CommunityLeaveHistory, ts, {&history, 1});
+      put_left(st, &batch, u, at + u);
     }
     put_users(false);
   }

@@ -39,16 +39,10 @@ using namespace tidal::nats;
 
 namespace {
 
+// The drill's Config (drill.h), with the crash tests' 50 ms first backoff.
 Config config_of(const std::string& servers, const std::string& stream) {
-  Config c;
-  c.servers = servers;
-  c.stream = stream;
-  c.subject_prefix = "tidal." + stream;
-  c.replicas = 3;
-  c.request_timeout = std::chrono::milliseconds(2000);
+  Config c = tidal::nats::testing::drill::config(servers, stream);
   c.min_backoff = std::chrono::milliseconds(50);
-  c.max_backoff = std::chrono::milliseconds(500);
-  c.ack_wait = std::chrono::milliseconds(1500);
   return c;
 }
 
