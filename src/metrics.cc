@@ -122,6 +122,8 @@ Result<std::string> prometheus_text(const Stats& st, const MetricLabels& labels)
       {"tidal_db_aggregate_cells_pending", "gauge", st.aggregate_cells_pending, "Cells in memory, not yet stored."},
       {"tidal_db_backpressure_waits_total", "counter", st.backpressure_waits,
        "Signals that waited for the writer (buffers full)."},
+      {"tidal_db_backpressure_wait_max_nanoseconds", "gauge", st.backpressure_wait_max_ns,
+       "The longest time one signal waited at the write buffers' bound since open."},
       {"tidal_db_aggregate_write_max_nanoseconds", "gauge", st.aggregate_write_max_ns,
        "The longest batch write since open, from when it was due; the crash window is the write period plus "
        "this."},
@@ -131,6 +133,8 @@ Result<std::string> prometheus_text(const Stats& st, const MetricLabels& labels)
        "Signals that slept to keep to the admission rate while compactions were behind."},
       {"tidal_db_admission_delay_nanoseconds_total", "counter", st.admission_delay_ns,
        "Time those signals slept, in total."},
+      {"tidal_db_admission_delay_max_nanoseconds", "gauge", st.admission_delay_max_ns,
+       "The longest admission sleep of one signal since open."},
       {"tidal_db_admission_refused_signals_total", "counter", st.admission_refused_signals,
        "Signals refused with Busy at admission's hard stop (compactions far behind)."},
       {"tidal_db_admission_rate_bytes_per_second", "gauge", st.admission_rate_bytes_per_s,

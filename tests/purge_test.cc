@@ -20,6 +20,7 @@
 #include <rocksdb/sst_file_reader.h>
 #include <rocksdb/table_properties.h>
 
+#include "db/erasure_ranges.h"
 #include "db/impl.h"
 #include "erasure_scan.h"
 #include "fault_fs.h"
@@ -393,6 +394,33 @@ TEST(Purge, BulkPurgeIsExactForEveryListedUserWithOneReceiptEach) {
   for (std::uint64_t u : gone) {
     for (const auto& f : scan_files(dir.sub("purged"), u).found) ADD_FAILURE() << "user " << u << ": " << f;
   }
+}
+
+// The ranges an erasure force-compacts: neighbours are joined, so a file
+// holding several purged users is rewritten once, unless a file lies wholly
+// between them (it would be rewritten for nothing) or the joined range would
+// overlap more than the cap's files.
+TEST(ErasureRanges, NeighboursAreJoinedUnlessAFileLiesBetweenOrTheCapIsReached) {
+  std::vector<LevelFiles> levels(7);
+  levels[6] = {{"10", "30", "50"}, {"19", "39", "59"}};  // three files: [10, 19], [30, 39], [50, 59]
+  levels[5] = {{"60"}, {"65"}};                          // one file above them: [60, 65]
+  const std::vector<KeyRange> ranges = {{"12", "13"}, {"15", "16"}, {"35", "36"}, {"55", "56"}, {"70", "71"}};
+  // Up to 2 files a range: [12, 36) overlaps the first two files; adding
+  // [55, 56) would make three. [60, 65] lies between 56 and 70.
+  EXPECT_EQ(JoinRanges(ranges, levels, 2),
+            (std::vector<KeyRange>{{"12", "36"}, {"55", "56"}, {"70", "71"}}));
+  EXPECT_EQ(JoinRanges(ranges, levels, 8), (std::vector<KeyRange>{{"12", "56"}, {"70", "71"}}));
+  // A cap of 1: the two ranges inside the first file only.
+  EXPECT_EQ(JoinRanges(ranges, levels, 1),
+            (std::vector<KeyRange>{{"12", "16"}, {"35", "36"}, {"55", "56"}, {"70", "71"}}));
+  // Ends are exclusive: a file that starts where a range ends lies between
+  // it and the next; one the range reaches into does not.
+  EXPECT_EQ(JoinRanges({{"20", "30"}, {"40", "41"}}, levels, 8),
+            (std::vector<KeyRange>{{"20", "30"}, {"40", "41"}}));
+  EXPECT_EQ(JoinRanges({{"20", "31"}, {"40", "41"}}, levels, 8), (std::vector<KeyRange>{{"20", "41"}}));
+  // No files at levels 1 and up (everything in memtables or level 0): one range.
+  EXPECT_EQ(JoinRanges(ranges, {}, 2), (std::vector<KeyRange>{{"12", "71"}}));
+  EXPECT_TRUE(JoinRanges({}, levels, 2).empty());
 }
 
 // Purges while other users signal from several threads: the signals keep

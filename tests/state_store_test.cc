@@ -229,6 +229,8 @@ TEST(Admission, TheWriterWritesOnTimeAndSignalsAreHeldToARateWhileCompactionsAre
   const StateStoreStats held = store.stats();
   EXPECT_GE(held.admission_delayed_signals, 1u);
   EXPECT_GT(held.admission_delay_ns, 0u);
+  EXPECT_GT(held.admission_delay_max_ns, 0u);
+  EXPECT_LE(held.admission_delay_max_ns, held.admission_delay_ns);
   for (int i = 0; i < 100; ++i) ASSERT_OK(store.admit(/*nested=*/true));  // a signal from inside a sink is never held
   EXPECT_EQ(store.stats().admission_delayed_signals, held.admission_delayed_signals);
 
@@ -521,6 +523,7 @@ TEST(WriteBehind, ConcurrentSignalsPastTheBufferBoundWaitAndStayExact) {
   }
   for (auto& t : threads) t.join();
   EXPECT_GT(db->stats().backpressure_waits, 0u);
+  EXPECT_GT(db->stats().backpressure_wait_max_ns, 0u);  // the longest of those waits, which a slow call can be
   EXPECT_GT(db->stats().aggregate_writes, 10u);
   double sum = 0;
   for (std::uint64_t i = 0; i < 20000; i += 997) {

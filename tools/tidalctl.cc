@@ -753,7 +753,6 @@ struct BadLine {
 // Users per bulk call: the Db writes each call in synced batches of 10,000,
 // and the progress bar moves once per call.
 constexpr std::size_t kBulkChunk = 10'000;
-constexpr std::size_t kPurgeChunk = 1'000;
 
 // `line` without leading and trailing blanks (spaces, tabs, CR, VT, FF).
 std::string_view trimmed(std::string_view line) {
@@ -798,9 +797,11 @@ int cmd_bulk(tidal::Db& db, const std::string& action_name, const std::string& s
   std::uint64_t processed = 0, changed_count = 0;
   std::optional<std::string> failure;
   tidal::cli::ProgressBar progress(action, users.size(), /*lines_when_not_tty=*/false);
-  // A purge call pays one flush and one forced compaction: chunks of 1,000
-  // keep the bar moving at little cost.
-  const std::size_t chunk_size = purge ? kPurgeChunk : kBulkChunk;
+  // A purge call's erasure rewrites every ledger file that holds one of its
+  // users, and users spread over a large ledger are in every file: chunks as
+  // large as the other commands' (at 1M users, chunks of 1,000 made a purge
+  // of 5,000 users rewrite the whole ledger five times, ~70 s instead of ~16).
+  const std::size_t chunk_size = kBulkChunk;
   for (std::size_t begin = 0; begin < users.size(); begin += chunk_size) {
     progress.update(begin);
     const std::size_t n = std::min(chunk_size, users.size() - begin);

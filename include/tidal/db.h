@@ -235,6 +235,8 @@ struct Stats {
   std::uint64_t aggregate_cells_written = 0;   // aggregate cells and ledger records stored
   std::uint64_t aggregate_cells_pending = 0;   // cells in memory now, not yet stored
   std::uint64_t backpressure_waits = 0;        // signals that waited for the writer (buffers full)
+  std::uint64_t backpressure_wait_max_ns = 0;  // the longest such wait of one signal (a pause past the
+                                               //   buffers' soft bound, or the wait at their hard bound)
   // How long a batch write takes, from the moment the batch was due (the
   // writer's deadline, a period after the last batch started, or a call of
   // flush) to the moment it is stored, waits for a late writer included. A
@@ -248,6 +250,7 @@ struct Stats {
   // range they are refused with Busy. The writer never holds a batch back.
   std::uint64_t admission_delayed_signals = 0;   // signals that slept to keep to the rate
   std::uint64_t admission_delay_ns = 0;          // their sleeps, in total
+  std::uint64_t admission_delay_max_ns = 0;      // the longest one
   std::uint64_t admission_refused_signals = 0;   // signals refused with Busy at the hard stop
   std::uint64_t admission_rate_bytes_per_s = 0;  // the rate in force now (0: no limit, or the stop)
   std::uint64_t admission_signal_bytes = 0;      // the bytes a signal counts as against it

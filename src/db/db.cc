@@ -39,10 +39,12 @@ Stats Db::Impl::stats() const {
   out.aggregate_cells_written = st.cells_written;
   out.aggregate_cells_pending = st.pending_cells;
   out.backpressure_waits = st.backpressure_waits;
+  out.backpressure_wait_max_ns = st.backpressure_wait_max_ns;
   out.aggregate_write_max_ns = st.write_max_ns;
   out.aggregate_write_p99_ns = st.write_p99_ns;
   out.admission_delayed_signals = st.admission_delayed_signals;
   out.admission_delay_ns = st.admission_delay_ns;
+  out.admission_delay_max_ns = st.admission_delay_max_ns;
   out.admission_refused_signals = st.admission_refused_signals;
   out.admission_rate_bytes_per_s = st.admission_rate_bytes_per_s;
   out.admission_signal_bytes = st.admission_signal_bytes;

@@ -52,6 +52,18 @@ std::int64_t steady_ns(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
 
+std::uint64_t ns_since(std::chrono::steady_clock::time_point start) {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
+}
+
+// Raises `max` to at least `v`.
+void raise_to(std::atomic<std::uint64_t>& max, std::uint64_t v) {
+  for (std::uint64_t seen = max.load(std::memory_order_relaxed);
+       seen < v && !max.compare_exchange_weak(seen, v, std::memory_order_relaxed);) {
+  }
+}
+
 // Where `v` is in [start, full], 0 to 1.
 double share(std::uint64_t v, std::uint64_t start, std::uint64_t full) {
   if (v <= start) return 0;
@@ -233,10 +245,9 @@ void StateStore::pace(std::uint64_t interval_ns) {
   delayed_signals_.fetch_add(1, std::memory_order_relaxed);
   const auto start = std::chrono::steady_clock::now();
   std::this_thread::sleep_for(std::chrono::nanoseconds(wait));
-  delay_ns_.fetch_add(static_cast<std::uint64_t>(
-                          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-                              .count()),
-                      std::memory_order_relaxed);
+  const std::uint64_t slept = ns_since(start);
+  delay_ns_.fetch_add(slept, std::memory_order_relaxed);
+  raise_to(delay_max_ns_, slept);
 }
 
 Status StateStore::refused() const {
@@ -288,18 +299,23 @@ Status StateStore::admit(bool nested) {
     const auto pause = std::chrono::microseconds(static_cast<std::uint64_t>(x * x * kMaxPauseMicros));
     if (pause.count() > 0) {
       backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+      const auto start = std::chrono::steady_clock::now();
       std::this_thread::sleep_for(pause);
+      raise_to(backpressure_max_ns_, ns_since(start));
     }
     return Status::OK();
   }
   // Past the hard bound: wait for the writer to swap the buffers.
   backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+  const auto start = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(writer_mu_);
   while (entries_[active_.load(std::memory_order_acquire)].load(std::memory_order_relaxed) >= hard_limit_) {
     if (!last_error_.ok()) return last_error_;
     if (stop_) return Status::Closed("signal_with_context: the Db is closing");
     drained_cv_.wait_for(lock, std::chrono::milliseconds(10));
   }
+  lock.unlock();
+  raise_to(backpressure_max_ns_, ns_since(start));
   return Status::OK();
 }
 
@@ -558,6 +574,8 @@ StateStoreStats StateStore::stats() const {
   out.pending_cells = entries_[0].load(std::memory_order_relaxed) + entries_[1].load(std::memory_order_relaxed);
   out.admission_delayed_signals = delayed_signals_.load(std::memory_order_relaxed);
   out.admission_delay_ns = delay_ns_.load(std::memory_order_relaxed);
+  out.admission_delay_max_ns = delay_max_ns_.load(std::memory_order_relaxed);
+  out.backpressure_wait_max_ns = backpressure_max_ns_.load(std::memory_order_relaxed);
   out.admission_refused_signals = refused_signals_.load(std::memory_order_relaxed);
   out.feed_refused_signals = feed_refused_signals_.load(std::memory_order_relaxed);
   out.admission_rate_bytes_per_s = rate_bytes_.load(std::memory_order_relaxed);

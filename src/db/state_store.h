@@ -93,6 +93,8 @@ struct StateStoreStats {
   std::uint64_t pending_cells = 0;     // cells in memory now
   std::uint64_t admission_delayed_signals = 0;   // signals admit() slept (the rate limit)
   std::uint64_t admission_delay_ns = 0;          // their sleeps, in total
+  std::uint64_t admission_delay_max_ns = 0;      // the longest one
+  std::uint64_t backpressure_wait_max_ns = 0;    // the longest time one signal spent at the buffers' bound
   std::uint64_t admission_refused_signals = 0;   // signals refused with Busy at the hard stop
   std::uint64_t feed_refused_signals = 0;        // signals refused with Busy at the change feed's bound
   std::uint64_t admission_rate_bytes_per_s = 0;  // the rate in force (0: no limit, or the hard stop)
@@ -315,6 +317,9 @@ class StateStore {
   alignas(64) std::atomic<std::uint64_t> rate_bytes_{0};
   std::atomic<std::uint64_t> debt_bytes_{0}, debt_l0_files_{0};
   std::atomic<std::uint64_t> delayed_signals_{0}, delay_ns_{0}, refused_signals_{0};
+  // The longest admission sleep and the longest stay at the buffers' bound
+  // (a soft-bound pause or a wait for the writer), in ns.
+  std::atomic<std::uint64_t> delay_max_ns_{0}, backpressure_max_ns_{0};
   std::atomic<std::uint64_t> feed_refused_signals_{0};  // at the change feed's bound (admit)
   // What the batches wrote (bytes, in total) and the bytes a signal costs
   // (smoothed over batches; 0 until measured), set under drain_mu_.
