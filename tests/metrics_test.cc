@@ -41,7 +41,7 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   ASSERT_OK(text.status());
   const std::vector<Sample> samples = parse(*text);
   ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
-  EXPECT_EQ(samples.size(), 36u);
+  EXPECT_EQ(samples.size(), 38u);
   for (const Sample& s : samples) {
     EXPECT_EQ(s.labels, (MetricLabels{{"shard", "7"}, {"db", odd}})) << s.name;
   }
@@ -60,6 +60,8 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   EXPECT_GT(st.admission_signal_bytes, 0u);
   EXPECT_EQ(one(samples, "tidal_db_admission_stopped").value, 0u);
   EXPECT_EQ(one(samples, "tidal_db_admission_refused_signals_total").value, st.admission_refused_signals);
+  EXPECT_EQ(one(samples, "tidal_db_admission_delay_max_nanoseconds").value, st.admission_delay_max_ns);
+  EXPECT_EQ(one(samples, "tidal_db_backpressure_wait_max_nanoseconds").value, st.backpressure_wait_max_ns);
   EXPECT_EQ(one(samples, "tidal_db_change_feed").value, 1u);
   EXPECT_EQ(one(samples, "tidal_db_change_feed_last_seq").value, st.change_feed_last_seq);
   EXPECT_GE(st.change_feed_last_seq, 1u);
