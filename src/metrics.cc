@@ -163,6 +163,12 @@ Result<std::string> prometheus_text(const Stats& st, const MetricLabels& labels)
       {"tidal_db_journal_pending_bytes", "gauge", st.journal_pending_bytes, "Their payload bytes."},
       {"tidal_db_journal_wait_timeouts_total", "counter", st.journal_wait_timeouts,
        "Calls that returned NotReplicated: durable here, not confirmed within Options::journal_wait."},
+      {"tidal_db_ledger_check_records_read", "gauge", st.ledger_check_records_read,
+       "Records the verify() and re-materialization checks under way have read (0: none runs)."},
+      {"tidal_db_ledger_check_records_estimate", "gauge", st.ledger_check_records_estimate,
+       "What those checks read in all, by RocksDB's estimate of the keys."},
+      {"tidal_db_ledger_check_restarts_total", "counter", st.ledger_check_restarts,
+       "Checks that let go of their snapshot for a purge's erasure and started over."},
   };
   for (const Row& row : rows) {
     if (Status s = out->family(row.name, row.type, row.help); !s.ok()) return s;

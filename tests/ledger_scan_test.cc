@@ -412,8 +412,9 @@ TEST(LedgerScan, AMismatchInASpilledRunIsFoundInKeyOrderWithItsExactSums) {
   const auto check = [&](std::size_t cap, LedgerCheck* out) {
     std::vector<Found> found;
     EXPECT_OK(check_ledger(
-        storage, nullptr, out, [](std::string p) { ADD_FAILURE() << p; },
-        [&](const AggregateMismatch& m) { found.push_back({m.key, m.what, m.recomputed, m.stored}); }, cap));
+        storage, out, [](std::string p) { ADD_FAILURE() << p; },
+        [&](const AggregateMismatch& m) { found.push_back({m.key, m.what, m.recomputed, m.stored}); },
+        [] { ADD_FAILURE() << "the check started over"; }, cap));
     return found;
   };
   LedgerCheck whole_check;
@@ -501,6 +502,74 @@ TEST(LedgerScan, TheTableGrowsWithoutLosingACell) {
 // The runs' directory is deleted when the check fails too, and one that a
 // crash left (of a process that is gone, or of this one but not live) is
 // deleted by the next check; one of a running process is left alone.
+// Sets Storage::step_for_testing for the scope of a test.
+class StepHook {
+ public:
+  explicit StepHook(std::function<void(std::string_view, int)> fn) { Storage::step_for_testing = std::move(fn); }
+  ~StepHook() { Storage::step_for_testing = nullptr; }
+  StepHook(const StepHook&) = delete;
+  StepHook& operator=(const StepHook&) = delete;
+};
+
+// A check that a purge's erasure asks to let go (ask_scans_to_let_go) lets
+// go of its snapshot within a step, drops what it found, and starts over at
+// a snapshot that sees what was written meanwhile; its progress is in
+// Stats while it runs and gone after.
+TEST(LedgerScan, ACheckAskedToLetGoStartsOverAtANewerSnapshot) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  auto db = open_db(path, manual_writes());
+  // 3,000 users, one ledger record each: more than two steps of the check.
+  for (std::uint64_t u = 1; u <= 3000; ++u) {
+    ASSERT_OK(db->signal_with_context({u, u % 40, 1.0 + static_cast<double>(u % 7)}, {{u % 30}}));
+  }
+  ASSERT_OK(db->flush());
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  const std::string damaged = encode_aggregate_key(AggregateKind::Cohort, 7, 7);
+  std::atomic<int> asked{0}, steps{0};
+  std::uint64_t read_at_first_step = 0, estimate_at_first_step = 0;
+  StepHook hook([&](std::string_view task, int step) {
+    if (task != "ledger check") return;
+    steps.fetch_add(1);
+    if (step != 1 || asked.load() != 0) return;
+    const Stats st = db->stats();
+    read_at_first_step = st.ledger_check_records_read;
+    estimate_at_first_step = st.ledger_check_records_estimate;
+    // Written after the check's snapshot: only a new attempt sees it.
+    std::string one;
+    put_units(&one, 1);
+    ASSERT_TRUE(storage.db(Storage::Engine::State)->Merge(rocksdb::WriteOptions(), storage.aggregates(), damaged, one).ok());
+    asked.fetch_add(1);
+    storage.ask_scans_to_let_go();
+  });
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_EQ(asked.load(), 1);
+  EXPECT_EQ(read_at_first_step, 1024u);
+  EXPECT_GE(estimate_at_first_step, 3000u);
+  // The damage, found once: the first attempt's findings were dropped.
+  ASSERT_EQ(v->problems.size(), 1u) << all(v->problems);
+  EXPECT_NE(v->problems[0].find("cohort 7 item 7"), std::string::npos) << v->problems[0];
+  const Stats st = db->stats();
+  EXPECT_EQ(st.ledger_check_restarts, 1u);
+  EXPECT_EQ(st.ledger_check_records_read, 0u);
+  EXPECT_EQ(st.ledger_check_records_estimate, 0u);
+  EXPECT_EQ(run_dirs(path), std::vector<std::string>{});
+
+  // rematerialize_shared_aggregates repairs what its last attempt found, once.
+  asked.store(0);
+  Result<RematerializeReport> r = db->rematerialize_shared_aggregates(/*repair=*/true);
+  ASSERT_OK(r);
+  EXPECT_EQ(asked.load(), 1);
+  ASSERT_EQ(r->mismatches.size(), 1u) << all(r->mismatches);
+  EXPECT_NE(r->mismatches[0].find("stored"), std::string::npos) << r->mismatches[0];
+  EXPECT_TRUE(r->repaired);
+  EXPECT_EQ(db->stats().ledger_check_restarts, 2u);
+  Result<VerifyReport> after = db->verify();
+  ASSERT_OK(after);
+  EXPECT_TRUE(after->ok()) << all(after->problems);
+}
+
 TEST(LedgerScan, NoRunDirectoryOutlivesItsCheckAndStaleOnesAreRemoved) {
   TempDir dir;
   const Workload w;

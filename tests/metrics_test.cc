@@ -41,7 +41,7 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   ASSERT_OK(text.status());
   const std::vector<Sample> samples = parse(*text);
   ASSERT_FALSE(::testing::Test::HasFailure()) << *text;
-  EXPECT_EQ(samples.size(), 38u);
+  EXPECT_EQ(samples.size(), 41u);
   for (const Sample& s : samples) {
     EXPECT_EQ(s.labels, (MetricLabels{{"shard", "7"}, {"db", odd}})) << s.name;
   }
@@ -73,6 +73,9 @@ TEST(Metrics, ADbsStatsRenderAsPrometheusTextWithEveryValueAndLabel) {
   EXPECT_EQ(one(samples, "tidal_db_journal_pending_bytes").value, st.journal_pending_bytes);
   EXPECT_EQ(st.journal_pending_bytes, 26u);
   EXPECT_EQ(one(samples, "tidal_db_journal_wait_timeouts_total").value, 0u);
+  EXPECT_EQ(one(samples, "tidal_db_ledger_check_records_read").value, 0u);  // no check runs
+  EXPECT_EQ(one(samples, "tidal_db_ledger_check_records_estimate").value, 0u);
+  EXPECT_EQ(one(samples, "tidal_db_ledger_check_restarts_total").value, 0u);
 }
 
 TEST(Metrics, AViewsProgressRendersOneSamplePerShard) {

@@ -685,6 +685,60 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
   ASSERT_OK(db.close());
 }
 
+// A purge during a verify() neither waits for the check nor fails: the
+// erasure asks the check to let go of its snapshot (and then of the files
+// it reads), and the check starts over. Here every step of the check (1,024
+// records) dawdles 50 ms until the purge has returned, so one attempt takes
+// far longer than the erasure's wait of 300 ms; before, the erasure waited
+// for the check's snapshot and failed with "a snapshot older than the purge".
+TEST(PurgeConcurrentTest, APurgeDuringAVerifyNeitherWaitsForItNorFails) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const auto saved_wait = Db::Impl::erasure_wait;
+  Db::Impl::erasure_wait = std::chrono::milliseconds(300);
+  std::atomic<bool> checking{false}, purged{false};
+  Storage::step_for_testing = [&](std::string_view task, int) {
+    if (task != "ledger check") return;
+    checking.store(true);
+    if (!purged.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  };
+  struct Restore {
+    std::chrono::milliseconds saved;
+    ~Restore() {
+      Db::Impl::erasure_wait = saved;
+      Storage::step_for_testing = nullptr;
+    }
+  } restore{saved_wait};
+  auto db = open_db(path, manual_writes());
+  constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60900ULL;
+  ASSERT_OK(db->join_community(kLeaver, 9));
+  for (std::uint64_t i = 0; i < 30; ++i) {
+    ASSERT_OK(db->signal_with_context({kLeaver, i, 1.5}, {{4}}));
+    if (i % 10 == 9) ASSERT_OK(db->flush());
+  }
+  for (std::uint64_t u = 1; u <= 8000; ++u) {
+    ASSERT_OK(db->signal_with_context({u, u % 40, 1.0}, {{u % 30}}));
+  }
+  ASSERT_OK(db->flush());
+  ASSERT_OK(db->leave_community_layer(kLeaver));
+
+  Result<VerifyReport> verified = Status::IOError("not run");
+  std::thread verifier([&] { verified = db->verify(); });
+  while (!checking.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  Result<PurgeReceipt> receipt = db->purge_community_contributions(kLeaver);
+  purged.store(true);
+  verifier.join();
+  ASSERT_OK(receipt);
+  EXPECT_EQ(receipt->entries_removed, 60u);
+  EXPECT_TRUE(receipt->erasure_complete);
+  for (const std::string& f : scan_files(path, kLeaver).found) ADD_FAILURE() << "after the purge: " << f;
+  ASSERT_OK(verified);
+  EXPECT_TRUE(verified->ok());
+  EXPECT_GE(db->stats().ledger_check_restarts, 1u);
+  EXPECT_EQ(value_of(db->cohort_score(4, 3)), 0.0);
+  ASSERT_OK(db->close());
+}
+
 // P4 on return while the writer ingests other users' batches every few ms
 // and readers read scores and verify: RocksDB may still be deleting, or a
 // reader may still hold, an obsolete file with the purged ledger; the purge
@@ -692,9 +746,9 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
 TEST(PurgeConcurrentTest, NoFileHoldsThePurgedLedgerOnReturnUnderConcurrentWritersAndReaders) {
   TempDir dir;
   const std::string path = dir.sub("db");
-  // The reader's verify() holds a snapshot for its whole scan, which the
-  // erasure waits out: under TSan one took longer than the default 10 s
-  // (the erasure then fails, by design, and this test saw its leftover).
+  // Under TSan an erasure here once took longer than the default 10 s (the
+  // erasure then fails, by design, and this test saw its leftover), when a
+  // reader's verify() held its snapshot for its whole scan.
   const auto saved_wait = Db::Impl::erasure_wait;
   Db::Impl::erasure_wait = std::chrono::milliseconds(120'000);
   struct Restore {

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cstdio>
 #include <chrono>
@@ -26,6 +27,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "cli_util.h"
@@ -610,8 +612,40 @@ int cmd_stats(tidal::Db& db, bool json, bool prometheus, const std::string& path
   return kExitOk;
 }
 
+// Runs `check` (verify or rematerialize, minutes at millions of users) while
+// a thread draws its ledger check's progress from db.stats() on a terminal's
+// stderr. When a purge's erasure makes the check start over, the bar says so
+// and starts again.
+template <typename Check>
+auto with_check_progress(tidal::Db& db, const char* label, Check check) -> decltype(check()) {
+  if (::isatty(STDERR_FILENO) != 1) return check();
+  std::atomic<bool> done{false};
+  std::thread watcher([&] {
+    std::optional<tidal::cli::ProgressBar> bar;
+    std::uint64_t restarts = db.stats().ledger_check_restarts, shown = 0;
+    for (; !done.load(); std::this_thread::sleep_for(std::chrono::milliseconds(100))) {
+      const tidal::Stats st = db.stats();
+      if (st.ledger_check_restarts != restarts) {
+        restarts = st.ledger_check_restarts;
+        if (bar) bar->finish(shown);
+        bar.reset();
+        std::fprintf(stderr, "%s: started over (a purge needed the check's snapshot)\n", label);
+      }
+      if (!bar && st.ledger_check_records_estimate != 0) bar.emplace(label, st.ledger_check_records_estimate, false);
+      if (!bar || st.ledger_check_records_read == 0) continue;
+      shown = std::min(st.ledger_check_records_read, st.ledger_check_records_estimate);
+      bar->update(shown);
+    }
+    if (bar) bar->finish(shown);
+  });
+  auto result = check();
+  done.store(true);
+  watcher.join();
+  return result;
+}
+
 int cmd_verify(tidal::Db& db, bool json) {
-  tidal::Result<tidal::VerifyReport> report = db.verify();
+  tidal::Result<tidal::VerifyReport> report = with_check_progress(db, "verify", [&] { return db.verify(); });
   if (!report.ok()) return db_failure("verify", report.status());
   if (json) {
     std::string problems;
@@ -673,7 +707,8 @@ int cmd_receipts(tidal::Db& db, std::uint64_t user, bool json) {
 }
 
 int cmd_rematerialize(tidal::Db& db, bool repair, bool json) {
-  tidal::Result<tidal::RematerializeReport> report = db.rematerialize_shared_aggregates(repair);
+  tidal::Result<tidal::RematerializeReport> report =
+      with_check_progress(db, "rematerialize", [&] { return db.rematerialize_shared_aggregates(repair); });
   if (!report.ok()) return db_failure("rematerialize", report.status());
   if (json) {
     std::string items;

@@ -276,6 +276,12 @@ struct Stats {
   std::uint64_t journal_pending_entries = 0;    // entries written and not yet confirmed
   std::uint64_t journal_pending_bytes = 0;      // their payload bytes
   std::uint64_t journal_wait_timeouts = 0;      // calls that returned NotReplicated (journal_wait)
+  // The ledger checks of verify() and rematerialize_shared_aggregates()
+  // under way: their progress, and how often a purge made one start over.
+  std::uint64_t ledger_check_records_read = 0;      // records they have read (ledger, then aggregates); 0: none runs
+  std::uint64_t ledger_check_records_estimate = 0;  // what they read in all, by RocksDB's estimate of the keys
+  std::uint64_t ledger_check_restarts = 0;  // since open: checks that let go of their snapshot for a purge's
+                                            // erasure and started over
 };
 
 // What the gate held back for one user since their last leave (in memory only).

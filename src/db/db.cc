@@ -72,6 +72,10 @@ Stats Db::Impl::stats() const {
     out.journal_pending_bytes = j.pending_bytes;
     out.journal_wait_timeouts = journal_wait_timeouts_.load(std::memory_order_relaxed);
   }
+  const Storage::ScanProgress& scans = storage_->scan_progress();
+  out.ledger_check_records_read = scans.records_read.load(std::memory_order_relaxed);
+  out.ledger_check_records_estimate = scans.records_estimate.load(std::memory_order_relaxed);
+  out.ledger_check_restarts = scans.restarts.load(std::memory_order_relaxed);
   return out;
 }
 

@@ -595,11 +595,13 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
   // are then no longer needed by any column family.
   if (Status s = storage_->flush(Storage::Engine::State); !s.ok()) return s;
   // A compaction keeps what a snapshot older than the purge batches can
-  // still see: wait until every such snapshot (a verify() that began before
-  // them) is released. Later snapshots (the writer's) see the deletion.
+  // still see: wait until every such snapshot is released. Later snapshots
+  // (the writer's) see the deletion. A verify() or re-materialization under
+  // way lets go of its own at once and starts over (storage/ledger_scan.h).
   rocksdb::DB* db = storage_->db(Storage::Engine::State);
   const std::string dir = storage_->state_path();
   const rocksdb::SequenceNumber purged = db->GetLatestSequenceNumber();
+  storage_->ask_scans_to_let_go();
   const auto deadline = std::chrono::steady_clock::now() + erasure_wait;
   for (;;) {
     std::uint64_t oldest = 0;
@@ -610,7 +612,7 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
     if (std::chrono::steady_clock::now() >= deadline) {
       return Status::IOError("a snapshot older than the purge (sequence " + std::to_string(oldest) + " < " +
                              std::to_string(purged) + ") was not released within " +
-                             std::to_string(erasure_wait.count()) + " ms (a long verify() holds one until it ends)");
+                             std::to_string(erasure_wait.count()) + " ms");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -641,6 +643,9 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
   // RocksDB deletes them. Those on disk now (and not live) are the ones to
   // wait for: a file created later is made from live files, or is a batch
   // of the writer, and holds none.
+  // A ledger check under way lets go of the files it reads, which may be
+  // the ones the compaction replaced.
+  storage_->ask_scans_to_let_go();
   Result<std::vector<std::string>> obsolete = obsolete_files();
   if (!obsolete.ok()) return obsolete.status();
   std::vector<std::string> waiting = std::move(*obsolete);
@@ -675,7 +680,7 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
       return Status::IOError("obsolete file '" + dir + "/" +
                              (waiting.empty() ? stale_wal : waiting.front()) + "' was not deleted within " +
                              std::to_string(erasure_wait.count()) +
-                             " ms (a long scan, such as verify(), can hold the files it reads until it ends)");
+                             " ms (an iterator still open on the state engine holds the files it reads)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }

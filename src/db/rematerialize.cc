@@ -5,8 +5,9 @@
 // memory (an external sort: storage/ledger_scan.h).
 //
 // The scan holds no lock: it reads one snapshot, taken after the write
-// buffers were drained, while the writer goes on writing batches (each an
-// atomic step that adds the same deltas to an aggregate and its ledger, as a
+// buffers were drained (a newer one when a purge's erasure made the check
+// start over), while the writer goes on writing batches (each an atomic
+// step that adds the same deltas to an aggregate and its ledger, as a
 // purge's batch removes the same amounts from both). So a difference found
 // at the snapshot is still the difference when the repair lands, and a
 // repair is a merge operand of (ledger sum - stored sum) at the snapshot:
@@ -17,8 +18,6 @@
 // then the scan is made again under the drain lock, and that one is
 // overwritten with its ledger sum.
 #include <algorithm>
-
-#include <rocksdb/snapshot.h>
 
 #include "db/guarded.h"
 #include "db/impl.h"
@@ -50,35 +49,36 @@ Result<RematerializeReport> Db::Impl::rematerialize_shared_aggregates(bool repai
     std::vector<Fix> fixes;
     // The check holds at most ledger_pass_cells() sums at once; what grows
     // with the state is only the list of fixes, one per mismatch.
-    const auto scan = [&](const rocksdb::Snapshot* snapshot) -> Status {
-      report = RematerializeReport{};
-      fixes.clear();
+    const auto scan = [&]() -> Status {
+      const auto reset = [&] {
+        report = RematerializeReport{};
+        fixes.clear();
+      };
+      reset();
       LedgerCheck check;
       Status r = check_ledger(
-          *storage_, snapshot, &check,
-          [&](std::string problem) { report.mismatches.push_back(std::move(problem)); },
+          *storage_, &check, [&](std::string problem) { report.mismatches.push_back(std::move(problem)); },
           [&](const AggregateMismatch& m) {
             report.mismatches.push_back(m.what);
             std::optional<AggregateCell> cell = decode_aggregate_key(m.key);
             if (cell && cell->kind != AggregateKind::Personal) fixes.push_back({m.key, m.recomputed, m.stored});
-          });
+          },
+          reset);
       report.ledger_entries_read = check.ledger_entries;
       report.aggregates_checked = check.aggregates;
       return r;
     };
-    // Everything acknowledged before the call is stored first.
+    // Everything acknowledged before the call is stored first: the check's
+    // snapshot is taken after.
     if (Status s = state_->flush(); !s.ok()) return s;
-    {
-      rocksdb::ManagedSnapshot snapshot(storage_->db(Storage::Engine::State));
-      if (Status s = scan(snapshot.snapshot()); !s.ok()) return s;
-    }
+    if (Status s = scan(); !s.ok()) return s;
     if (!repair || report.mismatches.empty()) return report;
     const bool undecodable = std::any_of(fixes.begin(), fixes.end(), [](const Fix& f) { return !f.stored; });
     Status s = state_->exclusive([&]() -> Status {
       // No writer batch lands while fn runs: a scan here sees what the
       // repair overwrites.
       if (undecodable) {
-        if (Status r = scan(/*snapshot=*/nullptr); !r.ok()) return r;
+        if (Status r = scan(); !r.ok()) return r;
       }
       // One synced batch: a crash leaves every aggregate repaired or none.
       // With a change feed, each repair enters it as the delta that moves

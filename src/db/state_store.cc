@@ -604,12 +604,14 @@ StateStoreStats StateStore::stats() const {
 }
 
 Status StateStore::verify(VerifyReport* report) const {
-  // In bounded memory, at one snapshot (storage/ledger_scan.h).
+  // In bounded memory, at one snapshot (storage/ledger_scan.h); what an
+  // attempt a purge made start over found is dropped.
   LedgerCheck check;
+  const std::size_t before = report->problems.size();
   Status s = check_ledger(
-      *storage_, /*snapshot=*/nullptr, &check,
-      [&](std::string problem) { report->problems.push_back(std::move(problem)); },
-      [&](const AggregateMismatch& m) { report->problems.push_back(m.what); });
+      *storage_, &check, [&](std::string problem) { report->problems.push_back(std::move(problem)); },
+      [&](const AggregateMismatch& m) { report->problems.push_back(m.what); },
+      [&] { report->problems.resize(before); });
   report->records_checked += check.ledger_records + check.aggregates;
   return s;
 }

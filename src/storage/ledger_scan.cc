@@ -455,13 +455,50 @@ class Cells {
   std::size_t at_ = 0;
 };
 
+// One attempt's hold on its snapshot and the files its iterators pin:
+// counts the records read into the Storage's progress (every kStep of them)
+// and notices when a purge's erasure asks scans to let go
+// (Storage::ask_scans_to_let_go), after which step() is false and the
+// attempt must end. The generation is read before the snapshot is taken: a
+// request made after the snapshot was taken is always noticed.
+class Hold {
+ public:
+  static constexpr std::uint64_t kStep = 1024;
+  explicit Hold(const Storage& storage)
+      : storage_(storage), generation_(storage.scan_generation()), snapshot_(storage.db(Storage::Engine::State)) {}
+  ~Hold() { storage_.scan_progress().records_read.fetch_sub(counted_, std::memory_order_relaxed); }
+  Hold(const Hold&) = delete;
+  Hold& operator=(const Hold&) = delete;
+
+  const rocksdb::Snapshot* snapshot() { return snapshot_.snapshot(); }
+  // Once per record read: false once the attempt must let go.
+  bool step() {
+    if (++read_ % kStep == 0) {
+      storage_.scan_progress().records_read.fetch_add(kStep, std::memory_order_relaxed);
+      counted_ += kStep;
+      Storage::test_step("ledger check", static_cast<int>(read_ / kStep));
+    }
+    if (storage_.scan_generation() != generation_) lost_ = true;
+    return !lost_;
+  }
+  bool lost() const { return lost_; }
+
+ private:
+  const Storage& storage_;
+  const std::uint64_t generation_;
+  rocksdb::ManagedSnapshot snapshot_;
+  std::uint64_t read_ = 0;
+  std::uint64_t counted_ = 0;
+  bool lost_ = false;
+};
+
 // Step 1: sums the ledger entries per cell, writing the table out as a run
 // whenever a new cell would not fit (and, if it ever did, at the end too:
 // the merge then reads runs only). Counts the records and entries and
 // reports the records that do not decode.
-Status sum_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, CellSums* sums, Runs* runs,
-                  std::size_t* peak, LedgerCheck* out, const std::function<void(std::string)>& problem) {
-  auto it = storage.iterator(storage.ledger(), /*bulk=*/true, snapshot);
+Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs, std::size_t* peak,
+                  LedgerCheck* out, const std::function<void(std::string)>& problem) {
+  auto it = storage.iterator(storage.ledger(), /*bulk=*/true, hold->snapshot());
   std::string encoded;
   struct Pending {
     AggregateKey key;
@@ -470,6 +507,7 @@ Status sum_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, Cel
   };
   std::vector<Pending> pending;  // one record's entries, their slots being loaded
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    if (!hold->step()) return Status::OK();
     ++out->ledger_records;
     std::optional<LedgerKey> k = decode_ledger_key(view(it->key()));
     std::optional<std::vector<LedgerEntry>> entries = decode_ledger_value(view(it->value()));
@@ -516,12 +554,13 @@ void report_absent(const AggregateKey& k, Units units, const std::function<void(
 }
 
 // Steps 2 and 3: walks the stored aggregates beside the cells' totals.
-Status compare(const Storage& storage, const rocksdb::Snapshot* snapshot, Cells* cells, LedgerCheck* out,
+Status compare(const Storage& storage, Hold* hold, Cells* cells, LedgerCheck* out,
                const std::function<void(const AggregateMismatch&)>& fn) {
   if (Status s = cells->start(); !s.ok()) return s;
   std::string last_key;
-  auto it = storage.iterator(storage.aggregates(), /*bulk=*/true, snapshot);
+  auto it = storage.iterator(storage.aggregates(), /*bulk=*/true, hold->snapshot());
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    if (!hold->step()) return Status::OK();
     const std::string_view key = view(it->key());
     ++out->aggregates;
     last_key.assign(key);
@@ -583,29 +622,47 @@ void reset_ledger_pass_tally() {
   g_peak_cells.store(0, std::memory_order_relaxed);
 }
 
-Status check_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerCheck* out,
-                    const std::function<void(std::string)>& problem,
-                    const std::function<void(const AggregateMismatch&)>& mismatch, std::size_t max_cells) {
-  std::optional<rocksdb::ManagedSnapshot> own;
-  rocksdb::DB* db = storage.db(Storage::Engine::State);
-  if (snapshot == nullptr) snapshot = own.emplace(db).snapshot();
+Status check_ledger(const Storage& storage, LedgerCheck* out, const std::function<void(std::string)>& problem,
+                    const std::function<void(const AggregateMismatch&)>& mismatch,
+                    const std::function<void()>& restarted, std::size_t max_cells) {
+  rocksdb::Env* env = storage.db(Storage::Engine::State)->GetEnv();
   max_cells = std::max<std::size_t>(max_cells, 1);
-  rocksdb::Env* env = db->GetEnv();
   remove_stale_dirs(env, storage.path());
-  Runs runs(env, storage.path(), max_cells);
-  CellSums sums(max_cells);
-  std::size_t peak = 0;
-  Status s = sum_ledger(storage, snapshot, &sums, &runs, &peak, out, problem);
-  ++out->passes;
-  out->runs += runs.count();
-  g_passes.fetch_add(1, std::memory_order_relaxed);
-  g_runs.fetch_add(runs.count(), std::memory_order_relaxed);
-  for (std::size_t seen = g_peak_cells.load(std::memory_order_relaxed);
-       peak > seen && !g_peak_cells.compare_exchange_weak(seen, peak, std::memory_order_relaxed);) {
+  Storage::ScanProgress& progress = storage.scan_progress();
+  const std::uint64_t estimate = storage.estimate_keys(storage.ledger()) + storage.estimate_keys(storage.aggregates());
+  progress.records_estimate.fetch_add(estimate, std::memory_order_relaxed);
+  struct Unestimate {
+    Storage::ScanProgress& progress;
+    std::uint64_t estimate;
+    ~Unestimate() { progress.records_estimate.fetch_sub(estimate, std::memory_order_relaxed); }
+  } unestimate{progress, estimate};
+  for (std::uint64_t attempt = 0;; ++attempt) {
+    if (attempt != 0) {
+      progress.restarts.fetch_add(1, std::memory_order_relaxed);
+      restarted();
+    }
+    *out = LedgerCheck{};
+    out->restarts = attempt;
+    Hold hold(storage);
+    Runs runs(env, storage.path(), max_cells);
+    CellSums sums(max_cells);
+    std::size_t peak = 0;
+    Status s = sum_ledger(storage, &hold, &sums, &runs, &peak, out, problem);
+    for (std::size_t seen = g_peak_cells.load(std::memory_order_relaxed);
+         peak > seen && !g_peak_cells.compare_exchange_weak(seen, peak, std::memory_order_relaxed);) {
+    }
+    if (s.ok() && !hold.lost()) {
+      ++out->passes;
+      out->runs += runs.count();
+      g_passes.fetch_add(1, std::memory_order_relaxed);
+      g_runs.fetch_add(runs.count(), std::memory_order_relaxed);
+      Cells cells(&sums, &runs);
+      s = compare(storage, &hold, &cells, out, mismatch);
+    }
+    if (!s.ok() || !hold.lost()) return s;
+    // A purge's erasure waits for this snapshot or these files: let go of
+    // both (the Hold, the runs) and start over.
   }
-  if (!s.ok()) return s;
-  Cells cells(&sums, &runs);
-  return compare(storage, snapshot, &cells, out, mismatch);
 }
 
 }  // namespace tidal

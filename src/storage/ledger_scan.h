@@ -14,11 +14,12 @@
 //      every cell's total, added up over the runs, in key order; with no run
 //      the table, sorted, is that sequence;
 //   3. one read of the stored aggregates beside it compares, in key order.
-// Both reads are of one RocksDB snapshot. The runs are records of a 17-byte
-// key and a 16-byte sum (Units, little-endian, as aggregates store them)
-// back to back, all in one file, each run a range of it: a plain file read
-// with positioned reads, not an SST file, since nothing looks a key up in
-// it. The file is written through the Db's Env in a directory of its own,
+// Both reads are of one RocksDB snapshot (a purge's erasure can make the
+// check let go of it and start over: check_ledger below). The runs are
+// records of a 17-byte key and a 16-byte sum (Units, little-endian, as
+// aggregates store them) back to back, all in one file, each run a range
+// of it: a plain file read with positioned reads, not an SST file, since
+// nothing looks a key up in it. The file is written through the Db's Env in a directory of its own,
 // <db path>/verify-tmp-<pid>-<n>, made at the first run and deleted on
 // every return, errors included. One that a crash left is deleted at the
 // start of the next check (in any process: one whose pid no longer runs).
@@ -80,9 +81,10 @@ struct LedgerCheck {
   std::uint64_t aggregates = 0;  // stored cells checked, personal ones included
   std::uint64_t passes = 0;  // reads of the whole ledger (1)
   std::uint64_t runs = 0;  // sorted runs written
+  std::uint64_t restarts = 0;  // attempts given up because a purge's erasure asked (below)
 };
 
-// Checks I1 as of `snapshot` (null: a snapshot of its own).
+// Checks I1 as of a snapshot of its own.
 // Calls `problem` once per ledger record that does not decode (naming the
 // key), all before the first call of `mismatch`; then `mismatch` per shared
 // aggregate that differs from its ledger sum or does not decode, in key
@@ -91,10 +93,15 @@ struct LedgerCheck {
 // (at least 1). Non-OK when a read fails, naming what was being read, or
 // when the runs cannot be written or read back (the Db's directory must be
 // writable once the shared cells outnumber `max_cells`).
-Status check_ledger(const Storage& storage, const rocksdb::Snapshot* snapshot, LedgerCheck* out,
-                    const std::function<void(std::string)>& problem,
+// Never holds its snapshot, or the files it reads, past a purge's request
+// (Storage::ask_scans_to_let_go) by more than one record: it lets go, calls
+// `restarted` (the caller drops every problem and mismatch reported so
+// far), and starts over with a new snapshot, which sees the purge. So a
+// check can start over as often as purges ask; each attempt is counted in
+// LedgerCheck::restarts and Storage::scan_progress().
+Status check_ledger(const Storage& storage, LedgerCheck* out, const std::function<void(std::string)>& problem,
                     const std::function<void(const AggregateMismatch&)>& mismatch,
-                    std::size_t max_cells = ledger_pass_cells());
+                    const std::function<void()>& restarted, std::size_t max_cells = ledger_pass_cells());
 
 }  // namespace tidal
 

@@ -199,6 +199,24 @@ class Storage {
   static constexpr std::uint64_t kDebtFullBytes = std::uint64_t{16} << 30;
   static constexpr std::uint64_t kDebtStartL0Files = 100;
   static constexpr std::uint64_t kDebtFullL0Files = 400;
+  // Long reads of the state engine (the ledger check of verify() and
+  // re-materialization, storage/ledger_scan.h) hold a snapshot and pin the
+  // SST files they read. A purge's erasure can finish only once no snapshot
+  // older than its batches, and no reader of the files its compaction
+  // replaced, is left: it calls ask_scans_to_let_go() before each of its two
+  // waits, and a check whose hold began before that call lets go of both
+  // within one step and starts over (with a snapshot that sees the purge).
+  // A check reads scan_generation() before it takes its snapshot.
+  void ask_scans_to_let_go() const { scan_generation_.fetch_add(1, std::memory_order_seq_cst); }
+  std::uint64_t scan_generation() const { return scan_generation_.load(std::memory_order_seq_cst); }
+  // What the checks under way have done, for Stats.
+  struct ScanProgress {
+    std::atomic<std::uint64_t> records_read{0};      // by the checks under way
+    std::atomic<std::uint64_t> records_estimate{0};  // what they will read, by RocksDB's estimate
+    std::atomic<std::uint64_t> restarts{0};          // checks started over at an erasure's request
+  };
+  ScanProgress& scan_progress() const { return scan_progress_; }
+
   // Flushes (unless read-only) and closes both databases.
   Status close();
 
@@ -285,6 +303,8 @@ class Storage {
   std::vector<rocksdb::ColumnFamilyHandle*> legacy_;
   bool upgrade_pending_ = false;
   rocksdb::Options options_;  // the users engine's, for finish_upgrade()
+  mutable std::atomic<std::uint64_t> scan_generation_{0};
+  mutable ScanProgress scan_progress_;
 };
 
 // The largest timestamp recorded in the clock-floor records of both engines'
