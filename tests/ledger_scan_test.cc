@@ -36,6 +36,7 @@ namespace {
 
 using testing::open_db;
 using testing::RawDb;
+using testing::ScopedOverride;
 using testing::TempDir;
 using testing::value_of;
 
@@ -502,15 +503,6 @@ TEST(LedgerScan, TheTableGrowsWithoutLosingACell) {
 // The runs' directory is deleted when the check fails too, and one that a
 // crash left (of a process that is gone, or of this one but not live) is
 // deleted by the next check; one of a running process is left alone.
-// Sets Storage::step_for_testing for the scope of a test.
-class StepHook {
- public:
-  explicit StepHook(std::function<void(std::string_view, int)> fn) { Storage::step_for_testing = std::move(fn); }
-  ~StepHook() { Storage::step_for_testing = nullptr; }
-  StepHook(const StepHook&) = delete;
-  StepHook& operator=(const StepHook&) = delete;
-};
-
 // A check that a purge's erasure asks to let go (ask_scans_to_let_go) lets
 // go of its snapshot within a step, drops what it found, and starts over at
 // a snapshot that sees what was written meanwhile; its progress is in
@@ -528,7 +520,7 @@ TEST(LedgerScan, ACheckAskedToLetGoStartsOverAtANewerSnapshot) {
   const std::string damaged = encode_aggregate_key(AggregateKind::Cohort, 7, 7);
   std::atomic<int> asked{0}, steps{0};
   std::uint64_t read_at_first_step = 0, estimate_at_first_step = 0;
-  StepHook hook([&](std::string_view task, int step) {
+  ScopedOverride hook(Storage::step_for_testing, [&](std::string_view task, int step) {
     if (task != "ledger check") return;
     steps.fetch_add(1);
     if (step != 1 || asked.load() != 0) return;

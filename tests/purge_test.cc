@@ -33,6 +33,7 @@ namespace tidal {
 namespace {
 
 using testing::open_db;
+using testing::ScopedOverride;
 using testing::TempDir;
 using testing::value_of;
 using testing::ErasureScan;
@@ -694,21 +695,13 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
 TEST(PurgeConcurrentTest, APurgeDuringAVerifyNeitherWaitsForItNorFails) {
   TempDir dir;
   const std::string path = dir.sub("db");
-  const auto saved_wait = Db::Impl::erasure_wait;
-  Db::Impl::erasure_wait = std::chrono::milliseconds(300);
+  ScopedOverride wait(Db::Impl::erasure_wait, std::chrono::milliseconds(300));
   std::atomic<bool> checking{false}, purged{false};
-  Storage::step_for_testing = [&](std::string_view task, int) {
+  ScopedOverride hook(Storage::step_for_testing, [&](std::string_view task, int) {
     if (task != "ledger check") return;
     checking.store(true);
     if (!purged.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  };
-  struct Restore {
-    std::chrono::milliseconds saved;
-    ~Restore() {
-      Db::Impl::erasure_wait = saved;
-      Storage::step_for_testing = nullptr;
-    }
-  } restore{saved_wait};
+  });
   auto db = open_db(path, manual_writes());
   constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60900ULL;
   ASSERT_OK(db->join_community(kLeaver, 9));
@@ -749,12 +742,7 @@ TEST(PurgeConcurrentTest, NoFileHoldsThePurgedLedgerOnReturnUnderConcurrentWrite
   // Under TSan an erasure here once took longer than the default 10 s (the
   // erasure then fails, by design, and this test saw its leftover), when a
   // reader's verify() held its snapshot for its whole scan.
-  const auto saved_wait = Db::Impl::erasure_wait;
-  Db::Impl::erasure_wait = std::chrono::milliseconds(120'000);
-  struct Restore {
-    std::chrono::milliseconds saved;
-    ~Restore() { Db::Impl::erasure_wait = saved; }
-  } restore{saved_wait};
+  ScopedOverride wait(Db::Impl::erasure_wait, std::chrono::milliseconds(120'000));
   Options options;
   options.aggregate_write_period = std::chrono::milliseconds(5);
   auto db = open_db(path, options);

@@ -29,6 +29,7 @@ namespace tidal {
 namespace {
 
 using testing::open_db;
+using testing::ScopedOverride;
 using testing::sum_feed;
 using testing::TempDir;
 using testing::value_of;
@@ -273,12 +274,9 @@ TEST(Reseed, UnderSixteenSignallingThreadsEveryReseedLeavesTheViewExact) {
 
   // Each re-seed dawdles between its read of the aggregates and its write,
   // so that a write landing in between (without the drain lock) is seen.
-  Storage::step_for_testing = [](std::string_view task, int) {
+  ScopedOverride hook(Storage::step_for_testing, [](std::string_view task, int) {
     if (task == "reseed") std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  };
-  struct Reset {
-    ~Reset() { Storage::step_for_testing = nullptr; }
-  } reset;
+  });
   constexpr std::uint64_t kThreads = 16;
   std::atomic<bool> done{false};
   std::vector<std::thread> threads;

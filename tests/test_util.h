@@ -9,6 +9,8 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -33,6 +35,24 @@ template <class T>
 std::string describe(const Result<T>& r) { return r.status().to_string(); }
 
 // A fresh directory under $TMPDIR, removed with everything in it on destruction.
+// Sets `target` (a test hook or a tunable static such as
+// Storage::step_for_testing or Db::Impl::erasure_wait) to `value` for the
+// scope and puts the old value back at its end, however the test leaves it:
+// a failed ASSERT returns early, and a hook left set would run in every test
+// after it.
+template <class T>
+class ScopedOverride {
+ public:
+  ScopedOverride(T& target, std::type_identity_t<T> value) : target_(target), saved_(std::exchange(target, std::move(value))) {}
+  ~ScopedOverride() { target_ = std::move(saved_); }
+  ScopedOverride(const ScopedOverride&) = delete;
+  ScopedOverride& operator=(const ScopedOverride&) = delete;
+
+ private:
+  T& target_;
+  T saved_;
+};
+
 class TempDir {
  public:
   TempDir() {
