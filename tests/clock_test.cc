@@ -5,7 +5,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <future>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -153,6 +155,61 @@ TEST(ClockLease, AFailedRenewalHandsOutNoTimeBeyondTheFloor) {
   ASSERT_OK(clock.leased_now());
   EXPECT_EQ(log.floors.size(), 2u);
   EXPECT_GT(log.stored(), lease);
+}
+
+// With start_renewing() (as a Db with a ContributionSink runs it), a
+// reading inside the renew-ahead window is not the one that writes the new
+// floor: it returns while that write is held up (an fsync on a busy disk),
+// and the clock's thread stores the floor. A reading past the lease still
+// renews itself. Inline, the reading that renewed waited for the write.
+TEST(ClockLease, AnEarlyRenewalIsNotWrittenByTheReadingThatAsksForIt) {
+  FloorLog log;
+  std::atomic<std::uint64_t> wall{kT0};
+  std::mutex held_mu;
+  std::condition_variable held_cv;
+  bool hold = false, holding = false;  // guarded by held_mu
+  Clock::StoreFloor store = log.store();
+  Clock clock([&] { return wall.load(); },
+              [&](std::uint64_t floor) {
+                std::unique_lock<std::mutex> lock(held_mu);
+                if (hold) {
+                  holding = true;
+                  held_cv.notify_all();
+                  held_cv.wait(lock, [&] { return !hold; });
+                  holding = false;
+                }
+                lock.unlock();
+                return store(floor);
+              });
+  clock.start_above(kT0 - 1);
+  clock.start_renewing();
+  ASSERT_OK(clock.leased_now());  // past the lease: renews itself
+  ASSERT_EQ(log.floors.size(), 1u);
+  const std::uint64_t lease = log.stored();
+
+  {
+    std::lock_guard<std::mutex> lock(held_mu);
+    hold = true;
+  }
+  wall = lease - Clock::kRenewAhead / 2;
+  auto reading = std::async(std::launch::async, [&] { return clock.leased_now(); });
+  ASSERT_EQ(reading.wait_for(std::chrono::seconds(30)), std::future_status::ready)
+      << "the reading in the renew-ahead window waited for the renewal's write";
+  Result<std::uint64_t> t = reading.get();
+  ASSERT_OK(t);
+  EXPECT_LE(*t, lease);
+  {
+    // The clock's thread is the one writing the floor.
+    std::unique_lock<std::mutex> lock(held_mu);
+    ASSERT_TRUE(held_cv.wait_for(lock, std::chrono::seconds(30), [&] { return holding; }))
+        << "no renewal was started after a reading in the renew-ahead window";
+    hold = false;
+  }
+  held_cv.notify_all();
+  for (int i = 0; i < 30'000 && log.stored() == lease; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_GT(log.stored(), lease);
+  EXPECT_EQ(log.floors.size(), 2u);
+  clock.stop_renewing();
 }
 
 TEST(ClockLease, ConcurrentRenewalsNeverLowerTheStoredFloor) {

@@ -23,6 +23,8 @@ const std::string& limit_text() {
 Clock::Clock(Source source, StoreFloor store_floor)
     : source_(source ? std::move(source) : Source(system_now)), store_floor_(std::move(store_floor)) {}
 
+Clock::~Clock() { stop_renewing(); }
+
 Result<std::uint64_t> Clock::now() {
   const std::uint64_t wall = source_();
   if (wall > kMaxTimestamp) {
@@ -55,6 +57,14 @@ Result<std::uint64_t> Clock::leased_now() {
   if (*t <= lease) {
     // Covered already: renew early if no one else is, and never wait. A
     // failed renewal is retried by a later reading; this one stands.
+    if (renewing_.load(std::memory_order_acquire)) {
+      // The first reading to ask wakes the renewer; the others see it asked.
+      if (!renew_wanted_.exchange(true, std::memory_order_acq_rel)) {
+        std::lock_guard<std::mutex> wake(renewer_mu_);
+        renewer_cv_.notify_one();
+      }
+      return t;
+    }
     std::unique_lock<std::mutex> lock(lease_mu_, std::try_to_lock);
     if (lock.owns_lock()) (void)renew(*t);
     return t;
@@ -75,6 +85,42 @@ Status Clock::renew(std::uint64_t t) {
   lease_.store(until, std::memory_order_release);
   renewals_.fetch_add(1, std::memory_order_relaxed);
   return Status::OK();
+}
+
+void Clock::start_renewing() {
+  if (renewer_.joinable()) return;
+  renewer_stop_ = false;
+  renewer_ = std::thread([this] { run_renewer(); });
+  renewing_.store(true, std::memory_order_release);
+}
+
+void Clock::stop_renewing() {
+  if (!renewer_.joinable()) return;
+  renewing_.store(false, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> lock(renewer_mu_);
+    renewer_stop_ = true;
+  }
+  renewer_cv_.notify_one();
+  renewer_.join();
+  renew_wanted_.store(false, std::memory_order_relaxed);
+}
+
+void Clock::run_renewer() {
+  std::unique_lock<std::mutex> lock(renewer_mu_);
+  for (;;) {
+    renewer_cv_.wait(lock, [&] { return renewer_stop_ || renew_wanted_.load(std::memory_order_acquire); });
+    if (renewer_stop_) return;
+    lock.unlock();
+    {
+      // From the later of the wall clock and the last time issued, as a
+      // reading's renewal would. A failure is retried at the next request.
+      std::lock_guard<std::mutex> lease(lease_mu_);
+      (void)renew(std::min(std::max(source_(), last()), kMaxTimestamp));
+    }
+    renew_wanted_.store(false, std::memory_order_release);
+    lock.lock();
+  }
 }
 
 void Clock::start_above(std::uint64_t stored) {

@@ -17,10 +17,12 @@
 #define TIDAL_DB_CLOCK_H_
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <thread>
 
 #include "tidal/status.h"
 
@@ -38,8 +40,9 @@ class Clock {
   // ahead of the wall clock.
   static constexpr std::uint64_t kLeaseMargin = 1'000'000'000;  // 1 s
   // A reading this close to the lease's end renews it early, by the first
-  // thread to get the renewal lock; the others go on under the old lease.
-  // So, at a steady rate, no caller waits for a renewal.
+  // thread to get the renewal lock (or, once start_renewing() was called, by
+  // the clock's own thread); the others go on under the old lease. So, at a
+  // steady rate, no caller waits for another's renewal.
   static constexpr std::uint64_t kRenewAhead = kLeaseMargin / 4;
 
   // Returns the wall clock in ns since the Unix epoch.
@@ -50,6 +53,7 @@ class Clock {
 
   // An empty `source` means the system clock.
   Clock(Source source, StoreFloor store_floor);
+  ~Clock();
   Clock(const Clock&) = delete;
   Clock& operator=(const Clock&) = delete;
 
@@ -76,6 +80,18 @@ class Clock {
   // stored lease, and safe because nothing above last() was handed out.
   Status release_lease();
 
+  // From here on an early renewal (a reading within kRenewAhead of the
+  // lease's end) is made by a thread of the clock's own, which the reading
+  // wakes: no reading waits for a floor write that its time does not need.
+  // Done in line, the reading that renewed paid the write, fsync included:
+  // on a busy disk one signal call in a 1M-user run took 198 ms, none of it
+  // in admission or at the write buffers' bound (bench/README.md, "Three
+  // runs at 1M users"). A reading past the lease still renews, and waits.
+  // stop_renewing() (or the destructor) ends the thread; both are called by
+  // one thread, with no reading under way for stop_renewing().
+  void start_renewing();
+  void stop_renewing();
+
   // The largest time issued (or the floor).
   std::uint64_t last() const { return last_.load(std::memory_order_acquire); }
   // Renewals that stored a floor (for tests and benchmarks).
@@ -85,6 +101,8 @@ class Clock {
   // Stores a floor above `t` unless the lease already reaches kRenewAhead
   // beyond it. Requires lease_mu_.
   Status renew(std::uint64_t t);
+  // The early renewals of start_renewing().
+  void run_renewer();
 
   Source source_;
   StoreFloor store_floor_;
@@ -94,6 +112,13 @@ class Clock {
   std::atomic<std::uint64_t> lease_{0};
   std::mutex lease_mu_;
   std::atomic<std::uint64_t> renewals_{0};
+
+  std::atomic<bool> renewing_{false};       // start_renewing() .. stop_renewing()
+  std::atomic<bool> renew_wanted_{false};  // a reading asked; cleared after the renewal
+  std::mutex renewer_mu_;
+  std::condition_variable renewer_cv_;
+  bool renewer_stop_ = false;  // guarded by renewer_mu_
+  std::thread renewer_;
 };
 
 }  // namespace tidal

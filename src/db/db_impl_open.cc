@@ -176,6 +176,9 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     if (Status s = impl->load_recovery_state(); !s.ok()) return s;
     impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
     if (!options.read_only) {
+      // Leased stamps are taken only for a ContributionSink: with one, the
+      // lease's early renewals run on the clock's thread, not in a signal.
+      if (options.contribution_sink) impl->clock_.start_renewing();
       if (Status s = impl->state_->start(); !s.ok()) return s;
       // A purge whose intent is journaled but whose batch a crash (or an
       // error) cut off: finished before any call can see the user.
@@ -314,6 +317,7 @@ Status Db::Impl::close() {
     // could see, the close goes on (the Db stays closed) and reports it.
     const Status barrier = grace_.synchronize_all();
     Status result = options_.read_only ? Status::OK() : state_->stop();
+    clock_.stop_renewing();
     if (!options_.read_only && result.ok()) result = clock_.release_lease();  // no time is handed out now
     Status s = storage_->close();
     if (!barrier.ok()) return barrier;
