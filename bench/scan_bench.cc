@@ -2,7 +2,7 @@
 // TIDAL_SCAN_BENCH_CELLS shared cells (default 2M: half cohort, half
 // community cells, two ledger entries each, 20 entries per ledger record),
 // with the I1 check's cap on the cells it holds (storage/ledger_scan.h) as
-// the argument (0: the default, 2^20 cells):
+// the argument (0: the default, 2^21 cells):
 //   BM_Verify/<cap>, BM_Rematerialize/<cap>   counters passes (reads of the
 //       ledger), runs (sorted runs written), peak_cells, rss_before_MiB
 //       (after open) and peak_rss_MiB (the process's ru_maxrss)
