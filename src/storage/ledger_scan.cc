@@ -115,7 +115,7 @@ class CellSums {
   // Adds `units` to the sum of `key`, whose hash() is `hash`. False, adding
   // nothing, when the cell is new and max_cells are held.
   bool add(const AggregateKey& key, std::uint64_t hash, Units units) {
-    for (std::size_t i = home(hash);; i = i + 1 == capacity_ ? 0 : i + 1) {
+    for (std::size_t i = home(hash);; i = next(i)) {
       Slot& s = slots_[i];
       if (!s.used) {
         if (size_ >= max_cells_) return false;
@@ -184,7 +184,7 @@ class CellSums {
     for (std::size_t i = 0; i < old_capacity; ++i) {
       if (!old[i].used) continue;
       std::size_t j = home(hash(old[i].key));
-      while (slots_[j].used) j = j + 1 == capacity_ ? 0 : j + 1;
+      while (slots_[j].used) j = next(j);
       slots_[j] = old[i];
     }
     std::free(old);
@@ -195,6 +195,8 @@ class CellSums {
   std::size_t home(std::uint64_t hash) const {
     return static_cast<std::size_t>((static_cast<UUnits>(hash) * capacity_) >> 64);
   }
+  // The slot a probe looks at after slot i.
+  std::size_t next(std::size_t i) const { return i + 1 == capacity_ ? 0 : i + 1; }
 
   // 3 * max_cells_ <= 2 * full_: a full table is at most two thirds full,
   // and so is a smaller one (add grows it first).
