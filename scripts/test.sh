@@ -39,7 +39,10 @@ echo "tidal: Release warning stage passed in $(( $(date +%s) - stage_start )) s"
 
 # tidal's RocksDB build (build/rocksdb) is not instrumented; tidal and its tests are.
 # The package/consumer tests (ctest label "package") do not run here.
-san_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_WERROR=ON -DTIDAL_INSTALL=OFF)
+# At -O1: GCC's ASan+UBSan build of the tests takes ~1.6x as long at -O2
+# (purge_test.cc: 79 s against 51 s), and the sanitizers see the same code.
+san_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" -DTIDAL_WERROR=ON
+  -DTIDAL_INSTALL=OFF)
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 stage_start=$(date +%s)
 
