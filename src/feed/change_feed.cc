@@ -4,6 +4,8 @@
 #include <random>
 #include <string_view>
 
+#include "storage/numbered_log.h"
+
 namespace tidal {
 
 namespace {
@@ -19,21 +21,6 @@ std::string new_incarnation() {
   return out;
 }
 
-// Lowercase hex of raw bytes.
-std::string hex_digits(std::string_view bytes) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out;
-  for (char ch : bytes) {
-    const auto c = static_cast<unsigned char>(ch);
-    out.push_back(kDigits[c >> 4]);
-    out.push_back(kDigits[c & 15]);
-  }
-  return out;
-}
-
-}  // namespace
-namespace {
-
 std::string_view view(const rocksdb::Slice& s) { return {s.data(), s.size()}; }
 
 std::string be64(std::uint64_t v) {
@@ -42,29 +29,20 @@ std::string be64(std::uint64_t v) {
   return out;
 }
 
-// A feed record's value: [end_offset: 8 BE][payload].
-constexpr std::size_t kOffsetSize = 8;
+// The feed's records (storage/numbered_log.h).
+NumberedLog feed_log(const Storage& storage) {
+  return {&storage, "change feed", "trim record", encode_feed_key, decode_feed_key};
+}
 
 }  // namespace
 
 Result<std::optional<std::uint64_t>> ChangeFeed::stored_shard(const Storage& storage) {
-  std::string value;
-  Status s = storage.get(storage.state_meta(), kFeedShardKey, &value);
-  if (s.code() == StatusCode::NotFound) return std::optional<std::uint64_t>();
-  if (!s.ok()) return s;
-  if (value.size() != 8) {
-    return Status::Corruption("the change feed's shard id record of '" + storage.path() + "' has " +
-                              std::to_string(value.size()) + " bytes; expected 8");
-  }
-  if (storage.feed() == nullptr) {
+  Result<std::optional<std::uint64_t>> stored = feed_log(storage).stored_shard(storage.state_meta(), kFeedShardKey);
+  if (stored.ok() && *stored && storage.feed() == nullptr) {
     return Status::Corruption("the Db at '" + storage.path() + "' records a change feed but has no feed column family");
   }
-  return std::optional<std::uint64_t>(get_u64_be(value.data()));
+  return stored;
 }
-
-namespace {
-
-}  // namespace
 
 // Every nonzero cohort and community aggregate, in key order, as a delta
 // from 0: the seed's and a re-seed's snapshot.
@@ -82,21 +60,10 @@ Status ChangeFeed::add_shared_aggregates(const Storage& storage, Appender* to, c
   return from_rocksdb(it->status(), what);
 }
 
-namespace {
-
-Status check_shard(const Storage& storage, std::optional<std::uint64_t> stored, std::uint64_t shard_id) {
-  if (!stored || *stored == shard_id) return Status::OK();
-  return Status::InvalidArgument("cannot open tidal Db at '" + storage.path() + "' with Options::shard_id " +
-                                 std::to_string(shard_id) + ": its change feed belongs to shard " +
-                                 std::to_string(*stored) + "; nothing changed");
-}
-
-}  // namespace
-
 Status ChangeFeed::check(Storage* storage, std::uint64_t shard_id) {
   Result<std::optional<std::uint64_t>> stored = stored_shard(*storage);
   if (!stored.ok()) return stored.status();
-  if (Status s = check_shard(*storage, *stored, shard_id); !s.ok() || !*stored) return s;
+  if (Status s = feed_log(*storage).check_shard(*stored, shard_id); !s.ok() || !*stored) return s;
   ChangeFeed probe(storage, shard_id, 0);
   return probe.load();
 }
@@ -105,7 +72,7 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
                                                      std::uint64_t max_bytes) {
   Result<std::optional<std::uint64_t>> stored = stored_shard(*storage);
   if (!stored.ok()) return stored.status();
-  if (Status s = check_shard(*storage, *stored, shard_id); !s.ok()) return s;
+  if (Status s = feed_log(*storage).check_shard(*stored, shard_id); !s.ok()) return s;
   std::unique_ptr<ChangeFeed> feed(new ChangeFeed(storage, shard_id, max_bytes));
   if (*stored) {
     if (Status s = feed->load(); !s.ok()) return s;
@@ -131,7 +98,7 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   }
   if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedShardKey, be64(shard_id)), what); !s.ok()) return s;
   if (Status s = batch.ingest(what); !s.ok()) return s;
-  feed->incarnation_ = hex_digits(incarnation);
+  feed->incarnation_ = hex(incarnation);
   feed->committed(*appended);
   return feed;
 }
@@ -144,7 +111,7 @@ Status ChangeFeed::load_incarnation() {
       return Status::Corruption("the change feed's incarnation record of '" + storage_->path() + "' has " +
                                 std::to_string(value.size()) + " bytes; expected 16");
     }
-    incarnation_ = hex_digits(value);
+    incarnation_ = hex(value);
     return Status::OK();
   }
   if (s.code() != StatusCode::NotFound) return s;
@@ -155,43 +122,28 @@ Status ChangeFeed::load_incarnation() {
   s = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync,
                       "writing the change feed's incarnation of '" + storage_->path() + "'");
   if (!s.ok()) return s;
-  incarnation_ = hex_digits(value);
+  incarnation_ = hex(value);
   return Status::OK();
 }
 
 Status ChangeFeed::load() {
-  std::string trimmed;
-  Status s = storage_->get(storage_->state_meta(), kFeedTrimmedKey, &trimmed);
-  if (s.ok()) {
-    if (trimmed.size() != 16) {
-      return Status::Corruption("the change feed's trim record of '" + storage_->path() + "' has " +
-                                std::to_string(trimmed.size()) + " bytes; expected 16");
-    }
-    trimmed_through_ = get_u64_be(trimmed.data());
-    trimmed_offset_ = get_u64_be(trimmed.data() + 8);
-  } else if (s.code() != StatusCode::NotFound) {
-    return s;
-  }
-  last_seq_ = trimmed_through_;
-  end_offset_ = trimmed_offset_;
+  const NumberedLog log = feed_log(*storage_);
+  Result<LogPoint> trimmed = log.removed(storage_->state_meta(), kFeedTrimmedKey);
+  if (!trimmed.ok()) return trimmed.status();
   auto it = storage_->iterator(storage_->feed());
   it->SeekToLast();
-  if (it->Valid()) {
-    std::optional<std::uint64_t> seq = decode_feed_key(view(it->key()));
-    if (!seq || it->value().size() < kOffsetSize) {
-      return Status::Corruption("change feed record " + hex(view(it->key())) + " of '" + storage_->path() +
-                                "' does not decode");
-    }
-    if (*seq > last_seq_) {
-      last_seq_ = *seq;
-      end_offset_ = get_u64_be(it->value().data());
-    }
+  if (Status s = from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'"); !s.ok()) {
+    return s;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    update_full_locked();
-  }
-  return from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'");
+  Result<LogPoint> end = log.end(it->Valid() ? it.get() : nullptr, *trimmed);
+  if (!end.ok()) return end.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  trimmed_through_ = trimmed->seq;
+  trimmed_offset_ = trimmed->offset;
+  last_seq_ = end->seq;
+  end_offset_ = end->offset;
+  update_full_locked();
+  return Status::OK();
 }
 
 ChangeFeed::Appender::Appender(ChangeFeed* feed, FeedOrigin origin, Put put)
@@ -205,9 +157,7 @@ ChangeFeed::Appender::Appender(ChangeFeed* feed, FeedOrigin origin, Put put)
 void ChangeFeed::Appender::on_payload(std::string payload) {
   if (!error_.ok()) return;
   const std::uint64_t end = next_.end_offset + payload.size();
-  std::string value = be64(end);
-  value += payload;
-  if (rocksdb::Status s = put_(encode_feed_key(next_.last_seq + 1), value); !s.ok()) {
+  if (rocksdb::Status s = put_(encode_feed_key(next_.last_seq + 1), encode_log_value(end, payload)); !s.ok()) {
     error_ = from_rocksdb(s, "writing the change feed of '" + feed_->storage_->path() + "'");
     return;
   }
@@ -259,23 +209,23 @@ Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::
                               "; batches " + std::to_string(after_seq + 1) + ".." + std::to_string(trimmed) +
                               " are gone");
     }
+    const NumberedLog log = feed_log(*storage_);
     std::vector<ChangeBatch> out;
     std::size_t bytes = 0;
     auto it = storage_->iterator(storage_->feed());
     for (it->Seek(encode_feed_key(after_seq + 1)); it->Valid() && (out.empty() || bytes < max_bytes); it->Next()) {
-      std::optional<std::uint64_t> seq = decode_feed_key(view(it->key()));
-      if (!seq || it->value().size() < kOffsetSize || *seq != after_seq + 1 + out.size()) {
+      const std::uint64_t seq = after_seq + 1 + out.size();
+      Result<std::string_view> payload = log.payload(*it, seq);
+      if (!payload.ok()) {
         std::lock_guard<std::mutex> lock(mu_);
         if (reseeds_ != generation) break;  // read again
-        return Status::Corruption("change feed record " + hex(view(it->key())) + " of '" + storage_->path() +
-                                  "' does not decode or is out of sequence (expected seq " +
-                                  std::to_string(after_seq + 1 + out.size()) + ")");
+        return payload.status();
       }
       ChangeBatch& b = out.emplace_back();
       b.shard_id = shard_id_;
-      b.seq = *seq;
+      b.seq = seq;
       b.incarnation = incarnation;
-      b.payload.assign(it->value().data() + kOffsetSize, it->value().size() - kOffsetSize);
+      b.payload.assign(*payload);
       bytes += b.payload.size();
     }
     if (Status s = from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'"); !s.ok()) {
@@ -305,16 +255,11 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
                                    "; nothing trimmed");
   }
   if (through_seq <= trimmed) return Status::OK();
-  std::string value;
-  if (Status s = storage_->get(storage_->feed(), encode_feed_key(through_seq), &value); !s.ok()) return s;
-  if (value.size() < kOffsetSize) {
-    return Status::Corruption("change feed record of seq " + std::to_string(through_seq) + " in '" +
-                              storage_->path() + "' does not decode");
-  }
-  const std::uint64_t offset = get_u64_be(value.data());
+  Result<std::uint64_t> offset = feed_log(*storage_).end_offset(storage_->feed(), through_seq);
+  if (!offset.ok()) return offset.status();
   rocksdb::WriteBatch batch;
   batch.DeleteRange(storage_->feed(), encode_feed_key(0), encode_feed_key(through_seq + 1));
-  batch.Put(storage_->state_meta(), kFeedTrimmedKey, be64(through_seq) + be64(offset));
+  batch.Put(storage_->state_meta(), kFeedTrimmedKey, encode_log_point({through_seq, *offset}));
   if (Status s = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync,
                                  "trim_changes(" + std::to_string(through_seq) + ") of '" + storage_->path() + "'");
       !s.ok()) {
@@ -323,7 +268,7 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     trimmed_through_ = std::max(trimmed_through_, through_seq);
-    trimmed_offset_ = std::max(trimmed_offset_, offset);
+    trimmed_offset_ = std::max(trimmed_offset_, *offset);
     update_full_locked();
   }
   // Feed keys only grow, so every ingested feed file lands at the bottom
@@ -370,14 +315,14 @@ Result<std::uint64_t> ChangeFeed::reseed() {
   if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
     return s;
   }
-  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedTrimmedKey, be64(last) + be64(end)), what);
+  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedTrimmedKey, encode_log_point({last, end})), what);
       !s.ok()) {
     return s;
   }
   if (Status s = batch.ingest(what); !s.ok()) return s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    incarnation_ = hex_digits(incarnation);
+    incarnation_ = hex(incarnation);
     ++reseeds_;
     trimmed_through_ = last;
     trimmed_offset_ = end;

@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "storage/format.h"
+#include "storage/numbered_log.h"
 
 namespace tidal {
 namespace {
@@ -16,8 +17,11 @@ std::string be64(std::uint64_t v) {
   return out;
 }
 
-// An entry record's value: [end_offset: 8 BE][payload].
-constexpr std::size_t kOffsetSize = 8;
+// The journal's entry records (storage/numbered_log.h).
+NumberedLog journal_log(const Storage& storage) {
+  return {&storage, "privacy journal", "confirmed point", encode_journal_key, decode_journal_key};
+}
+
 // A group stops growing past this many entries (one bulk call of 10,000
 // users is always written whole): a batch stays near a few MB.
 constexpr std::size_t kMaxGroupEntries = 20'000;
@@ -28,32 +32,13 @@ constexpr std::uint64_t kPointDeletes = 1024;
 }  // namespace
 
 Result<std::optional<std::uint64_t>> Journal::stored_shard(const Storage& storage) {
-  std::string value;
-  Status s = storage.get(storage.meta(), kJournalShardKey, &value);
-  if (s.code() == StatusCode::NotFound) return std::optional<std::uint64_t>();
-  if (!s.ok()) return s;
-  if (value.size() != 8) {
-    return Status::Corruption("the privacy journal's shard id record of '" + storage.path() + "' has " +
-                              std::to_string(value.size()) + " bytes; expected 8");
-  }
-  return std::optional<std::uint64_t>(get_u64_be(value.data()));
+  return journal_log(storage).stored_shard(storage.meta(), kJournalShardKey);
 }
-
-namespace {
-
-Status check_shard(const Storage& storage, std::optional<std::uint64_t> stored, std::uint64_t shard_id) {
-  if (!stored || *stored == shard_id) return Status::OK();
-  return Status::InvalidArgument("cannot open tidal Db at '" + storage.path() + "' with Options::shard_id " +
-                                 std::to_string(shard_id) + ": its privacy journal belongs to shard " +
-                                 std::to_string(*stored) + "; nothing changed");
-}
-
-}  // namespace
 
 Status Journal::check(const Storage& storage, std::uint64_t shard_id) {
   Result<std::optional<std::uint64_t>> stored = stored_shard(storage);
   if (!stored.ok()) return stored.status();
-  if (Status s = check_shard(storage, *stored, shard_id); !s.ok() || !*stored) return s;
+  if (Status s = journal_log(storage).check_shard(*stored, shard_id); !s.ok() || !*stored) return s;
   Journal probe(const_cast<Storage*>(&storage), shard_id, Storage::WriteMode::Sync);
   return probe.load();
 }
@@ -61,7 +46,7 @@ Status Journal::check(const Storage& storage, std::uint64_t shard_id) {
 Result<std::unique_ptr<Journal>> Journal::open(Storage* storage, std::uint64_t shard_id, Storage::WriteMode mode) {
   Result<std::optional<std::uint64_t>> stored = stored_shard(*storage);
   if (!stored.ok()) return stored.status();
-  if (Status s = check_shard(*storage, *stored, shard_id); !s.ok()) return s;
+  if (Status s = journal_log(*storage).check_shard(*stored, shard_id); !s.ok()) return s;
   std::unique_ptr<Journal> journal(new Journal(storage, shard_id, mode));
   if (!*stored) {
     if (storage->read_only()) {
@@ -83,34 +68,23 @@ Result<std::unique_ptr<Journal>> Journal::open(Storage* storage, std::uint64_t s
 }
 
 Status Journal::load() {
-  std::string confirmed;
-  Status s = storage_->get(storage_->meta(), kJournalConfirmedKey, &confirmed);
-  if (s.ok()) {
-    if (confirmed.size() != 16) {
-      return Status::Corruption("the privacy journal's confirmed point of '" + storage_->path() + "' has " +
-                                std::to_string(confirmed.size()) + " bytes; expected 16");
-    }
-    confirmed_seq_ = get_u64_be(confirmed.data());
-    confirmed_offset_ = get_u64_be(confirmed.data() + 8);
-  } else if (s.code() != StatusCode::NotFound) {
-    return s;
-  }
-  last_seq_ = confirmed_seq_;
-  end_offset_ = confirmed_offset_;
+  const NumberedLog log = journal_log(*storage_);
+  Result<LogPoint> confirmed = log.removed(storage_->meta(), kJournalConfirmedKey);
+  if (!confirmed.ok()) return confirmed.status();
   auto it = storage_->iterator(storage_->meta());
   it->SeekForPrev(encode_journal_key(std::numeric_limits<std::uint64_t>::max()));
-  if (it->Valid() && view(it->key()).starts_with(kJournalEntryPrefix)) {
-    std::optional<std::uint64_t> seq = decode_journal_key(view(it->key()));
-    if (!seq || it->value().size() < kOffsetSize) {
-      return Status::Corruption("privacy journal record " + hex(view(it->key())) + " of '" + storage_->path() +
-                                "' does not decode");
-    }
-    if (*seq > last_seq_) {
-      last_seq_ = *seq;
-      end_offset_ = get_u64_be(it->value().data());
-    }
+  if (Status s = from_rocksdb(it->status(), "reading the privacy journal of '" + storage_->path() + "'"); !s.ok()) {
+    return s;
   }
-  return from_rocksdb(it->status(), "reading the privacy journal of '" + storage_->path() + "'");
+  const bool any = it->Valid() && view(it->key()).starts_with(kJournalEntryPrefix);
+  Result<LogPoint> end = log.end(any ? it.get() : nullptr, *confirmed);
+  if (!end.ok()) return end.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  confirmed_seq_ = confirmed->seq;
+  confirmed_offset_ = confirmed->offset;
+  last_seq_ = end->seq;
+  end_offset_ = end->offset;
+  return Status::OK();
 }
 
 Result<std::uint64_t> Journal::write(const Fill& fill, std::span<const JournalRecord> entries,
@@ -161,7 +135,7 @@ Status Journal::write_group(const std::vector<Writer*>& group, std::uint64_t* se
         const std::string payload = encode_journal_payload(r);
         *offset += payload.size();
         ++*seq;
-        batch.Put(storage_->meta(), encode_journal_key(*seq), be64(*offset) + payload);
+        batch.Put(storage_->meta(), encode_journal_key(*seq), encode_log_value(*offset, payload));
       }
       g->last_seq = *seq;
     }
@@ -184,23 +158,20 @@ Result<std::vector<JournalEntry>> Journal::read(std::uint64_t after_seq, std::si
                             "; entries " + std::to_string(after_seq + 1) + ".." + std::to_string(confirmed) +
                             " are removed");
   }
+  const NumberedLog log = journal_log(*storage_);
   std::vector<JournalEntry> out;
   std::size_t bytes = 0;
   if (after_seq >= last) return out;
   auto it = storage_->iterator(storage_->meta());
   for (it->Seek(encode_journal_key(after_seq + 1));
        it->Valid() && after_seq + out.size() < last && (out.empty() || bytes < max_bytes); it->Next()) {
-    const std::uint64_t expected = after_seq + 1 + out.size();
-    std::optional<std::uint64_t> seq = decode_journal_key(view(it->key()));
-    if (!seq || it->value().size() < kOffsetSize || *seq != expected) {
-      return Status::Corruption("privacy journal record " + hex(view(it->key())) + " of '" + storage_->path() +
-                                "' does not decode or is out of sequence (expected seq " + std::to_string(expected) +
-                                ")");
-    }
+    const std::uint64_t seq = after_seq + 1 + out.size();
+    Result<std::string_view> payload = log.payload(*it, seq);
+    if (!payload.ok()) return payload.status();
     JournalEntry& e = out.emplace_back();
     e.shard_id = shard_id_;
-    e.seq = *seq;
-    e.payload.assign(it->value().data() + kOffsetSize, it->value().size() - kOffsetSize);
+    e.seq = seq;
+    e.payload.assign(*payload);
     bytes += e.payload.size();
   }
   if (Status s = from_rocksdb(it->status(), "reading the privacy journal of '" + storage_->path() + "'"); !s.ok()) {
@@ -237,20 +208,15 @@ Status Journal::confirm(std::uint64_t through_seq) {
                                    " ends at seq " + std::to_string(last) + "; nothing confirmed");
   }
   if (through_seq <= confirmed) return Status::OK();
-  std::string value;
-  if (Status s = storage_->get(storage_->meta(), encode_journal_key(through_seq), &value); !s.ok()) return s;
-  if (value.size() < kOffsetSize) {
-    return Status::Corruption("privacy journal record of seq " + std::to_string(through_seq) + " in '" +
-                              storage_->path() + "' does not decode");
-  }
-  const std::uint64_t offset = get_u64_be(value.data());
+  Result<std::uint64_t> offset = journal_log(*storage_).end_offset(storage_->meta(), through_seq);
+  if (!offset.ok()) return offset.status();
   rocksdb::WriteBatch batch;
   if (through_seq - confirmed > kPointDeletes) {
     batch.DeleteRange(storage_->meta(), encode_journal_key(confirmed + 1), encode_journal_key(through_seq + 1));
   } else {
     for (std::uint64_t seq = confirmed + 1; seq <= through_seq; ++seq) batch.Delete(storage_->meta(), encode_journal_key(seq));
   }
-  batch.Put(storage_->meta(), kJournalConfirmedKey, be64(through_seq) + be64(offset));
+  batch.Put(storage_->meta(), kJournalConfirmedKey, encode_log_point({through_seq, *offset}));
   if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Sync,
                                  "confirm_journal(" + std::to_string(through_seq) + ") of '" + storage_->path() + "'");
       !s.ok()) {
@@ -259,7 +225,7 @@ Status Journal::confirm(std::uint64_t through_seq) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     confirmed_seq_ = std::max(confirmed_seq_, through_seq);
-    confirmed_offset_ = std::max(confirmed_offset_, offset);
+    confirmed_offset_ = std::max(confirmed_offset_, *offset);
   }
   confirmed_.notify_all();
   return Status::OK();
