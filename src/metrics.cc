@@ -92,16 +92,18 @@ Status PrometheusText::sample(std::uint64_t value, const MetricLabels& extra) {
   return Status::OK();
 }
 
+Status PrometheusText::rows(std::initializer_list<Row> rows, const MetricLabels& extra) {
+  for (const Row& row : rows) {
+    if (Status s = family(row.name, row.type, row.help); !s.ok()) return s;
+    if (Status s = sample(row.value, extra); !s.ok()) return s;
+  }
+  return Status::OK();
+}
+
 Result<std::string> prometheus_text(const Stats& st, const MetricLabels& labels) {
   Result<PrometheusText> out = PrometheusText::with_labels(labels);
   if (!out.ok()) return out.status();
-  struct Row {
-    const char* name;
-    const char* type;
-    std::uint64_t value;
-    const char* help;
-  };
-  const Row rows[] = {
+  const Status s = out->rows({
       {"tidal_db_signals_total", "counter", st.signals, "Accepted signal_with_context calls."},
       {"tidal_db_personal_updates_total", "counter", st.personal_updates, "Personal-layer cells updated."},
       {"tidal_db_cohort_attributions_total", "counter", st.cohort_attributions, "Cohort additions."},
@@ -169,11 +171,8 @@ Result<std::string> prometheus_text(const Stats& st, const MetricLabels& labels)
        "What those checks read in all, by RocksDB's estimate of the keys."},
       {"tidal_db_ledger_check_restarts_total", "counter", st.ledger_check_restarts,
        "Checks that let go of their snapshot for a purge's erasure and started over."},
-  };
-  for (const Row& row : rows) {
-    if (Status s = out->family(row.name, row.type, row.help); !s.ok()) return s;
-    if (Status s = out->sample(row.value); !s.ok()) return s;
-  }
+  });
+  if (!s.ok()) return s;
   return out->text();
 }
 

@@ -15,6 +15,7 @@
 #define TIDAL_METRICS_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -46,6 +47,15 @@ class PrometheusText {
   // A sample of the family started last, with the common labels and
   // `extra` (checked like the common ones).
   Status sample(std::uint64_t value, const MetricLabels& extra = {});
+  // A family of one sample each: family(name, type, help), then
+  // sample(value, extra), row by row; the first error stops it.
+  struct Row {
+    std::string_view name;
+    std::string_view type;
+    std::uint64_t value;
+    std::string_view help;
+  };
+  Status rows(std::initializer_list<Row> rows, const MetricLabels& extra = {});
 
   const std::string& text() const { return text_; }
 

@@ -7,31 +7,11 @@
 #include "tidal/nats.h"
 
 namespace tidal::nats {
-namespace {
-
-struct Row {
-  const char* name;
-  const char* type;
-  std::uint64_t value;
-  const char* help;
-};
-
-// Each row as a family of one sample, with `extra` on it.
-Status render(PrometheusText* out, std::initializer_list<Row> rows, const MetricLabels& extra) {
-  for (const Row& row : rows) {
-    if (Status s = out->family(row.name, row.type, row.help); !s.ok()) return s;
-    if (Status s = out->sample(row.value, extra); !s.ok()) return s;
-  }
-  return Status::OK();
-}
-
-}  // namespace
 
 Result<std::string> prometheus_text(const PublisherStats& st, const MetricLabels& labels) {
   Result<PrometheusText> out = PrometheusText::with_labels(labels);
   if (!out.ok()) return out.status();
-  const Status s = render(
-      &*out,
+  const Status s = out->rows(
       {
           {"tidal_publisher_published_seq", "gauge", st.published_seq,
            "The last seq the stream acknowledged (the feed is trimmed through it)."},
@@ -60,8 +40,7 @@ Result<std::string> prometheus_text(const PublisherStats& st, const MetricLabels
 Result<std::string> prometheus_text(const FollowerStats& st, const MetricLabels& labels) {
   Result<PrometheusText> out = PrometheusText::with_labels(labels);
   if (!out.ok()) return out.status();
-  Status s = render(
-      &*out,
+  Status s = out->rows(
       {
           {"tidal_follower_applied_batches_total", "counter", st.applied_batches, "Messages applied since start."},
           {"tidal_follower_redeliveries_skipped_total", "counter", st.redeliveries_skipped,
