@@ -230,25 +230,6 @@ void set_hostile_fs_options(const std::string& path, rocksdb::Options* options) 
   options->max_total_wal_size = 16 << 20;
 }
 
-// Every column family of both engines: a bounded block cache shared by
-// all of them (index and filter blocks included), and bloom filters so a
-// point read of a key that is not in a file skips it.
-void set_table_options(const std::shared_ptr<rocksdb::Cache>& cache, rocksdb::ColumnFamilyOptions* options) {
-  rocksdb::BlockBasedTableOptions table;
-  table.block_cache = cache;
-  table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
-  // Index and filters count against the cache bound, partitioned: a point
-  // read loads one small partition, not a whole file's filter (a 1 MiB
-  // filter block per file, re-read after every eviction, made reads of a
-  // 1M-cell Db 100x slower). Only the top-level index stays pinned.
-  table.cache_index_and_filter_blocks = true;
-  table.cache_index_and_filter_blocks_with_high_priority = true;
-  table.index_type = rocksdb::BlockBasedTableOptions::kTwoLevelIndexSearch;
-  table.partition_filters = true;
-  table.metadata_block_size = 4096;
-  table.pin_top_level_index_and_filter = true;
-  options->table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
-}
 
 // The column families of a state store (the state engine's, or format 2's
 // in the users engine while it is migrated): the integer-add merge operator
@@ -345,6 +326,23 @@ bool contains(const std::vector<std::string>& names, std::string_view name) {
 }
 
 }  // namespace
+
+void set_table_options(const std::shared_ptr<rocksdb::Cache>& cache, rocksdb::ColumnFamilyOptions* options) {
+  rocksdb::BlockBasedTableOptions table;
+  table.block_cache = cache;
+  table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
+  // Index and filters count against the cache bound, partitioned: a point
+  // read loads one small partition, not a whole file's filter (a 1 MiB
+  // filter block per file, re-read after every eviction, made reads of a
+  // 1M-cell Db 100x slower). Only the top-level index stays pinned.
+  table.cache_index_and_filter_blocks = true;
+  table.cache_index_and_filter_blocks_with_high_priority = true;
+  table.index_type = rocksdb::BlockBasedTableOptions::kTwoLevelIndexSearch;
+  table.partition_filters = true;
+  table.metadata_block_size = 4096;
+  table.pin_top_level_index_and_filter = true;
+  options->table_factory.reset(rocksdb::NewBlockBasedTableFactory(table));
+}
 
 bool is_indexed(Tag tag) { return tag == Tag::CommunityMember || tag == Tag::CommunityLeave; }
 

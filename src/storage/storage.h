@@ -54,6 +54,11 @@ bool is_indexed(Tag tag);
 // Converts a RocksDB status into a tidal Status whose message starts with `what`.
 Status from_rocksdb(const rocksdb::Status& s, std::string_view what);
 
+// The table options of every column family of a Db's two engines and of a
+// global view: `cache` bounds the blocks read, index and filter blocks
+// included (partitioned), and bloom filters skip files for absent keys.
+void set_table_options(const std::shared_ptr<rocksdb::Cache>& cache, rocksdb::ColumnFamilyOptions* options);
+
 class Storage {
  public:
   struct Config {

@@ -24,8 +24,6 @@
 
 #include <rocksdb/cache.h>
 #include <rocksdb/db.h>
-#include <rocksdb/filter_policy.h>
-#include <rocksdb/table.h>
 #include <rocksdb/utilities/checkpoint.h>
 #include <rocksdb/write_batch.h>
 
@@ -149,8 +147,7 @@ Status check_column_families(const std::string& path, bool* has_shards) {
 // filter blocks included, and 64 MiB of memtables), bloom filters, the
 // integer-add merge operator on aggregates, and the files kept small on a
 // small disk (no WAL preallocation, at most 16 MiB of WAL, two info logs).
-// The partitioned index and filters are the Db's (storage/storage.cc): a
-// point read loads one small partition, not a whole file's filter.
+// The table options are the Db's (set_table_options, storage/storage.h).
 rocksdb::Options view_options(const GlobalViewOptions& config, bool with_shards,
                               std::vector<rocksdb::ColumnFamilyDescriptor>* descriptors) {
   rocksdb::Options options;
@@ -163,21 +160,11 @@ rocksdb::Options view_options(const GlobalViewOptions& config, bool with_shards,
   options.max_total_wal_size = 16 << 20;
   options.db_write_buffer_size = 64 << 20;
 
-  rocksdb::BlockBasedTableOptions table;
-  table.block_cache = rocksdb::NewLRUCache(config.block_cache_bytes);
-  table.filter_policy.reset(rocksdb::NewBloomFilterPolicy(10));
-  table.cache_index_and_filter_blocks = true;
-  table.cache_index_and_filter_blocks_with_high_priority = true;
-  table.index_type = rocksdb::BlockBasedTableOptions::kTwoLevelIndexSearch;
-  table.partition_filters = true;
-  table.metadata_block_size = 4096;
-  table.pin_top_level_index_and_filter = true;
-  std::shared_ptr<rocksdb::TableFactory> factory(rocksdb::NewBlockBasedTableFactory(table));
-
+  const std::shared_ptr<rocksdb::Cache> cache = rocksdb::NewLRUCache(config.block_cache_bytes);
   rocksdb::ColumnFamilyOptions meta(options);
-  meta.table_factory = factory;
+  set_table_options(cache, &meta);
   rocksdb::ColumnFamilyOptions aggregates(options);
-  aggregates.table_factory = factory;
+  set_table_options(cache, &aggregates);
   aggregates.merge_operator = new_units_add_operator();
   aggregates.level_compaction_dynamic_level_bytes = true;
   descriptors->emplace_back(kViewMetaFamily, meta);
