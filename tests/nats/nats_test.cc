@@ -100,55 +100,43 @@ std::vector<Db*> raw(const std::vector<std::unique_ptr<Db>>& dbs) {
   return out;
 }
 
-// The name of the server leading `stream` ("n0", ...), or "" if unknown.
-std::string stream_leader(const NatsCluster& cluster, const std::string& stream) {
-  std::string leader;
+// Calls `read` with the stream's info, as the cluster reports it now (not
+// at all when it cannot be read).
+void read_stream_info(const NatsCluster& cluster, const std::string& stream,
+                      const std::function<void(const jsStreamInfo&)>& read) {
   natsConnection* nc = nullptr;
   jsCtx* js = nullptr;
-  if (natsConnection_ConnectTo(&nc, cluster.servers().c_str()) != NATS_OK) return leader;
+  if (natsConnection_ConnectTo(&nc, cluster.servers().c_str()) != NATS_OK) return;
   jsStreamInfo* si = nullptr;
   if (natsConnection_JetStream(&js, nc, nullptr) == NATS_OK &&
-      js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK && si->Cluster != nullptr &&
-      si->Cluster->Leader != nullptr) {
-    leader = si->Cluster->Leader;
+      js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK) {
+    read(*si);
   }
   if (si != nullptr) jsStreamInfo_Destroy(si);
   if (js != nullptr) jsCtx_Destroy(js);
   natsConnection_Destroy(nc);
+}
+
+// The name of the server leading `stream` ("n0", ...), or "" if unknown.
+std::string stream_leader(const NatsCluster& cluster, const std::string& stream) {
+  std::string leader;
+  read_stream_info(cluster, stream, [&](const jsStreamInfo& si) {
+    if (si.Cluster != nullptr && si.Cluster->Leader != nullptr) leader = si.Cluster->Leader;
+  });
   return leader;
 }
 
 // Messages the stream holds.
 std::uint64_t stream_messages(const NatsCluster& cluster, const std::string& stream) {
   std::uint64_t n = 0;
-  natsConnection* nc = nullptr;
-  jsCtx* js = nullptr;
-  if (natsConnection_ConnectTo(&nc, cluster.servers().c_str()) != NATS_OK) return 0;
-  jsStreamInfo* si = nullptr;
-  if (natsConnection_JetStream(&js, nc, nullptr) == NATS_OK &&
-      js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK) {
-    n = si->State.Msgs;
-  }
-  if (si != nullptr) jsStreamInfo_Destroy(si);
-  if (js != nullptr) jsCtx_Destroy(js);
-  natsConnection_Destroy(nc);
+  read_stream_info(cluster, stream, [&](const jsStreamInfo& si) { n = si.State.Msgs; });
   return n;
 }
 
 // Bytes the stream holds (payloads, headers and JetStream's own).
 std::uint64_t stream_bytes(const NatsCluster& cluster, const std::string& stream) {
   std::uint64_t n = 0;
-  natsConnection* nc = nullptr;
-  jsCtx* js = nullptr;
-  if (natsConnection_ConnectTo(&nc, cluster.servers().c_str()) != NATS_OK) return 0;
-  jsStreamInfo* si = nullptr;
-  if (natsConnection_JetStream(&js, nc, nullptr) == NATS_OK &&
-      js_GetStreamInfo(&si, js, stream.c_str(), nullptr, nullptr) == NATS_OK) {
-    n = si->State.Bytes;
-  }
-  if (si != nullptr) jsStreamInfo_Destroy(si);
-  if (js != nullptr) jsCtx_Destroy(js);
-  natsConnection_Destroy(nc);
+  read_stream_info(cluster, stream, [&](const jsStreamInfo& si) { n = si.State.Bytes; });
   return n;
 }
 
