@@ -10,7 +10,9 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <numeric>
 #include <stdexcept>
@@ -193,6 +195,29 @@ TEST(LifecycleTest, SinkCallsOnAnOpenDbWritesBusyReadsServed) {
     ASSERT_TRUE(db->signal_with_context({1, 100, 1.0}, {{5}}).ok());
     EXPECT_EQ(sink->result.code(), c.while_open) << sink->result.to_string();
     EXPECT_EQ(db->community_layer_status(9)->status, MembershipStatus::Active);  // no write went through
+  }
+}
+
+// close() leaves the state engine's compaction statistics of every column
+// family in state/LOG (a run's bytes ingested and written per column family,
+// which bench/README.md reads write amplification from), not the default
+// column family's alone.
+TEST(LifecycleTest, CloseLogsTheCompactionStatisticsOfEveryStateColumnFamily) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  {
+    auto db = Db::open(path);
+    ASSERT_TRUE(db.ok()) << db.status().to_string();
+    ASSERT_TRUE((*db)->join_community(1, 100).ok());
+    ASSERT_TRUE((*db)->signal_with_context({1, 100, 1.0}, {{5}}).ok());
+    ASSERT_TRUE((*db)->close().ok());
+  }
+  std::ifstream in(path + "/state/LOG");
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::size_t at = log.rfind("tidal: statistics at close");
+  ASSERT_NE(at, std::string::npos) << path << "/state/LOG";
+  for (const char* cf : {"default", "aggregates", "ledger", "receipts"}) {
+    EXPECT_NE(log.find(std::string("** Compaction Stats [") + cf + "] **", at), std::string::npos) << cf;
   }
 }
 

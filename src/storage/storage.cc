@@ -830,10 +830,15 @@ Status Storage::close() {
   Status result = flush();
   if (!read_only_ && state_.db != nullptr) {
     // The state engine's compaction statistics (per column family and
-    // level: bytes written, write amplification, time) into state/LOG, as
-    // RocksDB's periodic dump writes them, so that a run's totals are there.
+    // level: bytes ingested and written, write amplification, time) into
+    // state/LOG, as RocksDB's periodic dump writes them, so that a run's
+    // totals are there. kStats alone has the default column family's only.
     std::string stats;
-    if (state_.db->GetProperty(rocksdb::DB::Properties::kStats, &stats)) {
+    if (state_.db->GetProperty(rocksdb::DB::Properties::kDBStats, &stats)) {
+      for (rocksdb::ColumnFamilyHandle* cf : state_.handles) {
+        std::string cf_stats;
+        if (state_.db->GetProperty(cf, rocksdb::DB::Properties::kCFStatsNoFileHistogram, &cf_stats)) stats += cf_stats;
+      }
       rocksdb::Log(rocksdb::InfoLogLevel::INFO_LEVEL, state_.db->GetDBOptions().info_log,
                    "tidal: statistics at close\n%s", stats.c_str());
     }
