@@ -380,7 +380,8 @@ Status recover_shard(Db* db, const Config& config);
 // whenever something new was applied after a refusal, and otherwise follows
 // the subject's tail with a bounded backoff (min_backoff doubling to
 // max_backoff) until the missing batch appears (a republish); it unparks s
-// once it read to the stream's end with nothing refused. A batch is never
+// once it read to the stream's end (a message with nothing pending after
+// it: an empty read is not the end) with nothing refused. A batch is never
 // skipped: the stream keeps every terminated message for that read. Other
 // shards keep applying meanwhile.
 //

@@ -440,7 +440,16 @@ class Follower::Impl {
   //  - read to the stream's end, nothing refused since the reader started:
   //    the shard is whole, unpark it;
   //  - read to the end with refusals: follow the tail after a backoff;
+  //  - nothing read: read again after a backoff;
   //  - more to read: read on at once.
+  // Only a message with nothing pending after it shows the end. An empty
+  // read does not: nats-server 2.9.10 now and then holds a no-wait request
+  // until it expires (kNoWaitExpiry), and a fresh reader then returns
+  // nothing although the subject holds the batches the view lacks. Taking
+  // that for the end unparked the shard without them, and its next park
+  // read only from the newer refused message on: the shard stayed behind
+  // until the dead Follower's messages came again after ack_wait (seen
+  // under load in NatsCrash.AFollowerKilledWithTheDefaultAckWait...).
   Status repair(Connection& conn, std::uint64_t shard, Repair& r) {
     const std::string subject = internal::subject_of(config_, shard);
     if (r.rewind || r.reader == nullptr) {
@@ -473,7 +482,7 @@ class Follower::Impl {
     }
     std::vector<Delivered> items =
         decode(got.list.Msgs, static_cast<std::size_t>(std::max(got.list.Count, 0)), /*from_consumer=*/false);
-    bool at_end = items.empty() || items.back().pending == 0;
+    const bool at_end = !items.empty() && items.back().pending == 0;
     // The run that continues the view's seq; a message past it is a gap for
     // now (judged without a view call), one before it already applied.
     std::vector<ChangeBatch> run;
@@ -527,7 +536,7 @@ class Follower::Impl {
       r.next_read = now;
     } else if (at_end && r.first_refused == 0) {
       unpark(shard, r);
-    } else if (at_end) {
+    } else if (at_end || items.empty()) {
       r.next_read = now + r.backoff.next();
     } else {
       r.next_read = now;

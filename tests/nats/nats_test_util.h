@@ -4,6 +4,7 @@
 #ifndef TIDAL_TESTS_NATS_NATS_TEST_UTIL_H_
 #define TIDAL_TESTS_NATS_NATS_TEST_UTIL_H_
 
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <chrono>
@@ -126,12 +127,21 @@ inline std::string compare(const GlobalView& view, const Db& reference) {
 }
 
 // True once every shard's feed is applied by `view` (after a flush of each
-// shard, so nothing waits in memory).
+// shard, so nothing waits in memory): the view holds the shard's last seq
+// of the shard's current incarnation. A seq alone is not enough: a restored
+// and re-seeded shard may reach the seq the view applied of the lost copy.
 inline bool caught_up(const std::vector<Db*>& shards, const GlobalView& view) {
+  Result<std::vector<ShardProgress>> applied = view.applied_shards();
+  if (!applied.ok()) return false;
   for (Db* db : shards) {
+    const Stats stats = db->stats();
     Result<std::uint64_t> last = db->last_change_seq();
-    Result<std::uint64_t> applied = view.applied_seq(db->stats().change_feed_shard_id);
-    if (!last.ok() || !applied.ok() || *applied != *last) return false;
+    auto it = std::find_if(applied->begin(), applied->end(),
+                           [&](const ShardProgress& p) { return p.shard_id == stats.change_feed_shard_id; });
+    if (!last.ok() || it == applied->end() || it->applied_seq != *last ||
+        it->incarnation != stats.change_feed_incarnation) {
+      return false;
+    }
   }
   return true;
 }
