@@ -136,9 +136,11 @@ inline bool caught_up(const std::vector<Db*>& shards, const GlobalView& view) {
   for (Db* db : shards) {
     const Stats stats = db->stats();
     Result<std::uint64_t> last = db->last_change_seq();
+    if (!last.ok()) return false;
+    if (*last == 0) continue;  // nothing to apply (the view holds no entry for it)
     auto it = std::find_if(applied->begin(), applied->end(),
                            [&](const ShardProgress& p) { return p.shard_id == stats.change_feed_shard_id; });
-    if (!last.ok() || it == applied->end() || it->applied_seq != *last ||
+    if (it == applied->end() || it->applied_seq != *last ||
         it->incarnation != stats.change_feed_incarnation) {
       return false;
     }
