@@ -442,14 +442,10 @@ class Follower::Impl {
   //  - read to the end with refusals: follow the tail after a backoff;
   //  - nothing read: read again after a backoff;
   //  - more to read: read on at once.
-  // Only a message with nothing pending after it shows the end. An empty
-  // read does not: nats-server 2.9.10 now and then holds a no-wait request
-  // until it expires (kNoWaitExpiry), and a fresh reader then returns
-  // nothing although the subject holds the batches the view lacks. Taking
-  // that for the end unparked the shard without them, and its next park
-  // read only from the newer refused message on: the shard stayed behind
-  // until the dead Follower's messages came again after ack_wait (seen
-  // under load in NatsCrash.AFollowerKilledWithTheDefaultAckWait...).
+  // Only a message with nothing pending after it shows the end: nats-server
+  // 2.9.10 now and then holds a no-wait request until it expires
+  // (kNoWaitExpiry), so an empty read may come from a reader that still
+  // has the batches the view lacks.
   Status repair(Connection& conn, std::uint64_t shard, Repair& r) {
     const std::string subject = internal::subject_of(config_, shard);
     if (r.rewind || r.reader == nullptr) {
