@@ -14,3 +14,12 @@ function(tidal_set_warnings target)
     target_link_options(${target} PRIVATE -fsanitize=${TIDAL_SANITIZE})
   endif()
 endfunction()
+
+# tidal_set_warnings for code that is not the library's (tests, test helpers,
+# benchmarks), less GCC 12's false -Wrestrict inside libstdc++'s
+# std::string operator+ at -O2/-O3 where that code inlines it (GCC PR 105651;
+# the main test build is -O3). The library and tools keep every warning.
+function(tidal_set_test_warnings target)
+  tidal_set_warnings(${target})
+  target_compile_options(${target} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Wno-restrict>)
+endfunction()

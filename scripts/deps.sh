@@ -6,6 +6,7 @@ set -euo pipefail
 
 packages=(
   cmake g++ make pkg-config python3   # python3: JSON checks in the CLI tests
+  ccache                              # a compiler cache for every build of tidal (CMakeLists.txt)
   libcuckoo-dev
   # RocksDB is built from Debian's source package (scripts/rocksdb.sh):
   # apt-get source, patch, and the compression libraries it links

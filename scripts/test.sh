@@ -1,88 +1,161 @@
 #!/usr/bin/env bash
-# The whole tidal test suite, from a fresh Debian 12 machine:
-#   scripts/test.sh           installs what is missing, builds with -Werror, runs ctest, then
-#                             a warning-free Release build, sanitizers and fuzzers
-#   scripts/test.sh --quick   the same, in the main build only (for development)
+# The whole tidal test suite, from a fresh Debian 12 machine (installs what is
+# missing first: scripts/deps.sh). Three tiers:
+#   scripts/test.sh           what CI runs (.ci/run): every test of the main build, the
+#                             soak tests at a size that fits the budget; ASan+UBSan on
+#                             every test but the soaks; TSan on the concurrency tests;
+#                             the fuzzers. ~25 min on 2 cores with warm caches.
+#   scripts/test.sh --quick   the main build's suite only (for development), ~8 min warm
+#   scripts/test.sh --soak    the default tier with every soak test at full size
+#                             (TIDAL_SOAK=1: SIGKILL rounds, drills, NATS kill rounds)
+# tests/RELIABILITY.md ("Test tiers") lists the soak tests and their sizes.
+#
+# Caches (never a different result, only a faster one): tidal's RocksDB is
+# built once per machine (scripts/rocksdb.sh), and every build of tidal goes
+# through ccache when it is installed (CMakeLists.txt, TIDAL_CCACHE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-quick=0
+tier=ci
 for arg in "$@"; do
   case "$arg" in
-    --quick) quick=1 ;;
-    *) echo "usage: scripts/test.sh [--quick]" >&2; exit 2 ;;
+    --quick) tier=quick ;;
+    --soak) tier=soak ;;
+    *) echo "usage: scripts/test.sh [--quick | --soak]" >&2; exit 2 ;;
   esac
 done
+if [ "$tier" = soak ]; then export TIDAL_SOAK=1; fi
 
-scripts/deps.sh
-jobs=$(nproc)
 start=$(date +%s)
+stage_times=()
+stage_start=$start
+# begin_stage <name>: prints the stage's heading and starts its clock.
+begin_stage() {
+  stage_name=$1
+  stage_start=$(date +%s)
+  echo "== $stage_name =="
+}
+# end_stage: prints the stage's time and records it for the summary.
+end_stage() {
+  local took=$(( $(date +%s) - stage_start ))
+  stage_times+=("$(printf '%-44s %5d s' "$stage_name" "$took")")
+  echo "tidal: $stage_name passed in $took s"
+}
+summary() {
+  echo "tidal: stage times ($tier tier)"
+  printf '  %s\n' "${stage_times[@]}"
+  echo "tidal: all $tier-tier stages passed in $(( $(date +%s) - start )) s"
+}
 
-echo "== main build (RelWithDebInfo, -Werror) =="
-cmake -S . -B build/test -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDAL_WERROR=ON -DTIDAL_BUILD_BENCHMARKS=ON >/dev/null
+begin_stage "dependencies (scripts/deps.sh)"
+scripts/deps.sh
+end_stage
+jobs=$(nproc)
+if command -v ccache >/dev/null; then ccache --zero-stats >/dev/null; fi
+
+# ctest on every core; the tests that need a quiet machine or a NATS cluster
+# of their own say so (tests/ctest_properties.cmake: PROCESSORS,
+# RESOURCE_LOCK), and the longest start first (COST, then ctest's own record
+# of the last run's times).
+run_ctest() {
+  ctest --test-dir "$1" --output-on-failure -j "$jobs" "${@:2}"
+}
+
+# The main build is also the Release warning check: -O3 as a Release build,
+# where GCC warns about things -O2 does not see (e.g. -Wrestrict), plus -g.
+begin_stage "main build (Release -O3 -g, -Werror; tests, tools, benches)"
+cmake -S . -B build/test -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O3 -g -DNDEBUG" \
+  -DTIDAL_WERROR=ON -DTIDAL_BUILD_BENCHMARKS=ON >/dev/null
 cmake --build build/test -j "$jobs"
-ctest --test-dir build/test --output-on-failure -j "$jobs"
-
-if [ "$quick" -eq 1 ]; then
-  echo "tidal: quick test run passed in $(( $(date +%s) - start )) s"
-  exit 0
-fi
-
-# ---- Release warnings, sanitizers and fuzzers (full run only) ----
-echo "== Release build (-Wall -Wextra ..., -Werror): library, tools, examples =="
-# What a new user builds first; GCC at -O2/-O3 warns about things the
-# RelWithDebInfo build above does not see (e.g. -Wrestrict), and none is allowed.
-stage_start=$(date +%s)
-cmake -S . -B build/test-release -DCMAKE_BUILD_TYPE=Release -DTIDAL_WERROR=ON -DTIDAL_BUILD_TESTS=OFF \
-  -DTIDAL_BUILD_TOOLS=ON -DTIDAL_INSTALL=OFF >/dev/null
-cmake --build build/test-release -j "$jobs"
-echo "tidal: Release warning stage passed in $(( $(date +%s) - stage_start )) s"
-
-# tidal's RocksDB build (build/rocksdb) is not instrumented; tidal and its tests are.
-# The package/consumer tests (ctest label "package") do not run here.
-# At -O1: GCC's ASan+UBSan build of the tests takes ~1.6x as long at -O2
-# (purge_test.cc: 79 s against 51 s), and the sanitizers see the same code.
+end_stage
+# The sanitizer and fuzz builds compile beside the main suite, at the lowest
+# priority: the suite leaves a core idle much of the time (tests that wait for
+# a child, a cluster or an fsync), and its tests hold on a busy machine.
+# tidal's RocksDB build is not instrumented; tidal and its tests are. At -O1:
+# GCC's ASan+UBSan build of the tests takes ~1.6x as long at -O2, and the
+# sanitizers see the same code.
 san_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" -DTIDAL_WERROR=ON
   -DTIDAL_INSTALL=OFF)
+other_builds() {
+  cmake -S . -B build/test-asan "${san_flags[@]}" -DTIDAL_SANITIZE=address,undefined >/dev/null
+  cmake --build build/test-asan -j "$jobs"
+  cmake -S . -B build/test-tsan "${san_flags[@]}" -DTIDAL_SANITIZE=thread -DTIDAL_BUILD_TOOLS=OFF >/dev/null
+  cmake --build build/test-tsan -j "$jobs" --target tidal_tests
+  cmake -S . -B build/test-fuzz "${san_flags[@]}" -DCMAKE_CXX_COMPILER=clang++ -DTIDAL_BUILD_FUZZERS=ON \
+    -DTIDAL_SANITIZE=address,undefined -DTIDAL_BUILD_TESTS=OFF -DTIDAL_BUILD_TOOLS=OFF >/dev/null
+  cmake --build build/test-fuzz -j "$jobs"
+}
+builds_pid=
+if [ "$tier" != quick ]; then
+  mkdir -p build
+  other_builds_log=build/other-builds.log
+  (renice -n 19 -p "$BASHPID" >/dev/null && other_builds) >"$other_builds_log" 2>&1 &
+  builds_pid=$!
+  trap 'if [ -n "$builds_pid" ]; then kill "$builds_pid" 2>/dev/null || true; fi' EXIT
+fi
+
+begin_stage "main suite (every test)"
+run_ctest build/test
+end_stage
+
+if [ "$tier" = quick ]; then summary; exit 0; fi
+
+begin_stage "ASan+UBSan, TSan and fuzz builds (the rest of them, begun beside the main suite)"
+if ! wait "$builds_pid"; then
+  builds_pid=
+  tail -n 60 "$other_builds_log"
+  echo "tidal: a sanitizer or fuzz build failed (log: $other_builds_log)" >&2
+  exit 1
+fi
+builds_pid=
+end_stage
+
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-stage_start=$(date +%s)
+# The package tests (label package) build tidal again as a host would, which
+# the main build did.
+# The soaks run at a smoke size here (every process of theirs instrumented);
+# their full rounds are the main build's.
+begin_stage "ASan+UBSan suite (every test; the soaks at a smoke size)"
+ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" TIDAL_CRASH_ROUNDS=20 TIDAL_DRILL_ROUNDS=2 TIDAL_NATS_KILL_ROUNDS=2 \
+  run_ctest build/test-asan -LE package
+end_stage
 
-echo "== ASan+UBSan: whole suite =="
-cmake -S . -B build/test-asan "${san_flags[@]}" -DTIDAL_SANITIZE=address,undefined >/dev/null
-cmake --build build/test-asan -j "$jobs"
-# Under ASan every process of the disaster drill is instrumented: 10 of its 30 rounds.
-ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" TIDAL_CRASH_ROUNDS="${TIDAL_CRASH_ROUNDS:-60}" TIDAL_DRILL_ROUNDS="${TIDAL_DRILL_ROUNDS:-10}" \
-  ctest --test-dir build/test-asan --output-on-failure -j "$jobs" -LE package
-echo "tidal: ASan+UBSan stage passed in $(( $(date +%s) - stage_start )) s"
-stage_start=$(date +%s)
-
-echo "== TSan: concurrency tests (names containing Concurrent or Stress) =="
-cmake -S . -B build/test-tsan "${san_flags[@]}" -DTIDAL_SANITIZE=thread -DTIDAL_BUILD_TOOLS=OFF >/dev/null
-cmake --build build/test-tsan -j "$jobs" --target tidal_tests
 # tests/tsan.supp lists what TSan may report inside RocksDB's own
 # (uninstrumented) code, each entry explained; nothing of tidal's is suppressed.
+begin_stage "TSan suite (names containing Concurrent or Stress)"
 TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
-  ctest --test-dir build/test-tsan --output-on-failure -j "$jobs" -LE package -R 'Concurrent|Stress' --no-tests=error \
+  run_ctest build/test-tsan -LE package -R 'Concurrent|Stress' --no-tests=error \
     -E 'BulkConcurrentTest'  # a bulk leave holds all 64 user-lock stripes: past TSan's 64-lock deadlock detector
-echo "tidal: TSan stage passed in $(( $(date +%s) - stage_start )) s"
-stage_start=$(date +%s)
+end_stage
 
-echo "== libFuzzer (clang, ASan+UBSan), ${TIDAL_FUZZ_SECONDS:-30} s per target =="
-cmake -S . -B build/test-fuzz "${san_flags[@]}" -DCMAKE_CXX_COMPILER=clang++ -DTIDAL_BUILD_FUZZERS=ON \
-  -DTIDAL_SANITIZE=address,undefined -DTIDAL_BUILD_TESTS=OFF -DTIDAL_BUILD_TOOLS=OFF >/dev/null
-cmake --build build/test-fuzz -j "$jobs"
-for target in membership_codec history_codec keys open_records receipt_codec; do
-  scratch=$(mktemp -d)  # new inputs go here; the committed corpus (fuzz/corpus/) is only read
-  log=build/test-fuzz/fuzz_$target.log
-  if ! ASAN_OPTIONS="detect_leaks=1" build/test-fuzz/fuzz/fuzz_$target -max_total_time="${TIDAL_FUZZ_SECONDS:-30}" \
+fuzz_seconds=${TIDAL_FUZZ_SECONDS:-30}
+# fuzz_one <target>: runs it for $fuzz_seconds from the committed corpus
+# (only read; new inputs go to a scratch directory) and prints its line.
+fuzz_one() {
+  local target=$1 scratch log=build/test-fuzz/fuzz_$1.log
+  scratch=$(mktemp -d)
+  if ! ASAN_OPTIONS="detect_leaks=1" build/test-fuzz/fuzz/fuzz_$target -max_total_time="$fuzz_seconds" \
       -print_final_stats=1 -artifact_prefix=build/test-fuzz/ "$scratch" "fuzz/corpus/$target" >"$log" 2>&1; then
     tail -n 60 "$log"
     echo "tidal: fuzz_$target failed (crash input saved in build/test-fuzz/, log $log)" >&2
     rm -rf "$scratch"
-    exit 1
+    return 1
   fi
   rm -rf "$scratch"
   echo "fuzz_$target: $(grep -m1 -o 'Done [0-9]* runs in [0-9]* second(s)' "$log")"
+}
+begin_stage "libFuzzer, $fuzz_seconds s per target, $jobs at a time"
+targets=(membership_codec history_codec keys open_records receipt_codec)
+pids=()
+failed=0
+for i in "${!targets[@]}"; do
+  fuzz_one "${targets[$i]}" &
+  pids+=($!)
+  if [ ${#pids[@]} -ge "$jobs" ] || [ "$i" -eq $(( ${#targets[@]} - 1 )) ]; then
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    pids=()
+  fi
 done
-echo "tidal: fuzz stage passed in $(( $(date +%s) - stage_start )) s"
+[ "$failed" -eq 0 ] || exit 1
+end_stage
 
-echo "tidal: all test stages passed in $(( $(date +%s) - start )) s"
+summary

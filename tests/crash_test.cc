@@ -1,9 +1,9 @@
 // Crash tests (G1, G5, and a crash during open): a child process
 // (tidal_crash_child, fork+exec via posix_spawn) writes to a Db and is
 // SIGKILLed at a random moment; the parent reopens the Db and checks every
-// acknowledged write. TIDAL_CRASH_ROUNDS (default 200) sets the number of
-// kill rounds of the G1 test; the open-crash tests run a tenth as many (at
-// least 10) per variant.
+// acknowledged write. TIDAL_CRASH_ROUNDS sets the number of kill rounds of
+// the G1 test (60 in the default tier, 200 under scripts/test.sh --soak:
+// crash_rounds()); the other tests run a share of them.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -49,11 +49,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-int crash_rounds() {
-  const char* v = std::getenv("TIDAL_CRASH_ROUNDS");
-  const int n = v != nullptr ? std::atoi(v) : 0;
-  return n > 0 ? n : 200;
-}
+int crash_rounds() { return testing::soak_rounds("TIDAL_CRASH_ROUNDS", 60, 200); }
 
 // A running tidal_crash_child whose stdout is a pipe we read.
 class Child {
@@ -538,7 +534,7 @@ struct ReportedWrites {
 // personal, cohort and community aggregates, and verify() finds I1 intact.
 void signals_survive_sigkill(bool scans) {
   TempDir dir;
-  const int rounds = scans ? 30 : std::max(30, crash_rounds() / 2);
+  const int rounds = scans ? std::max(10, crash_rounds() * 3 / 20) : std::max(30, crash_rounds() / 2);
   constexpr auto kPeriod = std::chrono::milliseconds(20);
   std::mt19937_64 rng(20261130);
   std::uint64_t acked = 0, required = 0, in_window_found = 0, in_window = 0, lost = 0, scan_pairs = 0;
@@ -651,9 +647,9 @@ TEST(CrashTest, TheCrashWindowHoldsUnderSustainedOverload) {
   GTEST_SKIP() << "a timing window: not meaningful under a sanitizer's slowdown (run in the main build)";
 #endif
   TempDir dir;
-  const char* env = std::getenv("TIDAL_OVERLOAD_ROUNDS");
-  // 12 by default (about a minute); tests/RELIABILITY.md has a run of 30.
-  const int rounds = env != nullptr ? std::atoi(env) : 12;
+  // 4 in the default tier, 12 (about a minute) under --soak;
+  // tests/RELIABILITY.md has a run of 30.
+  const int rounds = testing::soak_rounds("TIDAL_OVERLOAD_ROUNDS", 4, 12);
   constexpr auto kPeriod = std::chrono::milliseconds(200);
   std::mt19937_64 rng(20261201);
   const std::string path = dir.path() + "/db";

@@ -446,12 +446,12 @@ PowerFigures power_cuts(bool sync_writes, int cuts, int max_ops_per_cut) {
 // write before it is in the aggregates, whole, and I1 holds. "One write" is
 // the longest the Db reports (Stats::aggregate_write_max_ns, read right after
 // the cut, which counts a write overdue then as far as it got).
-// TIDAL_CRASH_ROUNDS (as in crash_test.cc; default 200) / 4 cuts, at most 50.
-TEST(PowerLossTest, SignalsOutsideTheWritePeriodSurvive50Cuts) {
+// TIDAL_CRASH_ROUNDS (as in crash_test.cc: 60 in the default tier, 200
+// under --soak) / 4 cuts, from 10 to 50.
+TEST(PowerLossTest, SignalsOutsideTheWritePeriodSurvivePowerCuts) {
   TempDir dir;
   FaultEnv fault = FaultEnv::make();
-  const char* rounds_env = std::getenv("TIDAL_CRASH_ROUNDS");
-  const int cuts = std::clamp(rounds_env != nullptr ? std::atoi(rounds_env) / 4 : 50, 10, 50);
+  const int cuts = std::clamp(testing::soak_rounds("TIDAL_CRASH_ROUNDS", 60, 200) / 4, 10, 50);
   constexpr auto kPeriod = std::chrono::milliseconds(20);
   constexpr auto kSlack = std::chrono::milliseconds(20);  // the reading of the clocks around the calls
   std::mt19937_64 rng(7);

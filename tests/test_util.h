@@ -4,10 +4,12 @@
 
 #include <stdlib.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -29,6 +31,24 @@
   } while (0)
 
 namespace tidal::testing {
+
+// The size of a soak test (SIGKILL rounds, power cuts, drills, long NATS
+// runs): `tier` in the default tier, which CI runs inside its time budget,
+// and `soak` under scripts/test.sh --soak (TIDAL_SOAK=1). A value in the
+// test's own variable `env` (e.g. TIDAL_CRASH_ROUNDS) wins over both; 0 or
+// garbage there is refused rather than read as "no rounds".
+inline int soak_rounds(const char* env, int tier, int soak) {
+  if (const char* v = std::getenv(env); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*end != '\0' || n <= 0 || n > 1'000'000) {
+      throw std::invalid_argument(std::string(env) + "=" + v + ": expected a round count from 1 to 1000000");
+    }
+    return static_cast<int>(n);
+  }
+  const char* all = std::getenv("TIDAL_SOAK");
+  return all != nullptr && std::string(all) == "1" ? soak : tier;
+}
 
 inline std::string describe(const Status& s) { return s.to_string(); }
 template <class T>

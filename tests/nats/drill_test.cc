@@ -13,9 +13,10 @@
 // follower's view is bit for bit the sum of every shard's current
 // aggregates (a fresh view of every shard's re-seed snapshot).
 //
-// TIDAL_DRILL_ROUNDS sets the rounds (default 30); TIDAL_DRILL_MODE=no-wait
-// runs the shards without the journal's wait, which the drill must find
-// (seen red: docs/SCALE.md, "Recovery").
+// TIDAL_DRILL_ROUNDS sets the rounds (8 in the default tier, 30 under
+// scripts/test.sh --soak); TIDAL_DRILL_MODE=no-wait runs the shards without
+// the journal's wait, which the drill must find (seen red: docs/SCALE.md,
+// "Recovery").
 
 #include <bit>
 #include <chrono>
@@ -374,11 +375,6 @@ class Drill {
   std::size_t purges_checked_ = 0;
 };
 
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::atoi(v) : fallback;
-}
-
 TEST(NatsDrill, LosingAShardsMachineAndDiskForgetsNoAcknowledgedLeaveRejoinOrPurgeAndKeepsEveryViewExact) {
   NatsCluster cluster(3);
   ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
@@ -393,7 +389,7 @@ TEST(NatsDrill, LosingAShardsMachineAndDiskForgetsNoAcknowledgedLeaveRejoinOrPur
   auto follower = Follower::start(view->get(), d.config(), "drill");
   ASSERT_TRUE(follower.ok()) << follower.status().to_string();
 
-  const int rounds = env_int("TIDAL_DRILL_ROUNDS", 30);
+  const int rounds = tidal::testing::soak_rounds("TIDAL_DRILL_ROUNDS", 8, 30);
   std::mt19937_64 rng(20261202);
   int mid_replay = 0, rounds_run = 0;
   std::vector<std::string> violations;

@@ -776,7 +776,7 @@ TEST(NatsCrash, AShardKilledMidPublishLosesNoBatchAndPublishesNoneTwice) {
   ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
   TempDir dir;
   const Config config = test_config(cluster, "SHARDKILL", 3);
-  const int rounds = std::getenv("TIDAL_NATS_KILL_ROUNDS") ? std::atoi(std::getenv("TIDAL_NATS_KILL_ROUNDS")) : 12;
+  const int rounds = tidal::testing::soak_rounds("TIDAL_NATS_KILL_ROUNDS", 6, 12);
   std::mt19937_64 rng(7);
   for (int r = 0; r < rounds; ++r) {
     if (r % 3 == 2) {
@@ -839,7 +839,7 @@ TEST(NatsCrash, AFollowerKilledMidApplyLeavesTheViewExactAfterRestart) {
       if (i % 20 == 0) std::this_thread::sleep_for(1ms);
     }
   });
-  const int rounds = std::getenv("TIDAL_NATS_KILL_ROUNDS") ? std::atoi(std::getenv("TIDAL_NATS_KILL_ROUNDS")) : 10;
+  const int rounds = tidal::testing::soak_rounds("TIDAL_NATS_KILL_ROUNDS", 5, 10);
   std::mt19937_64 rng(11);
   for (int r = 0; r < rounds; ++r) {
     Child child({"follower", dir.sub("view"), config.servers, config.stream, "view"});
