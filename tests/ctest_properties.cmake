@@ -3,7 +3,8 @@
 # that is not there is ignored). scripts/test.sh runs ctest on every core.
 #
 # soak: the tests whose size is a round count (SIGKILL rounds, power cuts,
-# the disaster drill, NATS kill rounds; tidal::testing::soak_rounds). They
+# the disaster drill, NATS kill rounds, the stride of the recovery sweep;
+# tidal::testing::soak_rounds). They
 # run in every tier, at a size that fits CI's budget by default and in full
 # under scripts/test.sh --soak (TIDAL_SOAK=1); tests/RELIABILITY.md, "Test
 # tiers", has both sizes.
@@ -17,7 +18,8 @@ set(tidal_soak_tests
   CrashTest.TheCrashWindowHoldsUnderSustainedOverload
   CrashTest.TheChangeFeedHoldsExactlyWhatTheAggregatesHoldAfterEverySigkill
   CrashTest.PurgesAreAllOrNothingAndAcknowledgedOnesSurviveSigkill
-  PowerLossTest.SignalsOutsideTheWritePeriodSurvivePowerCuts)
+  PowerLossTest.SignalsOutsideTheWritePeriodSurvivePowerCuts
+  RecoverySweep.AReplayFailingAtAnyFileOperationForgetsNoPurgeOnceRetried)
 set(tidal_nats_soak_tests
   NatsCrash.AShardKilledMidPublishLosesNoBatchAndPublishesNoneTwice
   NatsCrash.AFollowerKilledMidApplyLeavesTheViewExactAfterRestart
@@ -33,6 +35,7 @@ foreach(entry
     "NatsCheckpoint.ANewViewFromACheckpointReadsOnlyWhatTheCheckpointLacks 41"
     "FaultSweepTest.OpenPersistent 40"
     "CrashTest.SignalsOutsideTheWritePeriodSurviveSigkill 28"
+    "RecoverySweep.AReplayFailingAtAnyFileOperationForgetsNoPurgeOnceRetried 23"
     "CrashTest.TheCrashWindowHoldsUnderSustainedOverload 25"
     "package_consumer_subdirectory 25"
     "tidalctl_cli 30"

@@ -199,6 +199,17 @@ Status Db::Impl::finish_recovery() {
     if (!call.status().ok()) return call.status();
     std::lock_guard<std::mutex> one(recovery_mu_);
     if (!recovering_.load(std::memory_order_acquire)) return Status::OK();
+    {
+      std::lock_guard<std::mutex> lock(unfinished_mu_);
+      if (!unfinished_purges_.empty()) {
+        return Status::Busy("finish_recovery: the replayed purge of user " + std::to_string(*unfinished_purges_.begin()) +
+                            (unfinished_purges_.size() > 1
+                                 ? " (and " + std::to_string(unfinished_purges_.size() - 1) + " more users)"
+                                 : std::string()) +
+                            " failed after its intent was written; call replay_journal again, which finishes it, "
+                            "then finish_recovery; nothing changed");
+      }
+    }
     // A new incarnation whose snapshot replaces, in every view, what the
     // shard's earlier incarnation published after the backup.
     if (feed_) {

@@ -68,6 +68,13 @@ class Db::Impl {
   // A run of leave and rejoin entries, seqs first_seq.., in one write.
   Status replay_memberships(std::span<const JournalRecord> run, std::uint64_t first_seq, const std::string& what);
   Status replay_purge(const JournalRecord& rec, std::uint64_t seq, const std::string& what);
+  // The purge of a replayed entry whose intent (and mark) is written: purged,
+  // receipts written, the mark deleted, the user's records erased. On
+  // failure the user is in unfinished_purges_ (finish_recovery refuses).
+  Status purge_after_intent(const JournalRecord& rec, const std::string& what);
+  // A replayed purge entry the Db holds already: finished (purge_after_intent)
+  // when its mark is still there and the purge not done.
+  Status finish_replayed_purge(const JournalRecord& rec, const std::string& what);
 
   Status join_community(std::uint64_t user_id, std::uint64_t community_id);
   Status exit_community(std::uint64_t user_id, std::uint64_t community_id);

@@ -82,6 +82,14 @@ Status Db::Impl::replay_journal(std::span<const JournalEntry> entries) {
           return Status::Corruption(what + " differs from this Db's entry of that seq (another shard's journal, or "
                                            "a Db that diverged from the backup); nothing of it or later applied");
         }
+        // A purge whose intent the Db holds is not done until its mark is
+        // gone: an earlier replay may have failed after the intent. It is
+        // finished here, before any later entry (a rejoin after it would
+        // otherwise hide it from every later open).
+        if (rec->kind == JournalKind::Purge && e.seq <= written) {
+          if (Status s = flush_run(); !s.ok()) return s;
+          if (Status s = finish_replayed_purge(*rec, what); !s.ok()) return s;
+        }
         continue;
       }
       if (e.seq != last + 1) {
@@ -196,11 +204,44 @@ Status Db::Impl::replay_purge(const JournalRecord& rec, std::uint64_t seq, const
                                 " of this Db's journal (another write interleaved)");
     }
   }
+  return purge_after_intent(rec, what);
+}
+
+Status Db::Impl::purge_after_intent(const JournalRecord& rec, const std::string& what) {
+  const std::vector<std::uint64_t> users{rec.user_id}, left_at{rec.left_at_ns}, purged_at{rec.at_ns};
   std::vector<std::uint64_t> to_erase;
   Result<std::vector<PurgeReceipt>> done = purge_registered("replay_journal", users, left_at, purged_at, &to_erase);
-  if (!done.ok()) return done.status();
+  if (!done.ok()) {
+    {
+      std::lock_guard<std::mutex> lock(unfinished_mu_);
+      unfinished_purges_.insert(rec.user_id);
+    }
+    return Status(done.status().code(),
+                  what + ": the purge failed after its intent was written (" + done.status().message() +
+                      "); nothing of it or later applied: call replay_journal again (it finishes this purge first), "
+                      "then finish_recovery");
+  }
   (void)delete_purge_marks(users);
   return erase_purged(to_erase);
+}
+
+Status Db::Impl::finish_replayed_purge(const JournalRecord& rec, const std::string& what) {
+  std::string mark;
+  Status marked = storage_->get(storage_->meta(), encode_journal_purge_key(rec.user_id, rec.at_ns), &mark);
+  if (marked.code() == StatusCode::NotFound) return Status::OK();  // finished
+  if (!marked.ok()) return marked;
+  // As the open does (finish_journaled_purges): not done when its receipt
+  // is missing and the user is still Left since the intent's boundary.
+  std::string receipt;
+  Status found = storage_->get(storage_->receipts(), encode_receipt_key(rec.user_id, rec.at_ns), &receipt);
+  if (!found.ok() && found.code() != StatusCode::NotFound) return found;
+  CommunityMembership m{rec.user_id, MembershipStatus::Active, std::nullopt};
+  leave_status_.find(rec.user_id, m);
+  if (found.code() == StatusCode::NotFound && m.status == MembershipStatus::Left &&
+      m.left_at_ns.value_or(0) == rec.left_at_ns) {
+    return purge_after_intent(rec, what);
+  }
+  return delete_purge_marks({rec.user_id});
 }
 
 }  // namespace tidal
