@@ -80,7 +80,7 @@ other_builds() {
   cmake --build build/test-asan -j "$jobs"
   cmake -S . -B build/test-tsan "${san_flags[@]}" -DTIDAL_SANITIZE=thread -DTIDAL_BUILD_TOOLS=OFF >/dev/null
   cmake --build build/test-tsan -j "$jobs" --target tidal_tests
-  cmake -S . -B build/test-fuzz "${san_flags[@]}" -DCMAKE_CXX_COMPILER=clang++ -DTIDAL_BUILD_FUZZERS=ON \
+  cmake -S . -B build/test-fuzz "${san_flags[@]}" -DCMAKE_CXX_COMPILER=clang++ -DTIDAL_BUILD_FUZZERS=ON -DTIDAL_BUILD_NATS=OFF \
     -DTIDAL_SANITIZE=address,undefined -DTIDAL_BUILD_TESTS=OFF -DTIDAL_BUILD_TOOLS=OFF >/dev/null
   cmake --build build/test-fuzz -j "$jobs"
 }

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -15,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "db/impl.h"
+#include "storage/journal_format.h"
 #include "test_util.h"
 #include "tidal/db.h"
 #include "tidal/journal_entry.h"
@@ -335,6 +337,50 @@ TEST(Backup, APurgeDuringABackupIsReplayedAfterTheRestore) {
   Result<RematerializeReport> rm = restored->rematerialize_shared_aggregates(false);
   ASSERT_OK(rm);
   EXPECT_TRUE(rm->mismatches.empty());
+}
+
+// Issue 41 item 7: an entry whose time is past any clock (~2^64) or far past
+// this machine's was accepted, and every later leave failed "Db clock
+// exhausted", across reopens. It is refused, and the Db's clock is as it was.
+TEST(Backup, AReplayedEntryFarPastThisMachinesClockIsRefusedAndLeavesNoTrace) {
+  TempDir dir;
+  Options options = feed_options(6);
+  options.journal = true;
+  {
+    auto db = open_db(dir.sub("db"), options);
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->join_community(1, 100));
+    ASSERT_OK(db->backup(dir.sub("b")));
+    ASSERT_OK(db->close());
+  }
+  auto restored = open_db(dir.sub("b"), options);
+  ASSERT_NE(restored, nullptr);
+  const std::uint64_t next = *restored->last_journal_seq() + 1;
+  const auto now = static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+  const auto leave_at = [&](std::uint64_t t) {
+    return std::vector<JournalEntry>{{6, next, encode_journal_payload({JournalKind::Leave, 1, t, t})}};
+  };
+  constexpr std::uint64_t kDay = 24ULL * 3600 * 1'000'000'000;
+  for (std::uint64_t t : {std::numeric_limits<std::uint64_t>::max() - 1,
+                          static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()), now + 2 * kDay}) {
+    Status s = restored->replay_journal(leave_at(t));
+    EXPECT_FALSE(s.ok()) << "time " << t;
+    expect_has(s, "entry seq " + std::to_string(next));
+    expect_has(s, "nothing of it or later applied");
+    EXPECT_EQ(*restored->last_journal_seq(), next - 1);
+  }
+  ASSERT_OK(restored->replay_journal(leave_at(now)));
+  ASSERT_OK(restored->finish_recovery());
+  ASSERT_OK(restored->join_community(2, 100));
+  ASSERT_OK(restored->leave_community_layer(2));
+  ASSERT_OK(restored->close());
+  auto reopened = open_db(dir.sub("b"), options);
+  ASSERT_NE(reopened, nullptr);
+  ASSERT_OK(reopened->leave_community_layer(3));
+  Result<CommunityMembership> st = reopened->community_layer_status(3);
+  ASSERT_OK(st);
+  EXPECT_LT(st->left_at_ns.value_or(0), now + kDay);
 }
 
 // B3: the replay writes a run of leaves and rejoins at once; a user's last

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -428,6 +429,14 @@ TEST(ChangeFeed, ReadChangesHonoursMaxBytesAndSaysWhatWasTrimmed) {
   ASSERT_OK(all);
   EXPECT_EQ(all->size(), 5u);
   EXPECT_TRUE(db->read_changes(5, 1 << 20)->empty());
+  // Past the last seq there can be (issue 41 item 7: after_seq + 1 wrapped
+  // to 0 and the read returned Corruption).
+  for (std::uint64_t after : {std::uint64_t{6}, std::numeric_limits<std::uint64_t>::max() - 1,
+                              std::numeric_limits<std::uint64_t>::max()}) {
+    Result<std::vector<ChangeBatch>> none = db->read_changes(after, 1 << 20);
+    ASSERT_OK(none);
+    EXPECT_TRUE(none->empty()) << "after " << after;
+  }
   ASSERT_OK(db->trim_changes(3));
   ASSERT_OK(db->trim_changes(2));  // below the trim point: nothing changes
   Result<std::vector<ChangeBatch>> gone = db->read_changes(1, 1 << 20);

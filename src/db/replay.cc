@@ -17,6 +17,7 @@
 //     and purged_at_ns (the receipt's identity), unless that receipt is in
 //     the copy already.
 #include <algorithm>
+#include <chrono>
 
 #include "db/guarded.h"
 #include "db/impl.h"
@@ -24,6 +25,13 @@
 #include "storage/receipt.h"
 
 namespace tidal {
+namespace {
+
+// How far past this machine's clock a replayed entry's time may be: clocks
+// of two machines disagree by far less.
+constexpr std::uint64_t kMaxReplayAheadNs = 24ULL * 3600 * 1'000'000'000;
+
+}  // namespace
 
 Status Db::Impl::replay_journal(std::span<const JournalEntry> entries) {
   return guarded("replay_journal", [&]() -> Status {
@@ -51,6 +59,9 @@ Status Db::Impl::replay_journal(std::span<const JournalEntry> entries) {
       run_payloads.clear();
       return s;
     };
+    const auto wall_ns = static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                         std::chrono::system_clock::now().time_since_epoch())
+                                                         .count());
     for (const JournalEntry& e : entries) {
       const std::string what = "replay_journal: entry seq " + std::to_string(e.seq) + " of shard " +
                                 std::to_string(e.shard_id);
@@ -64,6 +75,16 @@ Status Db::Impl::replay_journal(std::span<const JournalEntry> entries) {
       if (!rec) {
         if (Status s = flush_run(); !s.ok()) return s;
         return Status::Corruption(what + ": the payload does not decode: " + error + "; nothing of it or later applied");
+      }
+      // A time far past this machine's clock would move the Db's clock
+      // there for good (every later leave refused once it reaches 2262).
+      const std::uint64_t newest = std::max(rec->at_ns, rec->left_at_ns);
+      if (newest > wall_ns + kMaxReplayAheadNs) {
+        if (Status s = flush_run(); !s.ok()) return s;
+        return Status::InvalidArgument(what + ": its time " + std::to_string(newest) + " ns is more than a day past "
+                                       "this machine's clock (" + std::to_string(wall_ns) + " ns); the Db's clock "
+                                       "would follow it. Check both machines' clocks (or the stream's origin); "
+                                       "nothing of it or later applied");
       }
       const std::uint64_t written = journal_->last_seq();
       const std::uint64_t last = written + run.size();

@@ -1,6 +1,7 @@
 #include "feed/change_feed.h"
 
 #include <algorithm>
+#include <limits>
 #include <random>
 #include <string_view>
 
@@ -212,6 +213,9 @@ Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::
     const NumberedLog log = feed_log(*storage_);
     std::vector<ChangeBatch> out;
     std::size_t bytes = 0;
+    // No batch follows the last seq there can be (after_seq + 1 would wrap
+    // to 0 and read the feed from its start).
+    if (after_seq == std::numeric_limits<std::uint64_t>::max()) return out;
     auto it = storage_->iterator(storage_->feed());
     for (it->Seek(encode_feed_key(after_seq + 1)); it->Valid() && (out.empty() || bytes < max_bytes); it->Next()) {
       const std::uint64_t seq = after_seq + 1 + out.size();

@@ -1,5 +1,8 @@
 #include "storage/journal_format.h"
 
+#include <cstdint>
+#include <limits>
+
 #include "storage/format.h"
 
 namespace tidal {
@@ -45,6 +48,13 @@ std::optional<JournalRecord> decode_journal_payload(std::string_view payload, st
   JournalRecord r{static_cast<JournalKind>(kind), get_u64_le(payload.data() + 2), get_u64_le(payload.data() + 10),
                   get_u64_le(payload.data() + 18)};
   if (r.at_ns == 0) return fail("journal payload of user " + std::to_string(r.user_id) + " has at_ns 0");
+  // No Db clock gives a time past INT64_MAX ns (2262-04-11).
+  constexpr std::uint64_t kLastTime = std::numeric_limits<std::int64_t>::max();
+  if (r.at_ns > kLastTime || r.left_at_ns > kLastTime) {
+    return fail("journal payload of user " + std::to_string(r.user_id) + " has a time past " +
+                std::to_string(kLastTime) + " ns (at_ns " + std::to_string(r.at_ns) + ", left_at_ns " +
+                std::to_string(r.left_at_ns) + ")");
+  }
   if (r.kind == JournalKind::Leave && r.left_at_ns != r.at_ns) {
     return fail("journal leave of user " + std::to_string(r.user_id) + " has left_at_ns " +
                 std::to_string(r.left_at_ns) + " other than its at_ns " + std::to_string(r.at_ns));
