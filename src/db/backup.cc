@@ -81,6 +81,9 @@ Status Db::Impl::backup(const std::string& dir) const {
   return guarded("backup", [&]() -> Status {
     Call call(this, "backup", /*write=*/false);
     if (!call.status().ok()) return call.status();
+    // It flushes, which waits for every signal in flight: from inside a
+    // ContributionSink callback, for the callback's own (issue 41 item 6).
+    if (Status s = check_outside_sink("backup"); !s.ok()) return s;
     const std::string what = "backup of the Db at '" + storage_->path() + "' into '" + dir + "'";
     if (options_.read_only) {
       return Status::InvalidArgument(what + ": the Db is open read-only (a backup flushes both engines first: call "

@@ -31,11 +31,12 @@ Result<std::uint64_t> Db::Impl::last_journal_seq() const {
 }
 
 // A read: close() wakes it (Journal::shutdown) before it waits for the
-// calls in flight.
+// calls in flight. It waits, so a ContributionSink callback gets Busy.
 Result<std::uint64_t> Db::Impl::wait_journal(std::uint64_t after_seq, std::chrono::milliseconds wait) const {
   return guarded("wait_journal", [&]() -> Result<std::uint64_t> {
     Call call(this, "wait_journal", /*write=*/false);
     if (!call.status().ok()) return call.status();
+    if (Status s = check_outside_sink("wait_journal"); !s.ok()) return s;
     if (Status s = check_journal("wait_journal"); !s.ok()) return s;
     return journal_->wait_written(after_seq, wait);
   });
