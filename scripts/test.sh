@@ -112,10 +112,12 @@ end_stage
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 # The package tests (label package) build tidal again as a host would, which
 # the main build did.
-# The soaks run at a smoke size here (every process of theirs instrumented);
-# their full rounds are the main build's.
+# The SIGKILL rounds and the drill run at a smoke size here (every process of
+# theirs instrumented: 20 crash rounds, 4 drill rounds, enough for each
+# test's own checks that the rounds did something); their full rounds are
+# the main build's.
 begin_stage "ASan+UBSan suite (every test; the soaks at a smoke size)"
-ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" TIDAL_CRASH_ROUNDS=20 TIDAL_DRILL_ROUNDS=2 TIDAL_NATS_KILL_ROUNDS=2 \
+ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" TIDAL_CRASH_ROUNDS=20 TIDAL_DRILL_ROUNDS=4 \
   run_ctest build/test-asan -LE package
 end_stage
 
