@@ -339,6 +339,46 @@ TEST(Backup, APurgeDuringABackupIsReplayedAfterTheRestore) {
   EXPECT_TRUE(rm->mismatches.empty());
 }
 
+// Issue 41 item 8: a recovering Db's feed holds the backup's state, before
+// the journal's purges are replayed. A re-seed from it gave a view the
+// purged user's contributions until finish_recovery; a trim could drop what
+// the shard's consumers need. Both are refused until the recovery is over.
+TEST(Backup, ARecoveringDbNeitherReseedsNorTrimsItsChangeFeed) {
+  TempDir dir;
+  Options options = feed_options(8);
+  options.journal = true;
+  std::vector<JournalEntry> journal;
+  {
+    auto db = open_db(dir.sub("db"), options);
+    ASSERT_NE(db, nullptr);
+    for (std::uint64_t u = 1; u <= 2; ++u) {
+      ASSERT_OK(db->join_community(u, 100));
+      ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{7}}));
+    }
+    ASSERT_OK(db->leave_community_layer(1));
+    ASSERT_OK(db->backup(dir.sub("b")));
+    ASSERT_OK(db->purge_community_contributions(1));
+    journal = *db->read_journal(0, 1 << 20);
+    ASSERT_OK(db->close());
+  }
+  auto restored = open_db(dir.sub("b"), options);
+  ASSERT_NE(restored, nullptr);
+  ASSERT_TRUE(restored->stats().recovering);
+  const std::uint64_t last = *restored->last_change_seq();
+  ASSERT_GT(last, 0u);
+  Result<std::uint64_t> reseed = restored->reseed_change_feed();
+  EXPECT_EQ(reseed.status().code(), StatusCode::Busy) << reseed.status().to_string();
+  expect_has(reseed.status(), "recovering from a backup");
+  Status trim = restored->trim_changes(last);
+  EXPECT_EQ(trim.code(), StatusCode::Busy) << trim.to_string();
+  expect_has(trim, "recovering from a backup");
+  EXPECT_EQ(*restored->last_change_seq(), last) << "nothing of the feed changed";
+  ASSERT_OK(restored->replay_journal(journal));
+  ASSERT_OK(restored->finish_recovery());
+  ASSERT_OK(restored->reseed_change_feed());
+  ASSERT_OK(restored->trim_changes(1));
+}
+
 // Issue 41 item 7: an entry whose time is past any clock (~2^64) or far past
 // this machine's was accepted, and every later leave failed "Db clock
 // exhausted", across reopens. It is refused, and the Db's clock is as it was.

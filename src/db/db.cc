@@ -108,6 +108,9 @@ Status Db::Impl::trim_changes(std::uint64_t through_seq) {
     Call call(this, "trim_changes", /*write=*/true);
     if (!call.status().ok()) return call.status();
     if (Status s = check_feed("trim_changes"); !s.ok()) return s;
+    // A recovering Db's feed is the backup's: what consumers hold of the
+    // shard's later batches is not in it (issue 41 item 8).
+    if (recovering()) return recovering_status("trim_changes");
     if (Status s = feed_->trim(through_seq); !s.ok()) return s;
     state_->feed_trimmed();  // a batch the full feed held back goes now
     return Status::OK();
@@ -119,6 +122,11 @@ Result<std::uint64_t> Db::Impl::reseed_change_feed() {
     Call call(this, "reseed_change_feed", /*write=*/true);
     if (!call.status().ok()) return call.status();
     if (Status s = check_feed("reseed_change_feed"); !s.ok()) return s;
+    // A snapshot of a recovering Db is the backup's state, before the
+    // journal's purges are replayed: a view re-seeded from it would hold a
+    // purged user's contributions (issue 41 item 8). finish_recovery
+    // re-seeds the feed itself, once the journal is replayed.
+    if (recovering()) return recovering_status("reseed_change_feed");
     std::uint64_t first = 0;
     // Under the drain lock: no writer batch, purge or repair lands between
     // the snapshot's read of the aggregates and its write. No drain first:
