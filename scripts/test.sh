@@ -3,9 +3,10 @@
 # missing first: scripts/deps.sh). Three tiers:
 #   scripts/test.sh           what CI runs (.ci/run): every test of the main build, the
 #                             soak tests at a size that fits the budget; ASan+UBSan on
-#                             every test but the soaks; TSan on the concurrency tests;
-#                             the fuzzers. ~25 min on 2 cores with warm caches.
-#   scripts/test.sh --quick   the main build's suite only (for development), ~8 min warm
+#                             every test (the soaks at a smoke size); TSan on the
+#                             concurrency tests; the fuzzers. ~30 min on 2 cores with
+#                             warm caches.
+#   scripts/test.sh --quick   the main build's suite only (for development), ~10 min warm
 #   scripts/test.sh --soak    the default tier with every soak test at full size
 #                             (TIDAL_SOAK=1: SIGKILL rounds, drills, NATS kill rounds)
 # tests/RELIABILITY.md ("Test tiers") lists the soak tests and their sizes.
