@@ -177,6 +177,10 @@ class Db::Impl {
   // At a writable open, once the writer runs: finishes every purge whose
   // intent is journaled and whose batch a crash (or an error) cut off.
   Status finish_journaled_purges();
+  // Whether the purge a journaled mark names is still to be done: its
+  // receipt missing and the user Left since `left_at` (the open's and the
+  // replay's rule).
+  Result<bool> journaled_purge_pending(std::uint64_t user, std::uint64_t purged_at, std::uint64_t left_at);
   // InvalidArgument naming `what` when the Db keeps no journal.
   Status check_journal(const char* what) const;
   // Writes `fill`'s records with one journal entry per record of `entries`

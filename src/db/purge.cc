@@ -312,6 +312,21 @@ Status Db::Impl::check_no_unfinished_purge(const char* what, std::uint64_t user)
                       "the user again, or reopen the Db (which finishes it), then rejoin; nothing changed");
 }
 
+Result<bool> Db::Impl::journaled_purge_pending(std::uint64_t user, std::uint64_t purged_at, std::uint64_t left_at) {
+  std::string receipt;
+  Status found = storage_->get(storage_->receipts(), encode_receipt_key(user, purged_at), &receipt);
+  if (!found.ok() && found.code() != StatusCode::NotFound) return found;
+  CommunityMembership status{user, MembershipStatus::Active, std::nullopt};
+  leave_status_.find(user, status);
+  // Not done when its receipt is missing and the user is still Left since
+  // the intent's boundary: nothing else can have happened to the user in
+  // between (a rejoin waits for the purge; the open, or the replay, is not
+  // over). A purge that had nothing to remove wrote no receipt: it runs
+  // again and finds nothing again.
+  return found.code() == StatusCode::NotFound && status.status == MembershipStatus::Left &&
+         status.left_at_ns.value_or(0) == left_at;
+}
+
 Status Db::Impl::finish_journaled_purges() {
   if (!journal_) return Status::OK();
   std::vector<JournalPurgeMark> marks;
@@ -336,18 +351,9 @@ Status Db::Impl::finish_journaled_purges() {
   for (const JournalPurgeMark& m : marks) {
     const std::string what = "finishing the purge of " + user_text(m.user_id) + " journaled as seq " +
                              std::to_string(m.seq) + " (purged_at_ns " + std::to_string(m.purged_at_ns) + ")";
-    std::string receipt;
-    Status found = storage_->get(storage_->receipts(), encode_receipt_key(m.user_id, m.purged_at_ns), &receipt);
-    if (!found.ok() && found.code() != StatusCode::NotFound) return found;
-    CommunityMembership status{m.user_id, MembershipStatus::Active, std::nullopt};
-    leave_status_.find(m.user_id, status);
-    // Not done when its receipt is missing and the user is still Left since
-    // the intent's boundary: nothing else can have happened to the user in
-    // between (a rejoin waits for the purge, and the open is not over). A
-    // purge that had nothing to remove wrote no receipt: it runs again and
-    // finds nothing again.
-    if (found.code() == StatusCode::NotFound && status.status == MembershipStatus::Left &&
-        status.left_at_ns.value_or(0) == m.left_at_ns) {
+    Result<bool> pending = journaled_purge_pending(m.user_id, m.purged_at_ns, m.left_at_ns);
+    if (!pending.ok()) return pending.status();
+    if (*pending) {
       std::vector<std::uint64_t> to_erase;
       Result<std::vector<PurgeReceipt>> r =
           purge_registered(what.c_str(), {m.user_id}, {m.left_at_ns}, {m.purged_at_ns}, &to_erase);

@@ -251,18 +251,9 @@ Status Db::Impl::finish_replayed_purge(const JournalRecord& rec, const std::stri
   Status marked = storage_->get(storage_->meta(), encode_journal_purge_key(rec.user_id, rec.at_ns), &mark);
   if (marked.code() == StatusCode::NotFound) return Status::OK();  // finished
   if (!marked.ok()) return marked;
-  // As the open does (finish_journaled_purges): not done when its receipt
-  // is missing and the user is still Left since the intent's boundary.
-  std::string receipt;
-  Status found = storage_->get(storage_->receipts(), encode_receipt_key(rec.user_id, rec.at_ns), &receipt);
-  if (!found.ok() && found.code() != StatusCode::NotFound) return found;
-  CommunityMembership m{rec.user_id, MembershipStatus::Active, std::nullopt};
-  leave_status_.find(rec.user_id, m);
-  if (found.code() == StatusCode::NotFound && m.status == MembershipStatus::Left &&
-      m.left_at_ns.value_or(0) == rec.left_at_ns) {
-    return purge_after_intent(rec, what);
-  }
-  return delete_purge_marks({rec.user_id});
+  Result<bool> pending = journaled_purge_pending(rec.user_id, rec.at_ns, rec.left_at_ns);
+  if (!pending.ok()) return pending.status();
+  return *pending ? purge_after_intent(rec, what) : delete_purge_marks({rec.user_id});
 }
 
 }  // namespace tidal
