@@ -31,41 +31,27 @@ class Prober {
   // The first message on `subject` at stream seq >= from; nullopt when
   // there is none (the wait for it ran out).
   Result<std::optional<Found>> next(const std::string& subject, std::uint64_t from) {
-    jsSubOptions so;
-    jsSubOptions_Init(&so);
-    so.Stream = config_.stream.c_str();
-    so.Config.DeliverPolicy = js_DeliverByStartSequence;
-    so.Config.OptStartSeq = std::max<std::uint64_t>(from, 1);
-    so.Config.AckPolicy = js_AckNone;
-    so.Config.FilterSubject = subject.c_str();
-    so.Config.InactiveThreshold = std::chrono::duration_cast<std::chrono::nanoseconds>(kProbeInactive).count();
-    natsSubscription* sub = nullptr;
-    jsErrCode jerr = static_cast<jsErrCode>(0);
-    natsStatus ns = js_PullSubscribe(&sub, conn_.js(), subject.c_str(), nullptr, nullptr, &so, &jerr);
-    if (ns != NATS_OK) {
+    jsConsumerConfig cc;
+    jsConsumerConfig_Init(&cc);
+    cc.DeliverPolicy = js_DeliverByStartSequence;
+    cc.OptStartSeq = std::max<std::uint64_t>(from, 1);
+    cc.AckPolicy = js_AckNone;
+    cc.FilterSubject = subject.c_str();
+    cc.InactiveThreshold = std::chrono::duration_cast<std::chrono::nanoseconds>(kProbeInactive).count();
+    Pull reader(conn_);  // deletes its consumer when it goes
+    Status s = reader.open_ephemeral(config_.stream, cc);
+    if (!s.ok()) {
       return Status::IOError(where_ + ": cannot read " + subject + " from stream seq " + std::to_string(from) +
-                             " to find where the new consumer starts: " + nats_error(ns));
+                             " to find where the new consumer starts: " + s.message());
     }
-    std::unique_ptr<natsSubscription, void (*)(natsSubscription*)> guard(sub, [](natsSubscription* s) {
-      (void)natsSubscription_Unsubscribe(s);  // deletes the ephemeral consumer
-      natsSubscription_Destroy(s);
-    });
-    jsFetchRequest req;
-    jsFetchRequest_Init(&req);
-    req.Batch = 1;
-    req.MaxBytes = config_.fetch_max_bytes;
-    req.Expires = std::chrono::duration_cast<std::chrono::nanoseconds>(config_.request_timeout).count();
-    natsMsgList list{nullptr, 0};
-    ns = natsSubscription_FetchRequest(&list, sub, &req);
-    std::unique_ptr<natsMsgList, void (*)(natsMsgList*)> list_guard(&list, [](natsMsgList* l) {
-      if (l->Msgs != nullptr) natsMsgList_Destroy(l);
-    });
-    if (list.Count == 0) {
-      if (ns == NATS_TIMEOUT || ns == NATS_NOT_FOUND) return std::optional<Found>();
+    Fetched got;
+    s = reader.fetch(1, config_.fetch_max_bytes, /*no_wait=*/false, config_.request_timeout, &got);
+    if (!s.ok()) {
       return Status::IOError(where_ + ": reading " + subject + " from stream seq " + std::to_string(from) +
-                             " to find where the new consumer starts failed: " + nats_error(ns));
+                             " to find where the new consumer starts failed: " + s.message());
     }
-    return std::optional<Found>(found(list.Msgs[0], /*stream_seq=*/0));
+    if (got.msgs.empty()) return std::optional<Found>();
+    return std::optional<Found>(found(got.msgs.front(), /*stream_seq=*/0));
   }
 
   // The subject's last message; nullopt when it has none.

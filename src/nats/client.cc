@@ -505,6 +505,140 @@ bool Connection::connected() const {
   return nc_ != nullptr && natsConnection_Status(nc_) == NATS_CONN_STATUS_CONNECTED;
 }
 
+Fetched::~Fetched() {
+  for (natsMsg* m : msgs) natsMsg_Destroy(m);
+}
+
+Pull::~Pull() {
+  if (sub_ != nullptr) {
+    (void)natsSubscription_Unsubscribe(sub_);
+    natsSubscription_Destroy(sub_);
+  }
+  if (ephemeral_ && conn_.connected()) {
+    (void)js_DeleteConsumer(conn_.js(), stream_.c_str(), consumer_.c_str(), nullptr, nullptr);
+  }
+}
+
+std::string Pull::where() const {
+  return "NATS server " + conn_.server() + ", stream " + stream_ + ", consumer " + consumer_;
+}
+
+Status Pull::subscribe(const std::string& stream, const std::string& consumer) {
+  stream_ = stream;
+  consumer_ = consumer;
+  next_subject_ = "$JS.API.CONSUMER.MSG.NEXT." + stream + "." + consumer;
+  natsInbox* inbox = nullptr;
+  natsStatus ns = natsInbox_Create(&inbox);
+  if (ns == NATS_OK) {
+    inbox_ = inbox;
+    natsInbox_Destroy(inbox);
+    ns = natsConnection_SubscribeSync(&sub_, conn_.nc(), (inbox_ + ".*").c_str());
+  }
+  if (ns != NATS_OK) {
+    sub_ = nullptr;
+    return Status::IOError(where() + ": cannot subscribe an inbox to read it: " + nats_error(ns));
+  }
+  return Status::OK();
+}
+
+Status Pull::open(const std::string& stream, const std::string& consumer) { return subscribe(stream, consumer); }
+
+Status Pull::open_ephemeral(const std::string& stream, const jsConsumerConfig& cc) {
+  jsConsumerConfig config = cc;
+  jsConsumerInfo* ci = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus ns = js_AddConsumer(&ci, conn_.js(), stream.c_str(), &config, nullptr, &jerr);
+  if (ns != NATS_OK || ci == nullptr || ci->Name == nullptr) {
+    if (ci != nullptr) jsConsumerInfo_Destroy(ci);
+    stream_ = stream;
+    return Status::IOError("NATS server " + conn_.server() + ", stream " + stream +
+                           ": cannot create a consumer to read it: " + nats_error(ns));
+  }
+  const std::string name = ci->Name;
+  jsConsumerInfo_Destroy(ci);
+  ephemeral_ = true;
+  return subscribe(stream, name);
+}
+
+namespace {
+
+// The status code of a JetStream status message ("404" no messages, "408"
+// request expired, "409" ended for another reason, "100" heartbeat): a
+// message with headers and no data whose Status header is set. nullptr for
+// a message of the stream (the NATS client's own rule).
+const char* status_of(natsMsg* m) {
+  if (natsMsg_GetDataLength(m) > 0) return nullptr;
+  const char* code = nullptr;
+  if (natsMsgHeader_Get(m, "Status", &code) != NATS_OK || code == nullptr) return nullptr;
+  return code;
+}
+
+}  // namespace
+
+Status Pull::fetch(int batch, std::int64_t max_bytes, bool no_wait, std::chrono::milliseconds wait, Fetched* out) {
+  if (sub_ == nullptr) return Status::IOError(where() + ": not open");
+  const std::string reply = inbox_ + "." + std::to_string(++requests_);
+  // The server's expiry a little before ours (as the NATS client does), so
+  // that its answer to an unfilled request arrives before we stop waiting.
+  const auto expires = wait >= std::chrono::milliseconds(20) ? wait - std::chrono::milliseconds(10) : wait;
+  std::string request = "{\"batch\":" + std::to_string(batch);
+  if (max_bytes > 0) request += ",\"max_bytes\":" + std::to_string(max_bytes);
+  request += ",\"expires\":" + std::to_string(std::chrono::nanoseconds(expires).count());
+  if (no_wait) request += ",\"no_wait\":true";
+  request += "}";
+  natsStatus ns = natsConnection_PublishRequest(conn_.nc(), next_subject_.c_str(), reply.c_str(), request.data(),
+                                                static_cast<int>(request.size()));
+  if (ns != NATS_OK) return Status::IOError(where() + ": pull request failed: " + nats_error(ns));
+  const auto deadline = Clock::now() + wait;
+  for (int got = 0; got < batch;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) break;
+    natsMsg* m = nullptr;
+    ns = natsSubscription_NextMsg(&m, sub_, left.count());
+    if (ns == NATS_TIMEOUT) break;
+    if (ns != NATS_OK) {
+      if (got > 0) break;
+      return Status::IOError(where() + ": fetch failed: " + nats_error(ns));
+    }
+    const char* code = status_of(m);
+    if (code == nullptr) {
+      out->msgs.push_back(m);
+      ++got;
+      continue;
+    }
+    // A status ends the request whose reply subject it came on; one of an
+    // earlier request (which this client stopped waiting for) means nothing now.
+    const char* subject = natsMsg_GetSubject(m);
+    const bool mine = subject != nullptr && reply == subject;
+    std::string why = code;
+    const char* description = nullptr;
+    if (natsMsgHeader_Get(m, "Description", &description) == NATS_OK && description != nullptr) {
+      why += std::string(" ") + description;
+    }
+    natsMsg_Destroy(m);
+    if (!mine || why.compare(0, 3, "100") == 0) continue;
+    if (why.compare(0, 3, "404") == 0 || why.compare(0, 3, "408") == 0 || got > 0) break;
+    return Status::IOError(where() + ": the server ended the pull request: " + why);
+  }
+  return Status::OK();
+}
+
+Result<std::uint64_t> Pull::num_pending() {
+  jsConsumerInfo* ci = nullptr;
+  jsErrCode jerr = static_cast<jsErrCode>(0);
+  natsStatus ns = js_GetConsumerInfo(&ci, conn_.js(), stream_.c_str(), consumer_.c_str(), nullptr, &jerr);
+  if (ns != NATS_OK) return Status::IOError(where() + ": cannot read the consumer's state: " + nats_error(ns));
+  const std::uint64_t pending = ci->NumPending;
+  jsConsumerInfo_Destroy(ci);
+  return pending;
+}
+
+natsStatus reply_to(Connection& conn, natsMsg* msg, const char* reply) {
+  const char* to = natsMsg_GetReply(msg);
+  if (to == nullptr || *to == '\0') return NATS_INVALID_ARG;
+  return natsConnection_PublishString(conn.nc(), to, reply);
+}
+
 std::chrono::milliseconds Backoff::next() {
   std::chrono::milliseconds d = next_;
   next_ = std::min(max_, next_ * 2);

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <nats/nats.h>
 
@@ -103,6 +104,74 @@ class Connection {
   jsCtx* js_ = nullptr;
   std::string server_;
 };
+
+// Messages a Pull read: destroyed with it (acknowledged or not).
+struct Fetched {
+  Fetched() = default;
+  ~Fetched();
+  Fetched(const Fetched&) = delete;
+  Fetched& operator=(const Fetched&) = delete;
+  std::vector<natsMsg*> msgs;
+};
+
+// Reads a JetStream pull consumer with pull requests of its own, each with
+// a reply subject of its own under one inbox subscription, instead of the
+// NATS client's natsSubscription_Fetch*. In libnats 3.4 (Debian 12 ships
+// 3.4.1) a fetch that finds messages of an earlier request still queued on
+// its subscription (delivered after that fetch stopped waiting: an answer
+// that came late, a stream leader change) takes them, asks the server for
+// the rest of its batch, and then compares the count it holds with that
+// smaller remainder: it goes on taking messages past the array it sized
+// for the batch, and corrupts the heap (nats.c #749, fixed in 3.10). Here
+// a message of an earlier request is simply the next fetch's first.
+// One thread at a time; destroy it before its Connection.
+class Pull {
+ public:
+  explicit Pull(Connection& conn) : conn_(conn) {}
+  ~Pull();  // unsubscribes, and deletes an ephemeral consumer it created
+  Pull(const Pull&) = delete;
+  Pull& operator=(const Pull&) = delete;
+
+  // Reads the existing consumer `consumer` of `stream`.
+  Status open(const std::string& stream, const std::string& consumer);
+  // Creates an ephemeral pull consumer of `stream` with `cc` (no Durable,
+  // no DeliverSubject) and reads it. The destructor deletes it; the server
+  // does too, cc.InactiveThreshold after the last read, when that fails.
+  Status open_ephemeral(const std::string& stream, const jsConsumerConfig& cc);
+
+  // Asks for up to `batch` messages (at most max_bytes in all; 0: no
+  // limit) and waits up to `wait` for them; with no_wait the server answers
+  // at once with what is ready. Appends at most `batch` messages to *out:
+  // first any an earlier request left queued, then this request's. OK with
+  // none appended when none was ready; IOError naming the consumer when the
+  // request fails or the server ends it with an error before any message.
+  Status fetch(int batch, std::int64_t max_bytes, bool no_wait, std::chrono::milliseconds wait, Fetched* out);
+  // How many messages the consumer has not delivered yet.
+  Result<std::uint64_t> num_pending();
+  // The inbox subject the requests' replies go under ("<inbox>.<n>").
+  const std::string& inbox() const { return inbox_; }
+  const std::string& consumer() const { return consumer_; }
+
+ private:
+  Status subscribe(const std::string& stream, const std::string& consumer);
+  std::string where() const;
+
+  Connection& conn_;
+  std::string stream_, consumer_;
+  bool ephemeral_ = false;
+  std::string inbox_, next_subject_;
+  natsSubscription* sub_ = nullptr;
+  std::uint64_t requests_ = 0;
+};
+
+// What a reader of a Pull's messages replies to one (JetStream's ack
+// protocol): processed, hand it back for redelivery now, or never deliver
+// it again.
+inline constexpr const char* kAck = "+ACK";
+inline constexpr const char* kNak = "-NAK";
+inline constexpr const char* kTerm = "+TERM";
+// Sends `reply` for `msg`, a message a Pull read on `conn`.
+natsStatus reply_to(Connection& conn, natsMsg* msg, const char* reply);
 
 // Doubling delays from min to max; reset after a success.
 class Backoff {

@@ -39,13 +39,6 @@ constexpr std::chrono::milliseconds kLagPollInterval{500};
 // long after its Follower stopped asking, e.g. died mid-repair.
 constexpr std::chrono::seconds kReaderInactive{30};
 
-struct MsgList {
-  natsMsgList list{nullptr, 0};
-  ~MsgList() {
-    if (list.Msgs != nullptr) natsMsgList_Destroy(&list);
-  }
-};
-
 // One fetched message, decoded once: its batch (or why it is not one) and
 // its place in the stream.
 struct Delivered {
@@ -111,7 +104,7 @@ class Follower::Impl {
     std::uint64_t first_refused = 0; // stream seq of the first message refused since the reader started; 0 none
     Clock::time_point next_read{};
     internal::Backoff backoff;
-    natsSubscription* reader = nullptr;  // on the session's connection
+    std::unique_ptr<internal::Pull> reader;  // on the session's connection
   };
 
   std::string where(const Connection& c) const {
@@ -251,6 +244,9 @@ class Follower::Impl {
         for (auto& [id, r] : impl->repairs_) impl->drop_reader(r);
       }
     } guard{this, sub};
+    internal::Pull pull(conn);  // read with our own pull requests (internal::Pull says why)
+    s = pull.open(config_.stream, consumer_);
+    if (!s.ok()) return s;
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
       stats_.connected = true;
@@ -264,25 +260,22 @@ class Follower::Impl {
       // to fetch_batch, without waiting: a long poll for a whole batch
       // would hold the first message until the batch filled or the wait
       // ran out.
-      MsgList first, more;
-      natsStatus ns = fetch(sub, 1, /*no_wait=*/false, fetch_wait(), &first);
-      if (ns == NATS_TIMEOUT || (ns == NATS_NOT_FOUND && first.list.Count == 0)) {
+      internal::Fetched got;
+      s = pull.fetch(1, config_.fetch_max_bytes, /*no_wait=*/false, fetch_wait(), &got);
+      if (!s.ok()) return s;
+      if (got.msgs.empty()) {
         if (!conn.connected()) return Status::IOError(where(conn) + ": connection lost");
         note_idle(conn);
-      } else if (ns != NATS_OK && first.list.Count == 0) {
-        return Status::IOError(where(conn) + ": fetch failed: " + internal::nats_error(ns));
       } else {
         if (config_.fetch_batch > 1) {
-          (void)fetch(sub, config_.fetch_batch - 1, /*no_wait=*/true, kNoWaitExpiry, &more);
+          (void)pull.fetch(config_.fetch_batch - 1, config_.fetch_max_bytes, /*no_wait=*/true, kNoWaitExpiry, &got);
         }
-        std::vector<natsMsg*> msgs;
-        for (int i = 0; i < first.list.Count; ++i) msgs.push_back(first.list.Msgs[i]);
-        for (int i = 0; i < more.list.Count; ++i) msgs.push_back(more.list.Msgs[i]);
         if (worker_.stopping()) {
-          for (natsMsg* m : msgs) (void)natsMsg_Nak(m, nullptr);  // hand them back at once for the next Follower
+          // hand them back at once for the next Follower
+          for (natsMsg* m : got.msgs) (void)internal::reply_to(conn, m, internal::kNak);
           break;
         }
-        s = handle(conn, msgs);
+        s = handle(conn, got.msgs);
         if (!s.ok()) return s;
       }
       for (auto& [id, r] : repairs_) {
@@ -306,16 +299,6 @@ class Follower::Impl {
       wait = std::min(wait, std::max(until, kMinFetchWait));
     }
     return wait;
-  }
-
-  natsStatus fetch(natsSubscription* sub, int batch, bool no_wait, std::chrono::milliseconds wait, MsgList* out) {
-    jsFetchRequest req;
-    jsFetchRequest_Init(&req);
-    req.Batch = batch;
-    req.MaxBytes = config_.fetch_max_bytes;
-    req.NoWait = no_wait;
-    req.Expires = static_cast<std::int64_t>(wait.count()) * 1'000'000;
-    return natsSubscription_FetchRequest(&out->list, sub, &req);
   }
 
   // Each message decoded once, its delivery noted.
@@ -352,7 +335,7 @@ class Follower::Impl {
     std::vector<Delivered> items = decode(msgs.data(), msgs.size(), /*from_consumer=*/true);
     auto hand_back = [&] {
       for (Delivered& d : items) {
-        if (!d.done) (void)natsMsg_Nak(d.msg, nullptr);
+        if (!d.done) (void)internal::reply_to(conn, d.msg, internal::kNak);
       }
     };
     std::vector<std::size_t> todo;  // indexes of the batches to apply, in order
@@ -401,7 +384,7 @@ class Follower::Impl {
       // redelivery, which the view skips.
       for (std::size_t j = 0; j < taken; ++j) {
         Delivered& d = items[todo[j]];
-        natsStatus ns = natsMsg_Ack(d.msg, nullptr);
+        natsStatus ns = internal::reply_to(conn, d.msg, internal::kAck);
         if (ns != NATS_OK) {
           hand_back();
           return Status::IOError(where(conn) + ": ack failed: " + internal::nats_error(ns));
@@ -450,34 +433,31 @@ class Follower::Impl {
     const std::string subject = internal::subject_of(config_, shard);
     if (r.rewind || r.reader == nullptr) {
       drop_reader(r);
-      jsSubOptions so;
-      jsSubOptions_Init(&so);
-      so.Stream = config_.stream.c_str();
-      so.Config.DeliverPolicy = r.read_from == 0 ? js_DeliverAll : js_DeliverByStartSequence;
-      so.Config.OptStartSeq = r.read_from;
-      so.Config.AckPolicy = js_AckNone;
-      so.Config.FilterSubject = subject.c_str();
-      so.Config.InactiveThreshold = std::chrono::duration_cast<std::chrono::nanoseconds>(kReaderInactive).count();
-      jsErrCode jerr = static_cast<jsErrCode>(0);
-      natsStatus ns = js_PullSubscribe(&r.reader, conn.js(), subject.c_str(), nullptr, nullptr, &so, &jerr);
-      if (ns != NATS_OK) {
-        r.reader = nullptr;
+      jsConsumerConfig cc;
+      jsConsumerConfig_Init(&cc);
+      cc.DeliverPolicy = r.read_from == 0 ? js_DeliverAll : js_DeliverByStartSequence;
+      cc.OptStartSeq = r.read_from;
+      cc.AckPolicy = js_AckNone;
+      cc.FilterSubject = subject.c_str();
+      cc.InactiveThreshold = std::chrono::duration_cast<std::chrono::nanoseconds>(kReaderInactive).count();
+      auto reader = std::make_unique<internal::Pull>(conn);
+      if (Status s = reader->open_ephemeral(config_.stream, cc); !s.ok()) {
         return Status::IOError(where(conn) + ": cannot read parked shard " + std::to_string(shard) + " (" + subject +
-                               " from stream seq " + std::to_string(r.read_from) + "): " + internal::nats_error(ns));
+                               " from stream seq " + std::to_string(r.read_from) + "): " + s.message());
       }
+      r.reader = std::move(reader);
       r.rewind = false;
       r.first_refused = 0;
     }
     Result<std::uint64_t> applied = view_->applied_seq(shard);
     if (!applied.ok()) return applied.status();
-    MsgList got;
-    natsStatus ns = fetch(r.reader, config_.fetch_batch, /*no_wait=*/true, kNoWaitExpiry, &got);
-    if (ns != NATS_OK && ns != NATS_TIMEOUT && ns != NATS_NOT_FOUND && got.list.Count == 0) {
+    internal::Fetched got;
+    if (Status s = r.reader->fetch(config_.fetch_batch, config_.fetch_max_bytes, /*no_wait=*/true, kNoWaitExpiry, &got);
+        !s.ok()) {
       return Status::IOError(where(conn) + ": reading parked shard " + std::to_string(shard) + " (" + subject +
-                             ") failed: " + internal::nats_error(ns));
+                             ") failed: " + s.message());
     }
-    std::vector<Delivered> items =
-        decode(got.list.Msgs, static_cast<std::size_t>(std::max(got.list.Count, 0)), /*from_consumer=*/false);
+    std::vector<Delivered> items = decode(got.msgs.data(), got.msgs.size(), /*from_consumer=*/false);
     const bool at_end = !items.empty() && items.back().pending == 0;
     // The run that continues the view's seq; a message past it is a gap for
     // now (judged without a view call), one before it already applied.
@@ -577,14 +557,12 @@ class Follower::Impl {
 
   void drop_reader(Repair& r) {
     if (r.reader == nullptr) return;
-    (void)natsSubscription_Unsubscribe(r.reader);  // deletes the ephemeral consumer
-    natsSubscription_Destroy(r.reader);
-    r.reader = nullptr;
+    r.reader.reset();  // deletes the ephemeral consumer
     r.rewind = true;
   }
 
   Status terminate(Connection& conn, Delivered* d) {
-    natsStatus ns = natsMsg_Term(d->msg, nullptr);
+    natsStatus ns = internal::reply_to(conn, d->msg, internal::kTerm);
     if (ns != NATS_OK) return Status::IOError(where(conn) + ": terminating a refused message failed: " +
                                               internal::nats_error(ns));
     d->done = true;

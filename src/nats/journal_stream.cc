@@ -9,23 +9,6 @@ namespace tidal::nats::internal {
 
 namespace {
 
-struct MsgList {
-  natsMsgList list{nullptr, 0};
-  ~MsgList() {
-    if (list.Msgs != nullptr) natsMsgList_Destroy(&list);
-  }
-};
-
-struct SubGuard {
-  natsSubscription* sub = nullptr;
-  ~SubGuard() {
-    if (sub != nullptr) {
-      (void)natsSubscription_Unsubscribe(sub);  // deletes the ephemeral consumer
-      natsSubscription_Destroy(sub);
-    }
-  }
-};
-
 // The server deletes the reader's ephemeral consumer this long after the
 // reader stopped asking (a recovery that died mid-read).
 constexpr std::chrono::seconds kReaderInactive{30};
@@ -59,46 +42,35 @@ Result<std::vector<JournalEntry>> read_journal_stream(Connection& conn, const Co
   if (!end.ok()) return Status::Corruption(where + ": " + end.status().message());
   if (end->seq <= after_seq) return out;
 
-  SubGuard reader;
-  jsSubOptions so;
-  jsSubOptions_Init(&so);
-  so.Stream = journal.stream.c_str();
-  so.Config.DeliverPolicy = js_DeliverAll;
-  so.Config.AckPolicy = js_AckNone;
-  so.Config.FilterSubject = subject.c_str();
-  so.Config.InactiveThreshold = std::chrono::duration_cast<std::chrono::nanoseconds>(kReaderInactive).count();
-  jerr = static_cast<jsErrCode>(0);
-  ns = js_PullSubscribe(&reader.sub, conn.js(), subject.c_str(), nullptr, nullptr, &so, &jerr);
-  if (ns != NATS_OK) {
-    reader.sub = nullptr;
-    return Status::IOError(where + ": cannot read the entries: " + nats_error(ns));
+  jsConsumerConfig cc;
+  jsConsumerConfig_Init(&cc);
+  cc.DeliverPolicy = js_DeliverAll;
+  cc.AckPolicy = js_AckNone;
+  cc.FilterSubject = subject.c_str();
+  cc.InactiveThreshold = std::chrono::duration_cast<std::chrono::nanoseconds>(kReaderInactive).count();
+  Pull reader(conn);  // deletes its consumer when it goes
+  if (Status s = reader.open_ephemeral(journal.stream, cc); !s.ok()) {
+    return Status::IOError(where + ": cannot read the entries: " + s.message());
   }
   // The subject's messages still to deliver: each fetch asks for no more
   // than remain, so it returns once they came (a fetch for more waits until
   // it expires).
-  jsConsumerInfo* ci = nullptr;
-  jerr = static_cast<jsErrCode>(0);
-  ns = natsSubscription_GetConsumerInfo(&ci, reader.sub, nullptr, &jerr);
-  if (ns != NATS_OK) return Status::IOError(where + ": cannot read the reader's state: " + nats_error(ns));
-  std::uint64_t remaining = ci->NumPending;
-  jsConsumerInfo_Destroy(ci);
+  Result<std::uint64_t> pending = reader.num_pending();
+  if (!pending.ok()) return Status::IOError(where + ": " + pending.status().message());
+  std::uint64_t remaining = *pending;
   std::uint64_t next = after_seq + 1;
   std::uint64_t read_to = 0;  // the stream sequence read through
   while (read_to < end_at && remaining > 0) {
-    MsgList got;
-    jsFetchRequest req;
-    jsFetchRequest_Init(&req);
-    req.Batch = static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(journal.fetch_batch, 1)), remaining));
-    req.MaxBytes = journal.fetch_max_bytes;
-    req.Expires = static_cast<std::int64_t>(journal.request_timeout.count()) * 1'000'000;
-    ns = natsSubscription_FetchRequest(&got.list, reader.sub, &req);
-    if (got.list.Count <= 0) {
+    Fetched got;
+    const int batch = static_cast<int>(
+        std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(journal.fetch_batch, 1)), remaining));
+    Status s = reader.fetch(batch, journal.fetch_max_bytes, /*no_wait=*/false, journal.request_timeout, &got);
+    if (got.msgs.empty()) {
       return Status::IOError(where + ": reading the entries after seq " + std::to_string(next - 1) + " (through seq " +
-                             std::to_string(end->seq) + ") failed: " + nats_error(ns == NATS_OK ? NATS_TIMEOUT : ns));
+                             std::to_string(end->seq) + ") failed: " + (s.ok() ? std::string("timed out") : s.message()));
     }
-    remaining -= std::min<std::uint64_t>(remaining, static_cast<std::uint64_t>(got.list.Count));
-    for (int i = 0; i < got.list.Count; ++i) {
-      natsMsg* m = got.list.Msgs[i];
+    remaining -= std::min<std::uint64_t>(remaining, got.msgs.size());
+    for (natsMsg* m : got.msgs) {
       jsMsgMetaData* meta = nullptr;
       if (natsMsg_GetMetaData(&meta, m) == NATS_OK) {
         read_to = std::max<std::uint64_t>(read_to, meta->Sequence.Stream);
