@@ -62,6 +62,12 @@
 //     flushes, leaves <user>, prints "R", and purges it with a hook
 //     (Db::Impl::after_purge_intent_for_testing) that prints "I" and SIGKILLs
 //     the process once the purge's intent is durable, before its batch.
+//   tidal_crash_child backup <db-path> <backup-dir> <step>
+//     Opens the Db, joins users 40 and 41 to community 40, signals each on
+//     item 1 (weight 1.5) with cohort 40, flushes, prints "R", and backs up
+//     into <backup-dir>, SIGKILLing itself when the backup reaches <step>
+//     (Storage::step_for_testing "backup"); prints "E ..." and exits 3 if
+//     it never does.
 //   tidal_crash_child open <db-path> [<backfill-batch>]
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
@@ -353,6 +359,22 @@ int run_journal_purge(const std::string& path, std::uint64_t user) {
   return 3;
 }
 
+int run_backup(const std::string& path, const std::string& backup_dir, int step) {
+  auto db = tidal::Db::open(path);
+  if (!db.ok()) fail("open", db.status());
+  for (std::uint64_t u : {std::uint64_t{40}, std::uint64_t{41}}) {
+    if (tidal::Status s = (*db)->join_community(u, 40); !s.ok()) fail("join", s);
+    auto out = (*db)->signal_with_context({u, 1, 1.5}, tidal::SignalContext{{40}});
+    if (!out.ok()) fail("signal", out.status());
+  }
+  if (tidal::Status s = (*db)->flush(); !s.ok()) fail("flush", s);
+  say("R");
+  kill_at_step("backup", step);
+  tidal::Status s = (*db)->backup(backup_dir);
+  say("E the backup returned (" + s.to_string() + ") without reaching step " + std::to_string(step));
+  return 3;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -361,6 +383,7 @@ int main(int argc, char** argv) {
     return run_ops(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
   if (mode == "stamps" && argc == 4) return run_stamps(argv[2], std::strtoull(argv[3], nullptr, 10));
+  if (mode == "backup" && argc == 5) return run_backup(argv[2], argv[3], std::atoi(argv[4]));
   if (mode == "open" && (argc == 3 || argc == 4)) return run_open(argv[2], argc == 4 ? std::atoi(argv[3]) : 0);
   if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "journal-purge" && argc == 4) return run_journal_purge(argv[2], std::strtoull(argv[3], nullptr, 10));

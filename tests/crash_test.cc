@@ -938,5 +938,63 @@ TEST(CrashTest, APurgeKilledBetweenItsJournaledIntentAndItsBatchIsFinishedByTheN
   ASSERT_OK((*db)->close());
 }
 
+// A backup SIGKILLed at each of its steps: once the Db is opened again,
+// nothing of it is left beside the backup directory (no staging copy
+// holding ledger records that later purges erase from the Db, no
+// directory without its manifest), and the Db's directory holds no marker;
+// killed after its rename, the backup is whole and opens recovering
+// (issue 41, item 5).
+TEST(CrashTest, ABackupKilledAtAnyStepLeavesNothingButAWholeBackupOnceTheDbIsOpenedAgain) {
+  for (int step = 1; step <= 5; ++step) {
+    SCOPED_TRACE("killed at backup step " + std::to_string(step));
+    TempDir dir;
+    const std::string path = dir.path() + "/db";
+    const std::string root = dir.path() + "/backups";
+    ASSERT_TRUE(std::filesystem::create_directory(root));
+    const std::string backup = root + "/b1";
+    {
+      Child child({"backup", path, backup, std::to_string(step)});
+      std::vector<std::string> lines;
+      while (child.read_lines(std::chrono::milliseconds(100), &lines)) {
+      }
+      for (const std::string& line : lines) {
+        if (line != "R") ADD_FAILURE() << "child said: " << line;
+      }
+      const int status = child.wait();
+      ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+    }
+    auto entries = [](const std::string& d) {
+      std::set<std::string> names;
+      for (const auto& e : std::filesystem::directory_iterator(d)) names.insert(e.path().filename().string());
+      return names;
+    };
+    const std::set<std::string> left_by_kill = entries(root);
+    if (step >= 2 && step <= 4) {
+      EXPECT_EQ(left_by_kill.size(), 1u) << "the killed backup left no staging copy";
+    }
+    {
+      auto db = Db::open(path);
+      ASSERT_TRUE(db.ok()) << db.status().to_string();
+      for (const std::string& name : entries(path)) {
+        EXPECT_NE(name.rfind("TIDAL_BACKUP_PENDING", 0), 0u) << name << " left in the Db's directory";
+      }
+      // The users whose records a leftover copy would keep.
+      ASSERT_OK((*db)->leave_community_layer(40));
+      ASSERT_OK((*db)->purge_community_contributions(40));
+      ASSERT_OK((*db)->close());
+    }
+    if (step < 5) {
+      EXPECT_TRUE(entries(root).empty()) << "left beside the backup: " << *entries(root).begin();
+      EXPECT_TRUE(testing::scan_files(root, 40).found.empty());
+    } else {
+      EXPECT_EQ(entries(root), std::set<std::string>{"b1"});
+      EXPECT_TRUE(std::filesystem::exists(backup + "/TIDAL_BACKUP"));
+      auto copy = Db::open(backup);
+      ASSERT_TRUE(copy.ok()) << copy.status().to_string();
+      EXPECT_TRUE((*copy)->stats().recovering);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tidal::reliability

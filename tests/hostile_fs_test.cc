@@ -563,5 +563,59 @@ TEST(HostileFsTest, TrailingSlashDotAndDoubleSlashAreBusyAndKeepTheLock) {
   expect_reopens_clean(std::move(held), db + "/", 14);
 }
 
+// ---- A backup onto a disk that fills up at any point (issue 41, item 5) ----
+
+// Backups into a tmpfs left with a little more room each time, from none
+// to enough: each one either succeeds whole (its manifest in place, it
+// opens recovering) or fails with an error naming what failed and leaves
+// nothing on the disk (no staging copy, no directory without a manifest,
+// no marker in the Db's directory). The Db is elsewhere, so the files are
+// copied, filling the disk at every point of the copy and at the manifest.
+TEST(HostileFsTest, ABackupOntoADiskThatFillsUpAtAnyPointFailsAndLeavesNothing) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  auto disk = Mount::tmpfs(8 << 20);
+  ASSERT_NE(disk, nullptr);
+  TempDir dir;
+  auto db = Db::open(dir.sub("db"));
+  ASSERT_TRUE(db.ok()) << db.status().to_string();
+  for (std::uint64_t u = 1; u <= 200; ++u) {
+    ASSERT_OK((*db)->join_community(u, u % 7));
+    ASSERT_TRUE((*db)->signal_with_context({u, u % 50, 1.0}, SignalContext{{u % 11}}).ok());
+  }
+  ASSERT_OK((*db)->flush());
+  std::size_t failures = 0, at_manifest = 0;
+  bool whole = false;
+  for (std::size_t keep = 0; keep <= (4u << 20) && !whole; keep += 4096) {
+    disk->fill_leaving(keep);
+    const std::string backup = disk->dir() + "/b" + std::to_string(keep);
+    Status s = (*db)->backup(backup);
+    if (s.ok()) {
+      whole = true;
+      EXPECT_TRUE(fs::exists(backup + "/TIDAL_BACKUP"));
+      std::printf("full tmpfs: %zu backups failed (%zu at the manifest), then one succeeded with %zu KiB free\n",
+                  failures, at_manifest, keep >> 10);
+    } else {
+      ++failures;
+      EXPECT_EQ(s.code(), StatusCode::IOError) << s.to_string();
+      if (s.message().find("manifest") != std::string::npos) ++at_manifest;
+    }
+    std::vector<std::string> left;
+    for (const auto& e : fs::directory_iterator(disk->dir())) {
+      const std::string name = e.path().filename().string();
+      if (name != "filler" && !(whole && name == fs::path(backup).filename().string())) left.push_back(name);
+    }
+    EXPECT_TRUE(left.empty()) << "with " << keep << " bytes free, the backup (" << s.to_string() << ") left "
+                              << left.front();
+    for (const auto& e : fs::directory_iterator(dir.sub("db"))) {
+      EXPECT_NE(e.path().filename().string().rfind("TIDAL_BACKUP_PENDING", 0), 0u) << e.path();
+    }
+    disk->free_space();
+  }
+  ASSERT_TRUE(whole) << "no backup succeeded with up to 4 MiB free";
+  EXPECT_GT(failures, 10u);
+  EXPECT_GT(at_manifest, 0u) << "no backup failed at its manifest";
+  ASSERT_OK((*db)->close());
+}
+
 }  // namespace
 }  // namespace tidal

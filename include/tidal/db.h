@@ -518,7 +518,10 @@ class Db {
   // where the file system allows (the same one as the Db), copied
   // otherwise. Signals, leaves and purges go on meanwhile. InvalidArgument
   // naming what was wrong (dir exists, no parent, a read-only Db); nothing of
-  // `dir` is left when it fails.
+  // `dir` is left when it fails. The copy is assembled in
+  // "<dir>.tidal-backup-tmp" and renamed to `dir` once whole; a backup
+  // killed mid-way leaves that directory, which the Db's next writable open
+  // removes (a marker in the Db's directory names it).
   Status backup(const std::string& dir) const;
   // A Db opened from a backup (a directory holding its manifest) is
   // recovering: signals and every call that reads or changes a user's

@@ -26,9 +26,11 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include <rocksdb/utilities/checkpoint.h>
@@ -75,6 +77,28 @@ Status checkpoint(rocksdb::DB* db, const std::string& dir, const std::string& wh
   return from_rocksdb(cp->CreateCheckpoint(dir, /*log_size_for_flush=*/0), what);
 }
 
+// Writes `text` to a new file at `path`, then fsyncs it and its directory.
+Status write_file_durably(const std::string& path, const std::string& text, const std::string& what) {
+  {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out) {
+      std::error_code ec;
+      fs::remove(path, ec);
+      return Status::IOError(what + ": writing '" + path + "' failed (" + std::strerror(errno) + ")");
+    }
+  }
+  for (const std::string& p : {path, parent_of(path)}) {
+    if (std::string error = sync_path(p); !error.empty()) {
+      std::error_code ec;
+      fs::remove(path, ec);
+      return Status::IOError(what + ": fsync of '" + p + "' failed: " + error);
+    }
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Status Db::Impl::backup(const std::string& dir) const {
@@ -99,14 +123,40 @@ Status Db::Impl::backup(const std::string& dir) const {
     if (!fs::is_directory(parent, ec)) {
       return Status::InvalidArgument(what + ": its parent directory '" + parent + "' does not exist");
     }
-    const std::string state_tmp = dir + ".state-tmp";
-    if (fs::exists(fs::symlink_status(state_tmp, ec))) {
-      return Status::InvalidArgument(what + ": '" + state_tmp +
-                                     "' exists (left by a backup that failed): remove it and try again");
+    // Everything is made in `staging` and renamed to `dir` once whole, so
+    // `dir` never exists without its manifest (a directory holding the
+    // engines but no manifest would open as a Db that is not recovering).
+    // The engines are copied into subdirectories of `staging`: RocksDB's
+    // own temporary directory is then inside it too.
+    const std::string staging = fs::absolute(fs::path(dir).lexically_normal(), ec).string() + kBackupStagingSuffix;
+    if (fs::exists(fs::symlink_status(staging, ec))) {
+      return Status::InvalidArgument(what + ": '" + staging +
+                                     "' exists (another backup into the same directory is running, or one was "
+                                     "killed and its Db not opened since: remove it and try again)");
     }
+    // The marker, durable before anything is copied: after a crash the
+    // next open removes `staging`, which holds ledger records that later
+    // purges erase from the Db (and from no copy of them).
+    char hash[17];
+    std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(std::hash<std::string>{}(staging)));
+    const std::string marker = storage_->path() + "/" + kBackupPendingPrefix + hash;
+    if (Status s = write_file_durably(marker, staging + "\n", what + ": its pending marker"); !s.ok()) return s;
+    Storage::test_step("backup", 1);
+    auto abandon = [&](Status s) {
+      fs::remove_all(staging, ec);
+      if (!ec) {
+        fs::remove(marker, ec);
+        (void)sync_path(storage_->path());
+      }
+      return s;
+    };
+    const std::string users_copy = staging + "/users";
+    const std::string state_copy = staging + "/state";
     const auto start = std::chrono::steady_clock::now();
+    fs::create_directory(staging, ec);
+    if (ec) return abandon(Status::IOError(what + ": creating '" + staging + "' failed: " + ec.message()));
     // Everything acknowledged before the call is in the copy.
-    if (Status s = state_->flush(); !s.ok()) return s;
+    if (Status s = state_->flush(); !s.ok()) return abandon(s);
     std::ostringstream manifest;
     manifest << "tidal backup\n"
              << "format 3\n"
@@ -122,7 +172,7 @@ Status Db::Impl::backup(const std::string& dir) const {
     std::unique_lock<std::shared_mutex> no_purge(backup_mu_);
     // The state engine's copy and the feed's position at one batch boundary.
     Status s = state_->between_batches([&]() -> Status {
-      if (Status c = checkpoint(storage_->db(Storage::Engine::State), state_tmp, what + ": the state engine");
+      if (Status c = checkpoint(storage_->db(Storage::Engine::State), state_copy, what + ": the state engine");
           !c.ok()) {
         return c;
       }
@@ -135,42 +185,69 @@ Status Db::Impl::backup(const std::string& dir) const {
       }
       return Status::OK();
     });
+    if (s.ok()) Storage::test_step("backup", 2);
     if (s.ok() && between_backup_copies_for_testing) between_backup_copies_for_testing();
     // The journal's position, read before the users engine is copied: the
     // copy holds at least these entries (the restored Db's
     // last_journal_seq() is exact).
     if (s.ok() && journal_) manifest << "journal_last_seq " << journal_->last_seq() << "\n";
-    if (s.ok()) s = checkpoint(storage_->db(Storage::Engine::Users), dir, what + ": the users engine");
+    if (s.ok()) s = checkpoint(storage_->db(Storage::Engine::Users), users_copy, what + ": the users engine");
     no_purge.unlock();
-    if (!s.ok()) {
-      fs::remove_all(state_tmp, ec);
-      fs::remove_all(dir, ec);
-      return s;
-    }
-    const std::string state_dir = state_engine_dir(dir);
-    fs::rename(state_tmp, state_dir, ec);
+    if (!s.ok()) return abandon(s);
+    Storage::test_step("backup", 3);
+    fs::rename(state_copy, state_engine_dir(users_copy), ec);
     if (ec) {
-      fs::remove_all(state_tmp, ec);
-      fs::remove_all(dir, ec);
-      return Status::IOError(what + ": moving the state engine's copy into place failed: " + ec.message());
+      return abandon(Status::IOError(what + ": moving the state engine's copy into place failed: " + ec.message()));
     }
-    const bool linked = same_file_system(dir, storage_->path());
+    const bool linked = same_file_system(staging, storage_->path());
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     manifest << "files " << (linked ? "linked" : "copied") << "\nseconds " << seconds << "\n";
-    const std::string path = dir + "/" + kBackupManifest;
-    {
-      std::ofstream out(path, std::ios::binary | std::ios::trunc);
-      out << manifest.str();
-      out.flush();
-      if (!out) return Status::IOError(what + ": writing " + path + " failed");
+    if (Status w = write_file_durably(users_copy + "/" + kBackupManifest, manifest.str(), what + ": its manifest");
+        !w.ok()) {
+      return abandon(w);
     }
-    for (const std::string& p : {path, dir, parent}) {
+    for (const std::string& p : {state_engine_dir(users_copy), users_copy}) {
       if (std::string error = sync_path(p); !error.empty()) {
-        return Status::IOError(what + ": fsync of '" + p + "' failed: " + error);
+        return abandon(Status::IOError(what + ": fsync of '" + p + "' failed: " + error));
       }
     }
-    return Status::OK();
+    Storage::test_step("backup", 4);
+    fs::rename(users_copy, dir, ec);
+    if (ec) return abandon(Status::IOError(what + ": renaming the copy to '" + dir + "' failed: " + ec.message()));
+    if (std::string error = sync_path(parent); !error.empty()) {
+      fs::remove_all(dir, ec);
+      return abandon(Status::IOError(what + ": fsync of '" + parent + "' failed: " + error));
+    }
+    Storage::test_step("backup", 5);
+    // The backup is whole: what is left is an empty directory and the
+    // marker, which the next open removes if this fails.
+    return abandon(Status::OK());
   });
+}
+
+void Db::Impl::remove_unfinished_backups() {
+  std::error_code ec;
+  bool removed = false;
+  for (const auto& e : fs::directory_iterator(storage_->path(), ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(kBackupPendingPrefix, 0) != 0) continue;
+    std::string staging;
+    {
+      std::ifstream in(e.path(), std::ios::binary);
+      std::getline(in, staging);
+    }
+    // Only ever a staging directory (the marker names nothing else).
+    const std::string suffix = kBackupStagingSuffix;
+    std::error_code rm;
+    if (staging.size() > suffix.size() && staging.compare(staging.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      fs::remove_all(staging, rm);
+    }
+    if (!rm) {
+      fs::remove(e.path(), rm);
+      removed = true;
+    }
+  }
+  if (removed) (void)sync_path(storage_->path());
 }
 
 Status Db::Impl::load_recovery_state() {

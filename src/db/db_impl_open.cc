@@ -176,6 +176,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     if (Status s = impl->load_recovery_state(); !s.ok()) return s;
     impl->clock_.start_above(std::max(*floor, leaves.max_timestamp));
     if (!options.read_only) {
+      impl->remove_unfinished_backups();
       // Leased stamps are taken only for a ContributionSink: with one, the
       // lease's early renewals run on the clock's thread, not in a signal.
       if (options.contribution_sink) impl->clock_.start_renewing();

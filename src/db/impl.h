@@ -64,6 +64,9 @@ class Db::Impl {
   Status recovering_status(const char* what) const;
   // At open: a backup's manifest in the directory makes the Db recovering.
   Status load_recovery_state();
+  // At a writable open: removes what backups killed mid-way left (their
+  // staging directories, which hold ledger records later purges erased).
+  void remove_unfinished_backups();
   // One journal entry of replay_journal, at `seq` (db/replay.cc).
   // A run of leave and rejoin entries, seqs first_seq.., in one write.
   Status replay_memberships(std::span<const JournalRecord> run, std::uint64_t first_seq, const std::string& what);

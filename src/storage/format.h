@@ -138,6 +138,12 @@ inline constexpr char kFeedIncarnationKey[] = "feed_incarnation";
 // The manifest of a backup (Db::backup), in its directory: a Db directory
 // that holds it is recovering until finish_recovery() removes it.
 inline constexpr char kBackupManifest[] = "TIDAL_BACKUP";
+// A backup is assembled in "<dir>" + kBackupStagingSuffix and renamed to
+// <dir> once whole; while it runs, a file named kBackupPendingPrefix + a
+// hash of that path in the Db's directory names it, so that an open after
+// a crash removes what a killed backup left (db/backup.cc).
+inline constexpr char kBackupStagingSuffix[] = ".tidal-backup-tmp";
+inline constexpr char kBackupPendingPrefix[] = "TIDAL_BACKUP_PENDING-";
 inline constexpr std::size_t kIncarnationBytes = 16;
 
 // "clock_floor/" + [stripe: 8 bytes BE].

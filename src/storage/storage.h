@@ -240,6 +240,10 @@ class Storage {
   //                     (feed/change_feed.cc)
   //   "reseed"          1: after a re-seed read the aggregates, before its
   //                     snapshot is written (feed/change_feed.cc)
+  //   "backup"          1: its pending marker written; 2: the state engine
+  //                     copied; 3: the users engine copied; 4: assembled
+  //                     with its manifest, before the rename into place;
+  //                     5: renamed, before the marker is removed (db/backup.cc)
   static inline std::function<void(std::string_view task, int step)> step_for_testing;
   // Calls step_for_testing, if set.
   static void test_step(std::string_view task, int step) {

@@ -82,7 +82,8 @@ bool complete(const fs::path& backup) {
 }
 
 // Backups b1, b2, ... in `dir`: the next number, after removing what a
-// killed backup left (no manifest, or a .state-tmp directory).
+// killed backup left (a staging directory, which the Db's next open removes
+// as well, or a backup of an older tidal without its manifest).
 std::uint64_t clean_backups(const fs::path& dir) {
   std::uint64_t last = 0;
   std::error_code ec;
