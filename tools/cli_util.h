@@ -1,14 +1,18 @@
 // Small helpers shared by tidalctl and tidal-demo: strict user-id parsing,
-// ISO-8601 timestamps, JSON string escaping and a terminal-aware progress bar.
-// Header-only; uses nothing but the standard library and POSIX isatty.
+// ISO-8601 timestamps, JSON string escaping, a terminal-aware progress bar
+// and fsync of a path. Header-only; uses nothing but the standard library and
+// POSIX.
 #ifndef TIDAL_TOOLS_CLI_UTIL_H_
 #define TIDAL_TOOLS_CLI_UTIL_H_
 
+#include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <optional>
 #include <string>
@@ -133,6 +137,16 @@ class ProgressBar {
   Clock::time_point last_draw_;
   std::uint64_t last_decile_ = 0;
 };
+
+// fsync of a file or directory: "" when it succeeded, else the errno text.
+inline std::string fsync_path(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::strerror(errno);
+  const bool ok = ::fsync(fd) == 0;
+  const std::string error = ok ? std::string() : std::strerror(errno);
+  ::close(fd);
+  return error;
+}
 
 }  // namespace tidal::cli
 

@@ -12,11 +12,13 @@
 #ifdef TIDAL_HAVE_NATS
 #include <tidal/nats.h>
 #endif
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <charconv>
+#include <cstdlib>
 #include <cstdio>
 #include <chrono>
 #include <filesystem>
@@ -75,7 +77,9 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
                    then delete all but the N newest backups in DIR (old
                    backups still hold what later purges erased: keep few)
   restore BACKUP   make --db PATH (which must not exist) a copy of BACKUP (table
-                   files hard-linked, the rest copied; BACKUP stays usable). The
+                   files hard-linked, the rest copied, made durable in
+                   PATH.tidal-restore-tmp and renamed to PATH when whole;
+                   BACKUP stays usable). The
                    Db is then recovering: it refuses signals and user-status
                    calls until the privacy journal's entries after the backup
                    are replayed and finish-recovery runs
@@ -487,15 +491,37 @@ int cmd_restore(const std::string& backup, const std::string& path, const Args& 
     std::fprintf(stderr, "tidalctl: restore: '%s' already exists; restore into a new directory\n", path.c_str());
     return kExitUsage;
   }
+  // The copy is made in `staging`, made durable, and renamed to `path`
+  // once whole: a restore killed mid-copy never leaves `path` holding the
+  // engines without the manifest (it would open as a Db that is not
+  // recovering and serve the backup's state without the journal's replay).
+  const std::string staging = path + ".tidal-restore-tmp";
+  if (fs::exists(fs::symlink_status(staging, ec))) {
+    fs::remove_all(staging, ec);  // what a killed restore into `path` left
+    if (ec) {
+      std::fprintf(stderr, "tidalctl: restore: removing '%s' (left by a restore that was killed) failed: %s\n",
+                   staging.c_str(), ec.message().c_str());
+      return kExitFailed;
+    }
+  }
+  // Tests only: SIGKILL before the n-th file is copied, or ("rename") before
+  // the copy is renamed into place (tools/tests/cli_test.sh).
+  const char* kill_at = std::getenv("TIDAL_TEST_KILL_RESTORE_AT");
+  const auto maybe_kill = [kill_at](const std::string& step) {
+    if (kill_at != nullptr && step == kill_at) ::raise(SIGKILL);
+  };
   std::uint64_t linked = 0, copied = 0;
-  fs::create_directories(path, ec);
+  std::vector<fs::path> written{staging};  // what is fsynced before the rename
+  fs::create_directories(staging, ec);
   for (auto it = fs::recursive_directory_iterator(backup, ec); !ec && it != fs::recursive_directory_iterator();
        it.increment(ec)) {
-    const fs::path to = fs::path(path) / fs::relative(it->path(), backup, ec);
+    const fs::path to = fs::path(staging) / fs::relative(it->path(), backup, ec);
+    written.push_back(to);
     if (it->is_directory(ec)) {
       fs::create_directories(to, ec);
       continue;
     }
+    maybe_kill(std::to_string(linked + copied + 1));
     if (it->path().extension() == ".sst") {
       fs::create_hard_link(it->path(), to, ec);
       if (!ec) {
@@ -507,10 +533,29 @@ int cmd_restore(const std::string& backup, const std::string& path, const Args& 
     fs::copy_file(it->path(), to, ec);
     ++copied;
   }
-  if (ec) {
+  std::string failed = ec ? ec.message() : std::string();
+  // Files first, then their directories (deepest first), then the parent
+  // after the rename.
+  for (auto p = written.rbegin(); failed.empty() && p != written.rend(); ++p) {
+    if (std::string error = tidal::cli::fsync_path(p->string()); !error.empty()) {
+      failed = "fsync of '" + p->string() + "': " + error;
+    }
+  }
+  if (failed.empty()) {
+    maybe_kill("rename");
+    fs::rename(staging, path, ec);
+    if (ec) failed = "renaming '" + staging + "' to '" + path + "': " + ec.message();
+  }
+  if (failed.empty()) {
+    const fs::path parent = fs::absolute(fs::path(path), ec).lexically_normal().parent_path();
+    if (std::string error = tidal::cli::fsync_path(parent.string()); !error.empty()) {
+      failed = "fsync of '" + parent.string() + "': " + error;
+    }
+  }
+  if (!failed.empty()) {
     std::fprintf(stderr, "tidalctl: restore of '%s' into '%s' failed: %s\n", backup.c_str(), path.c_str(),
-                 ec.message().c_str());
-    fs::remove_all(path, ec);
+                 failed.c_str());
+    fs::remove_all(staging, ec);
     return kExitFailed;
   }
   if (args.nats) return replay_journal(backup, path, args, linked, copied);

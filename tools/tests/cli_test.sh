@@ -205,6 +205,20 @@ t --db "$WORK/restored" --json finish-recovery; rc_is 0; json 'd["was_recovering
 t --db "$WORK/restored" finish-recovery; rc_is 0; out_has 'was not recovering'
 t --db "$WORK/restored" status 4; rc_is 0; out_has 'Left'
 [ -f "$WORK/backups/$newest/TIDAL_BACKUP" ] || fail "the restore must leave the backup as it was"
+# A restore SIGKILLed before its n-th file or before its rename leaves no
+# Db at the path (none without the manifest, which would open as a Db that
+# is not recovering); the next restore removes the partial copy and succeeds.
+nfiles=$(find "$WORK/backups/$newest" -type f | wc -l)
+for at in 1 2 $((nfiles / 2)) "$nfiles" rename; do
+  last="TIDAL_TEST_KILL_RESTORE_AT=$at tidalctl restore"
+  (TIDAL_TEST_KILL_RESTORE_AT=$at "$CTL" --db "$WORK/killed-$at" restore "$WORK/backups/$newest" >"$OUT" 2>"$ERR") 2>/dev/null
+  rc=$?
+  rc_is 137
+  checks=$((checks + 1)); [ ! -e "$WORK/killed-$at" ] || fail "a restore killed at $at left $WORK/killed-$at"
+  t --db "$WORK/killed-$at" restore "$WORK/backups/$newest"; rc_is 0; out_has 'It is recovering'
+  checks=$((checks + 1)); [ ! -e "$WORK/killed-$at.tidal-restore-tmp" ] || fail "the partial copy of the restore killed at $at is left"
+  t --db "$WORK/killed-$at" status 4; rc_is 1; err_has 'recovering from a backup'
+done
 t --db "$WORK/restored" status 4 --nats nats://127.0.0.1:1; rc_is 2; err_has 'apply to restore only'
 t --db "$WORK/restored3" restore "$WORK/backups/$newest" --journal-stream J; rc_is 2; err_has 'need --nats SERVERS'
 [ ! -e "$WORK/restored3" ] || fail "a refused restore must not create its directory"
