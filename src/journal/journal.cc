@@ -162,6 +162,14 @@ Result<std::vector<JournalEntry>> Journal::read(std::uint64_t after_seq, std::si
   std::vector<JournalEntry> out;
   std::size_t bytes = 0;
   if (after_seq >= last) return out;
+  // Without sync_writes an entry is written before it is durable: it is
+  // read (and published) only once it is, or a power cut could take back
+  // an entry the stream holds, and the Db would write its seq again with
+  // other content. The entries through `last` were written before this
+  // sync began (it waits for one under way).
+  if (mode_ == Storage::WriteMode::Async) {
+    if (Status s = storage_->sync_users_wal(); !s.ok()) return s;
+  }
   auto it = storage_->iterator(storage_->meta());
   for (it->Seek(encode_journal_key(after_seq + 1));
        it->Valid() && after_seq + out.size() < last && (out.empty() || bytes < max_bytes); it->Next()) {
