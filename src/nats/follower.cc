@@ -449,8 +449,16 @@ class Follower::Impl {
       r.rewind = false;
       r.first_refused = 0;
     }
-    Result<std::uint64_t> applied = view_->applied_seq(shard);
-    if (!applied.ok()) return applied.status();
+    Result<std::vector<ShardProgress>> progress = view_->applied_shards();
+    if (!progress.ok()) return progress.status();
+    std::uint64_t applied = 0;
+    std::string incarnation;  // of the shard's feed the view applied (empty: not known)
+    for (const ShardProgress& p : *progress) {
+      if (p.shard_id == shard) {
+        applied = p.applied_seq;
+        incarnation = p.incarnation;
+      }
+    }
     internal::Fetched got;
     if (Status s = r.reader->fetch(config_.fetch_batch, config_.fetch_max_bytes, /*no_wait=*/true, kNoWaitExpiry, &got);
         !s.ok()) {
@@ -463,7 +471,7 @@ class Follower::Impl {
     // now (judged without a view call), one before it already applied.
     std::vector<ChangeBatch> run;
     std::vector<std::uint64_t> run_stream_seqs;
-    std::uint64_t next = *applied + 1;
+    std::uint64_t next = applied + 1;
     std::optional<Status> refusal;
     auto refuse = [&](std::uint64_t stream_seq, Status why) {
       if (r.first_refused == 0 || stream_seq < r.first_refused) r.first_refused = stream_seq;
@@ -472,6 +480,14 @@ class Follower::Impl {
     for (Delivered& d : items) {
       if (!d.batch) {
         // not a batch of any shard: nothing waits for it (as on the consumer)
+      } else if (internal::is_reseed(*d.batch) && d.batch->incarnation != incarnation) {
+        // A re-seed's first batch of another incarnation: at whatever seq it
+        // replaces all the view holds of the shard (the gap with it), and
+        // its incarnation's batches continue from it.
+        next = d.batch->seq + 1;
+        incarnation = d.batch->incarnation;
+        run_stream_seqs.push_back(d.stream_seq);
+        run.push_back(std::move(*d.batch));
       } else if (d.batch->seq < next) {
         // applied already
       } else if (d.batch->seq == next) {

@@ -1720,6 +1720,70 @@ void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::
   natsMsg_Destroy(m);
 }
 
+// Issue 41 item 4: a shard parked on a gap no republish fills (the batch
+// is gone), re-seeded by its operator as docs/SCALE.md says: the parked
+// shard's repair applies the re-seed's first batch (of a new incarnation,
+// at whatever seq), unparks the shard, and the view equals the shard's
+// aggregates. Red with the former repair, which took only seq applied + 1:
+// the re-seed was refused as one more gap and the shard stayed parked.
+TEST(NatsGap, ReseedingAParkedShardUnparksItAndTheViewEqualsTheShard) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "GAPRESEED", 1);
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t k = 1; k <= 5; ++k) {
+    ASSERT_OK(db->join_community(k, 1));
+    ASSERT_TRUE(db->signal_with_context({k, k, 1.5}, {{2}}).ok());
+    ASSERT_OK(db->flush());
+  }
+  auto batches = db->read_changes(0, 64 << 20);
+  ASSERT_TRUE(batches.ok());
+  ASSERT_GE(batches->size(), 5u);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("GAPRESEED", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  // Every batch but the third, as the shard's Publisher would have (with
+  // the feed's incarnation): the third is lost for good.
+  for (const ChangeBatch& b : *batches) {
+    if (b.seq == 3) continue;
+    natsMsg* m = nullptr;
+    const std::string subject = config.subject_prefix + ".9";
+    ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, b.payload.data(), static_cast<int>(b.payload.size())),
+              NATS_OK);
+    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
+    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(b.seq).c_str()), NATS_OK);
+    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation", b.incarnation.c_str()), NATS_OK);
+    ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, nullptr, nullptr), NATS_OK);
+    natsMsg_Destroy(m);
+  }
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  ASSERT_TRUE(eventually([&] { return f->stats().stalled_on_gap && *view->applied_seq(9) == 2; }, 10s))
+      << f->stats().last_error;
+  // The operator re-seeds the shard and starts its Publisher, which
+  // publishes the snapshot over the old incarnation.
+  Result<std::uint64_t> first = db->reseed_change_feed();
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  auto p = start_publisher(db.get(), config);
+  ASSERT_NE(p, nullptr);
+  ASSERT_TRUE(eventually([&] { return p->stats().published_seq == *db->last_change_seq(); }, 10s))
+      << p->stats().last_error;
+  EXPECT_EQ(p->stats().reseeds, 1u);
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == *db->last_change_seq(); }, 20s))
+      << "applied " << *view->applied_seq(9) << " of " << *db->last_change_seq() << "; " << f->stats().last_error;
+  EXPECT_TRUE(eventually([&] { return !f->stats().stalled_on_gap; }, 10s)) << f->stats().last_error;
+  EXPECT_EQ(compare(*view, *db), "");
+  // The shard flows again through the consumer.
+  ASSERT_TRUE(db->signal_with_context({1, 77, 2.0}, {{2}}).ok());
+  ASSERT_TRUE(converge({db.get()}, *view, *f, 20s));
+  EXPECT_EQ(compare(*view, *db), "");
+  EXPECT_OK(p->stop());
+  EXPECT_OK(f->stop());
+}
+
 // Not on a temporary: the pointer would dangle (ASan caught one).
 const FollowerShardStats* shard_stats(const FollowerStats&& st, std::uint64_t shard) = delete;
 const FollowerShardStats* shard_stats(const FollowerStats& st, std::uint64_t shard) {
