@@ -341,7 +341,8 @@ class JournalPublisher {
 };
 
 // For a Db opened from a backup (Stats::recovering): reads the shard's
-// entries with seq > db->last_journal_seq() from Config::journal_stream
+// entries with seq > the Db's confirmed point (Stats::journal_confirmed_seq)
+// from Config::journal_stream
 // (through an ephemeral pull consumer on the shard's subject, up to the
 // subject's last entry when the read started), in seq order, replays them
 // (Db::replay_journal, in chunks of 1,024), then calls
@@ -349,8 +350,10 @@ class JournalPublisher {
 // incarnation). OK and nothing done when the Db is not recovering.
 // InvalidArgument for a null Db, one without a journal, a bad config;
 // Corruption naming the shard, the stream and the seqs when the stream lacks
-// an entry the Db needs (purged or aged out of it) or holds something else
-// on the shard's subject; NotFound when the stream does not exist (a wrong
+// an entry the Db needs (purged or aged out of it), holds something else
+// on the shard's subject, or holds at a seq the Db holds unconfirmed an
+// entry other than the Db's (a backup of a copy that did not go on: restore
+// one of the copy that did); NotFound when the stream does not exist (a wrong
 // name): the Db stays recovering
 // (it serves nothing rather than forget a leave; after a recovery that
 // truly has nothing to replay, call Db::finish_recovery()); IOError when the cluster does not answer (call

@@ -100,8 +100,13 @@ Status Db::Impl::replay_journal(std::span<const JournalEntry> entries) {
         }
         if (differs) {
           if (Status s = flush_run(); !s.ok()) return s;
-          return Status::Corruption(what + " differs from this Db's entry of that seq (another shard's journal, or "
-                                           "a Db that diverged from the backup); nothing of it or later applied");
+          return Status::Corruption(
+              what + " differs from this Db's entry of seq " + std::to_string(e.seq) +
+              ": this copy's journal diverged from the shard's after seq " + std::to_string(e.seq - 1) +
+              " (a backup taken after an entry that never reached the stream, while the shard went on from an "
+              "older copy; or another shard's journal). It stays recovering and serves nothing: restore a "
+              "backup of the copy that went on instead (tidalctl --db NEW_PATH restore BACKUP --nats SERVERS); "
+              "nothing of it or later applied");
         }
         // A purge whose intent the Db holds is not done until its mark is
         // gone: an earlier replay may have failed after the intent. It is

@@ -34,11 +34,18 @@ Status recover_shard(Db* db, const Config& config) {
   const std::string who = "tidal::nats::recover_shard: shard " + std::to_string(shard) + ": ";
   Result<std::uint64_t> last = db->last_journal_seq();
   if (!last.ok()) return Status(last.status().code(), who + "last_journal_seq: " + last.status().message());
+  // From the confirmed point, not the last seq: the entries the copy holds
+  // but the stream never confirmed to it are compared with the stream's
+  // (replay_journal refuses one that differs). A copy of a lineage that did
+  // not go on (a backup taken after an entry that never reached the
+  // stream, while the shard went on from an older copy) never serves
+  // silently over the stream's entries of those seqs.
+  const std::uint64_t from = std::min(st.journal_confirmed_seq, *last);
   internal::Connection conn;
   if (Status s = conn.connect(*journal, "tidal-recover-" + std::to_string(shard)); !s.ok()) {
     return Status(s.code(), who + s.message());
   }
-  Result<std::vector<JournalEntry>> entries = internal::read_journal_stream(conn, *journal, shard, *last);
+  Result<std::vector<JournalEntry>> entries = internal::read_journal_stream(conn, *journal, shard, from);
   if (!entries.ok()) {
     return Status(entries.status().code(), who + "the Db's journal ends at seq " + std::to_string(*last) + ": " +
                                                entries.status().message());

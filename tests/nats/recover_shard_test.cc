@@ -220,5 +220,66 @@ TEST(NatsRecover, TidalctlRestoreWithNatsCopiesReplaysAndServesAgain) {
 }
 #endif  // TIDAL_TIDALCTL
 
+// Issue 41 item 2: a backup of a dead lineage. B_dead was taken after a
+// leave whose journal entry never reached the stream; the shard was then
+// restored from an older backup and went on, and another leave was
+// acknowledged and replicated at the seq B_dead's unreplicated leave holds.
+// Restoring B_dead must not silently win: recover_shard compares the
+// entries the copy holds but the stream never confirmed with the stream's,
+// and refuses, naming the seq, with the copy still recovering (serving
+// nothing). Red with the former recover_shard, which read the stream only
+// after the copy's last seq: it returned OK and the copy served without the
+// live lineage's leave.
+TEST(NatsRecover, ABackupOfADeadLineageIsRefusedNamingTheSeqAndServesNothing) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = testing::test_config(cluster, "LINEAGE", 1);
+  config.journal_stream = "LINEAGE_J";
+  config.journal_subject_prefix = "tidal.LINEAGE_J";
+  auto db = open_recover_db(dir.sub("db"), 4);
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t u = 1; u <= 4; ++u) ASSERT_OK(db->join_community(u, 1));
+  {
+    auto p = JournalPublisher::start(db.get(), config);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    ASSERT_OK(db->leave_community_layer(1));  // seq 1, replicated
+    ASSERT_TRUE(eventually([&] { return confirmed(db.get(), **p); }, 30s)) << (*p)->stats().last_error;
+    EXPECT_OK((*p)->stop());
+  }
+  ASSERT_OK(db->backup(dir.sub("b_old")));
+  ASSERT_OK(db->leave_community_layer(2));  // seq 2: never replicated
+  ASSERT_OK(db->backup(dir.sub("b_dead")));
+  ASSERT_OK(db->close());
+  db.reset();
+
+  // The shard is restored from the older backup and goes on: user 3's
+  // leave is acknowledged and replicated at seq 2.
+  {
+    auto live = open_recover_db(dir.sub("b_old"), 4);
+    ASSERT_NE(live, nullptr);
+    ASSERT_OK(recover_shard(live.get(), config));
+    auto p = JournalPublisher::start(live.get(), config);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    ASSERT_OK(live->leave_community_layer(3));
+    ASSERT_EQ(live->stats().journal_last_seq, 2u);
+    ASSERT_TRUE(eventually([&] { return confirmed(live.get(), **p); }, 30s)) << (*p)->stats().last_error;
+    EXPECT_OK((*p)->stop());
+    ASSERT_OK(live->close());
+  }
+
+  // The dead lineage's backup restored: refused, still recovering.
+  auto dead = open_recover_db(dir.sub("b_dead"), 4);
+  ASSERT_NE(dead, nullptr);
+  ASSERT_TRUE(dead->stats().recovering);
+  Status s = recover_shard(dead.get(), config);
+  EXPECT_EQ(s.code(), StatusCode::Corruption) << s.to_string();
+  EXPECT_NE(s.message().find("seq 2"), std::string::npos) << s.to_string();
+  EXPECT_NE(s.message().find("tidalctl"), std::string::npos) << s.to_string();
+  EXPECT_TRUE(dead->stats().recovering);
+  EXPECT_EQ(dead->community_layer_status(3).status().code(), StatusCode::Busy);
+  ASSERT_OK(dead->close());
+}
+
 }  // namespace
 }  // namespace tidal::nats
