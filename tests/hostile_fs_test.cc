@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "storage/ledger_scan.h"
 #include "test_util.h"
 
 #ifndef TIDAL_HOSTILE_CHILD
@@ -561,6 +563,56 @@ TEST(HostileFsTest, TrailingSlashDotAndDoubleSlashAreBusyAndKeepTheLock) {
   ASSERT_NE(held, nullptr);
   for (const char* tail : {"/", "/.", "//", "/../db"}) expect_alias_refused(db + tail, db, db);
   expect_reopens_clean(std::move(held), db + "/", 14);
+}
+
+// ---- A check of a read-only open writes nothing in the Db's directory (issue 41, item 9) ----
+
+// verify() and rematerialize_shared_aggregates() of a Db opened read-only
+// through a read-only bind mount, with more shared cells than a check holds
+// at once (so it writes sorted runs): both finish clean, nothing is added to
+// the Db's directory. Red with the runs written in the Db's directory: the
+// check failed with EROFS.
+TEST(HostileFsTest, AReadOnlyOpensChecksWriteNothingInTheDbsDirectory) {
+  SKIP_UNLESS_ROOT("bind-mount a Db directory read-only");
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  {
+    auto db = Db::open(path);
+    ASSERT_TRUE(db.ok()) << db.status().to_string();
+    for (std::uint64_t u = 1; u <= 300; ++u) {
+      ASSERT_OK((*db)->join_community(u, u % 13));
+      ASSERT_TRUE((*db)->signal_with_context({u, u, 1.0}, SignalContext{{u % 17}}).ok());
+    }
+    ASSERT_OK((*db)->close());
+  }
+  auto ro = Mount::bind(path);
+  ASSERT_NE(ro, nullptr);
+  ASSERT_EQ(::mount(nullptr, ro->dir().c_str(), nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY, nullptr), 0)
+      << std::strerror(errno);
+  ASSERT_TRUE(ro->read_only());
+  auto names = [&] {
+    std::vector<std::string> out;
+    for (const auto& e : fs::recursive_directory_iterator(path)) out.push_back(e.path().string());
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  const std::vector<std::string> before = names();
+  set_ledger_pass_cells(64);  // 300 users' cells: several runs
+  reset_ledger_pass_tally();
+  Options options;
+  options.read_only = true;
+  auto db = Db::open(ro->dir(), options);
+  ASSERT_TRUE(db.ok()) << db.status().to_string();
+  Result<VerifyReport> report = (*db)->verify();
+  ASSERT_TRUE(report.ok()) << report.status().to_string();
+  EXPECT_TRUE(report->ok()) << report->problems.front();
+  Result<RematerializeReport> remat = (*db)->rematerialize_shared_aggregates();
+  ASSERT_TRUE(remat.ok()) << remat.status().to_string();
+  EXPECT_TRUE(remat->mismatches.empty());
+  EXPECT_GT(ledger_pass_tally().runs, 0u) << "the checks wrote no runs: the test tests nothing";
+  set_ledger_pass_cells(0);
+  ASSERT_OK((*db)->close());
+  EXPECT_EQ(names(), before);
 }
 
 // ---- A backup onto a disk that fills up at any point (issue 41, item 5) ----

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -644,12 +645,23 @@ void reset_ledger_pass_tally() {
   g_peak_cells.store(0, std::memory_order_relaxed);
 }
 
+// Where a check writes its runs: the Db's directory, except for a
+// read-only open, which writes nothing there (it may be a read-only file
+// system, or another process's Db): the system's temporary directory.
+std::string scratch_dir(const Storage& storage) {
+  if (!storage.read_only()) return storage.path();
+  std::error_code ec;
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path(ec);
+  return ec ? std::string("/tmp") : tmp.string();
+}
+
 Status check_ledger(const Storage& storage, LedgerCheck* out, const std::function<void(std::string)>& problem,
                     const std::function<void(const AggregateMismatch&)>& mismatch,
                     const std::function<void()>& restarted, std::size_t max_cells) {
   rocksdb::Env* env = storage.db(Storage::Engine::State)->GetEnv();
   max_cells = std::max<std::size_t>(max_cells, 1);
-  remove_stale_dirs(env, storage.path());
+  const std::string scratch = scratch_dir(storage);
+  remove_stale_dirs(env, scratch);
   Storage::ScanProgress& progress = storage.scan_progress();
   const std::uint64_t estimate = storage.estimate_keys(storage.ledger()) + storage.estimate_keys(storage.aggregates());
   progress.records_estimate.fetch_add(estimate, std::memory_order_relaxed);
@@ -666,7 +678,7 @@ Status check_ledger(const Storage& storage, LedgerCheck* out, const std::functio
     *out = LedgerCheck{};
     out->restarts = attempt;
     Hold hold(storage);
-    Runs runs(env, storage.path(), max_cells);
+    Runs runs(env, scratch, max_cells);
     CellSums sums(max_cells);
     std::size_t peak = 0;
     Status s = sum_ledger(storage, &hold, &sums, &runs, &peak, out, problem);

@@ -93,8 +93,9 @@ struct LedgerCheck {
 // order (a sum with no stored aggregate reads "stored 0 (absent)"). Personal
 // cells are checked only to decode. Holds at most `max_cells` cells at once
 // (at least 1). Non-OK when a read fails, naming what was being read, or
-// when the runs cannot be written or read back (the Db's directory must be
-// writable once the shared cells outnumber `max_cells`).
+// when the runs cannot be written or read back (in the Db's directory, or
+// for a read-only open in the system's temporary directory, once the shared
+// cells outnumber `max_cells`).
 // Never holds its snapshot, or the files it reads, past a purge's request
 // (Storage::ask_scans_to_let_go) by more than one record: it lets go, calls
 // `restarted` (the caller drops every problem and mismatch reported so
