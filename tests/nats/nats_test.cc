@@ -1646,6 +1646,36 @@ TEST(NatsCheckpoint, AShardReseededAfterTheCheckpointIsReadFromItsReseed) {
 
 // ---- A gap is reported and never skipped ----
 
+// Batch `seq` of shard `shard` published by hand (no message id, no
+// fence): what a repair tool or a test does; with the feed's incarnation
+// when one is given, as the shard's Publisher would.
+void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::uint64_t seq,
+                     const std::string& payload, const std::string& incarnation = "") {
+  natsMsg* m = nullptr;
+  const std::string subject = config.subject_prefix + "." + std::to_string(shard);
+  ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, payload.data(), static_cast<int>(payload.size())), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", std::to_string(shard).c_str()), NATS_OK);
+  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(seq).c_str()), NATS_OK);
+  if (!incarnation.empty()) {
+    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation", incarnation.c_str()), NATS_OK);
+  }
+  ASSERT_EQ(js_PublishMsg(nullptr, js, m, nullptr, nullptr), NATS_OK);
+  natsMsg_Destroy(m);
+}
+
+// Batches 1..5 (or more) of `db`: five users joined to community 1, each
+// signalled once with cohort 2, a flush after each.
+std::vector<ChangeBatch> five_batches(Db* db) {
+  for (std::uint64_t k = 1; k <= 5; ++k) {
+    EXPECT_OK(db->join_community(k, 1));
+    EXPECT_TRUE(db->signal_with_context({k, k, 1.5}, {{2}}).ok());
+    EXPECT_OK(db->flush());
+  }
+  auto batches = db->read_changes(0, 64 << 20);
+  EXPECT_TRUE(batches.ok() && batches->size() >= 5u);
+  return batches.ok() ? std::move(*batches) : std::vector<ChangeBatch>();
+}
+
 TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
   NatsCluster cluster(1);
   ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
@@ -1654,14 +1684,8 @@ TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
   // Batches 1..5 of shard 9, from a real Db.
   auto db = open_shard(dir.sub("db"), 9);
   ASSERT_NE(db, nullptr);
-  for (std::uint64_t k = 1; k <= 5; ++k) {
-    ASSERT_OK(db->join_community(k, 1));
-    ASSERT_TRUE(db->signal_with_context({k, k, 1.5}, {{2}}).ok());
-    ASSERT_OK(db->flush());
-  }
-  auto batches = db->read_changes(0, 64 << 20);
-  ASSERT_TRUE(batches.ok());
-  ASSERT_GE(batches->size(), 5u);
+  const std::vector<ChangeBatch> batches = five_batches(db.get());
+  ASSERT_GE(batches.size(), 5u);
   // Publish the last batch first, by hand: the stream now has a gap at its start.
   natsConnection* nc = nullptr;
   jsCtx* js = nullptr;
@@ -1675,16 +1699,8 @@ TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
   sc.Subjects = subjects;
   sc.SubjectsLen = 1;
   ASSERT_EQ(js_AddStream(nullptr, js, &sc, nullptr, nullptr), NATS_OK);
-  auto publish = [&](const ChangeBatch& b) {
-    natsMsg* m = nullptr;
-    const std::string subject = config.subject_prefix + ".9";
-    ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, b.payload.data(), static_cast<int>(b.payload.size())), NATS_OK);
-    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
-    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(b.seq).c_str()), NATS_OK);
-    ASSERT_EQ(js_PublishMsg(nullptr, js, m, nullptr, nullptr), NATS_OK);
-    natsMsg_Destroy(m);
-  };
-  const ChangeBatch& last = batches->back();
+  auto publish = [&](const ChangeBatch& b) { publish_by_hand(js, config, 9, b.seq, b.payload); };
+  const ChangeBatch& last = batches.back();
   publish(last);
   auto view = open_view(dir.sub("view"));
   auto f = start_follower(view.get(), config, "view");
@@ -1697,7 +1713,7 @@ TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
   EXPECT_NE(st.last_error.find("stream GAP"), std::string::npos) << st.last_error;
   EXPECT_EQ(*view->applied_seq(9), 0u);
   // The missing batches arrive: all are applied, the refused one too.
-  for (std::size_t i = 0; i + 1 < batches->size(); ++i) publish((*batches)[i]);
+  for (std::size_t i = 0; i + 1 < batches.size(); ++i) publish(batches[i]);
   ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == last.seq; }, 10s)) << f->stats().last_error;
   EXPECT_EQ(compare(*view, *db), "");
   // The Follower's stats follow the view's applied seq a moment later
@@ -1705,19 +1721,6 @@ TEST(NatsGap, AGapIsReportedNotAckedAndAppliedOnceTheMissingBatchArrives) {
   EXPECT_TRUE(eventually([&] { return !f->stats().stalled_on_gap; }, 10s)) << f->stats().last_error;
   jsCtx_Destroy(js);
   natsConnection_Destroy(nc);
-}
-
-// Batch `seq` of shard `shard` published by hand (no message id, no
-// fence): what a repair tool or a test does.
-void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::uint64_t seq,
-                     const std::string& payload) {
-  natsMsg* m = nullptr;
-  const std::string subject = config.subject_prefix + "." + std::to_string(shard);
-  ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, payload.data(), static_cast<int>(payload.size())), NATS_OK);
-  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", std::to_string(shard).c_str()), NATS_OK);
-  ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(seq).c_str()), NATS_OK);
-  ASSERT_EQ(js_PublishMsg(nullptr, js, m, nullptr, nullptr), NATS_OK);
-  natsMsg_Destroy(m);
 }
 
 // Issue 41 item 4: a shard parked on a gap no republish fills (the batch
@@ -1733,30 +1736,17 @@ TEST(NatsGap, ReseedingAParkedShardUnparksItAndTheViewEqualsTheShard) {
   const Config config = test_config(cluster, "GAPRESEED", 1);
   auto db = open_shard(dir.sub("db"), 9);
   ASSERT_NE(db, nullptr);
-  for (std::uint64_t k = 1; k <= 5; ++k) {
-    ASSERT_OK(db->join_community(k, 1));
-    ASSERT_TRUE(db->signal_with_context({k, k, 1.5}, {{2}}).ok());
-    ASSERT_OK(db->flush());
-  }
-  auto batches = db->read_changes(0, 64 << 20);
-  ASSERT_TRUE(batches.ok());
-  ASSERT_GE(batches->size(), 5u);
+  const std::vector<ChangeBatch> batches = five_batches(db.get());
+  ASSERT_GE(batches.size(), 5u);
   Js js(cluster);
   ASSERT_TRUE(js.ok());
   ASSERT_EQ(js.add_stream("GAPRESEED", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
   // Every batch but the third, as the shard's Publisher would have (with
   // the feed's incarnation): the third is lost for good.
-  for (const ChangeBatch& b : *batches) {
-    if (b.seq == 3) continue;
-    natsMsg* m = nullptr;
-    const std::string subject = config.subject_prefix + ".9";
-    ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, b.payload.data(), static_cast<int>(b.payload.size())),
-              NATS_OK);
-    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Shard", "9"), NATS_OK);
-    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(b.seq).c_str()), NATS_OK);
-    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation", b.incarnation.c_str()), NATS_OK);
-    ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, nullptr, nullptr), NATS_OK);
-    natsMsg_Destroy(m);
+  for (const ChangeBatch& b : batches) {
+    if (b.seq != 3) {
+      ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 9, b.seq, b.payload, b.incarnation));
+    }
   }
   auto view = open_view(dir.sub("view"));
   auto f = start_follower(view.get(), config, "view");

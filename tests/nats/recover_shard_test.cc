@@ -30,6 +30,14 @@ using testing::Js;
 using testing::NatsCluster;
 using tidal::testing::TempDir;
 
+// A test config whose journal stream is "<name>_J" on "tidal.<name>_J.*".
+Config journal_test_config(const NatsCluster& cluster, const std::string& name, int replicas) {
+  Config config = testing::test_config(cluster, name, replicas);
+  config.journal_stream = name + "_J";
+  config.journal_subject_prefix = "tidal." + name + "_J";
+  return config;
+}
+
 Options recover_options(std::uint64_t shard) {
   Options o = testing::shard_options(shard);
   o.journal = true;
@@ -64,9 +72,7 @@ TEST(NatsRecover, ARestoredShardReplaysTheJournalAfterItsBackupAndServesAgain) {
   NatsCluster cluster(3);
   ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
   TempDir dir;
-  Config config = testing::test_config(cluster, "RECOVER", 3);
-  config.journal_stream = "RECOVER_J";
-  config.journal_subject_prefix = "tidal.RECOVER_J";
+  const Config config = journal_test_config(cluster, "RECOVER", 3);
   constexpr std::uint64_t kUsers = 30;
   auto db = open_recover_db(dir.sub("db"), 5);
   ASSERT_NE(db, nullptr);
@@ -122,9 +128,7 @@ TEST(NatsRecover, AJournalEntryMissingFromTheStreamLeavesTheShardRecoveringNamin
   NatsCluster cluster(3);
   ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
   TempDir dir;
-  Config config = testing::test_config(cluster, "RECHOLE", 3);
-  config.journal_stream = "RECHOLE_J";
-  config.journal_subject_prefix = "tidal.RECHOLE_J";
+  const Config config = journal_test_config(cluster, "RECHOLE", 3);
   auto db = open_recover_db(dir.sub("db"), 6);
   ASSERT_NE(db, nullptr);
   for (std::uint64_t u = 1; u <= 10; ++u) ASSERT_OK(db->join_community(u, 1));
@@ -172,9 +176,7 @@ TEST(NatsRecover, TidalctlRestoreWithNatsCopiesReplaysAndServesAgain) {
   NatsCluster cluster(3);
   ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
   TempDir dir;
-  Config config = testing::test_config(cluster, "CTLRESTORE", 3);
-  config.journal_stream = "CTLRESTORE_J";
-  config.journal_subject_prefix = "tidal.CTLRESTORE_J";
+  const Config config = journal_test_config(cluster, "CTLRESTORE", 3);
   constexpr std::uint64_t kUsers = 20;
   std::string expected;
   {
@@ -234,9 +236,7 @@ TEST(NatsRecover, ABackupOfADeadLineageIsRefusedNamingTheSeqAndServesNothing) {
   NatsCluster cluster(1);
   ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
   TempDir dir;
-  Config config = testing::test_config(cluster, "LINEAGE", 1);
-  config.journal_stream = "LINEAGE_J";
-  config.journal_subject_prefix = "tidal.LINEAGE_J";
+  const Config config = journal_test_config(cluster, "LINEAGE", 1);
   auto db = open_recover_db(dir.sub("db"), 4);
   ASSERT_NE(db, nullptr);
   for (std::uint64_t u = 1; u <= 4; ++u) ASSERT_OK(db->join_community(u, 1));
