@@ -13,6 +13,7 @@
 #include <tidal/nats.h>
 #endif
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -79,7 +80,8 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
   restore BACKUP   make --db PATH (which must not exist) a copy of BACKUP (table
                    files hard-linked, the rest copied, made durable in
                    PATH.tidal-restore-tmp and renamed to PATH when whole;
-                   BACKUP stays usable). The
+                   refused first when PATH's file system lacks the room for
+                   the files it copies; BACKUP stays usable). The
                    Db is then recovering: it refuses signals and user-status
                    calls until the privacy journal's entries after the backup
                    are replayed and finish-recovery runs
@@ -490,6 +492,30 @@ int cmd_restore(const std::string& backup, const std::string& path, const Args& 
   if (fs::exists(fs::symlink_status(path, ec))) {
     std::fprintf(stderr, "tidalctl: restore: '%s' already exists; restore into a new directory\n", path.c_str());
     return kExitUsage;
+  }
+  // Room first: the bytes copied (every file but the table files, which are
+  // hard-linked when BACKUP is on PATH's file system), with 1 % and 1 MiB
+  // to spare, must be free where PATH goes.
+  {
+    const fs::path parent = fs::absolute(fs::path(path), ec).lexically_normal().parent_path();
+    struct stat at {}, from {};
+    const bool same_fs =
+        ::stat(parent.c_str(), &at) == 0 && ::stat(backup.c_str(), &from) == 0 && at.st_dev == from.st_dev;
+    std::uintmax_t need = 0;
+    for (auto it = fs::recursive_directory_iterator(backup, ec); !ec && it != fs::recursive_directory_iterator();
+         it.increment(ec)) {
+      if (it->is_regular_file(ec) && !(same_fs && it->path().extension() == ".sst")) need += it->file_size(ec);
+    }
+    need += need / 100 + (1u << 20);
+    const fs::space_info room = fs::space(parent, ec);
+    if (!ec && room.available < need) {
+      std::fprintf(stderr,
+                   "tidalctl: restore: '%s' needs %ju bytes free in '%s' (the files it copies, and 1 %% and 1 MiB "
+                   "to spare); %ju are: free some, or restore onto another file system\n",
+                   path.c_str(), need, parent.c_str(), room.available);
+      return kExitFailed;
+    }
+    ec.clear();
   }
   // The copy is made in `staging`, made durable, and renamed to `path`
   // once whole: a restore killed mid-copy never leaves `path` holding the

@@ -205,6 +205,21 @@ t --db "$WORK/restored" --json finish-recovery; rc_is 0; json 'd["was_recovering
 t --db "$WORK/restored" finish-recovery; rc_is 0; out_has 'was not recovering'
 t --db "$WORK/restored" status 4; rc_is 0; out_has 'Left'
 [ -f "$WORK/backups/$newest/TIDAL_BACKUP" ] || fail "the restore must leave the backup as it was"
+# A restore onto a file system without room for the files it copies is
+# refused before it writes anything, naming the bytes; with room (another
+# file system: every file copied) it succeeds.
+if [ "$(id -u)" -eq 0 ] && mkdir -p "$WORK/small" "$WORK/roomy" &&
+   mount -t tmpfs -o size=64k tidal-cli-test "$WORK/small" 2>/dev/null; then
+  t --db "$WORK/small/restored" restore "$WORK/backups/$newest"; rc_is 1; err_has 'needs [0-9]+ bytes free'
+  checks=$((checks + 1)); [ -z "$(ls -A "$WORK/small")" ] || fail "a refused restore left $(ls -A "$WORK/small")"
+  umount "$WORK/small"
+  if mount -t tmpfs -o size=32m tidal-cli-test "$WORK/roomy"; then
+    t --db "$WORK/roomy/restored" restore "$WORK/backups/$newest"; rc_is 0; out_has '\(0 files linked'
+    umount "$WORK/roomy"
+  fi
+else
+  echo "SKIP: the restore's free-space check needs root (to mount a small tmpfs)"
+fi
 # A restore SIGKILLed before its n-th file or before its rename leaves no
 # Db at the path (none without the manifest, which would open as a Db that
 # is not recovering); the next restore removes the partial copy and succeeds.
