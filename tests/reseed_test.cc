@@ -257,6 +257,68 @@ TEST(Reseed, ARestoredOrFreshShardReseededLeavesTheViewEqualToTheShardsCurrentAg
   EXPECT_GT(expect_view_equals(**view, *reference_b), 5u);
 }
 
+// Issue 41 item 3: a shard re-seeded three times. Every batch of the three
+// replaced incarnations delivered late (the re-seeds' own snapshots
+// included) is skipped, before and after the view is reopened, and the
+// current incarnation's batches go on applying: the view stays equal to the
+// shard. (A view that remembered only the last replaced incarnation took the
+// first re-seed's snapshot again and skipped the current one's batches.)
+TEST(Reseed, BatchesOfEveryReplacedIncarnationDeliveredLateAreSkipped) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), feed_options(0));
+  ASSERT_NE(db, nullptr);
+  join_all({db.get()}, 0, 20);
+  auto view = GlobalView::open(dir.sub("view"));
+  ASSERT_OK(view);
+  std::uint64_t cursor = 0;
+  // Each replaced incarnation's batches, as carried to the view.
+  std::vector<std::vector<ChangeBatch>> replaced(3);
+  for (std::uint64_t i = 0; i < replaced.size(); ++i) {
+    if (i > 0) {
+      Result<std::uint64_t> reseed = db->reseed_change_feed();
+      ASSERT_OK(reseed);
+      cursor = *reseed - 1;
+    }
+    const std::uint64_t from = cursor;
+    signal_all({db.get()}, 0, 20, 21 + i, 300);
+    carry(*db, &cursor, **view);
+    Result<std::vector<ChangeBatch>> read = db->read_changes(from, 64 << 20);
+    ASSERT_OK(read);
+    ASSERT_FALSE(read->empty());
+    EXPECT_EQ(feed_origin(read->front().payload) == FeedOrigin::Reseed, i > 0) << "incarnation " << i;
+    replaced[i] = *read;
+  }
+  Result<std::uint64_t> reseed = db->reseed_change_feed();
+  ASSERT_OK(reseed);
+  cursor = *reseed - 1;
+  signal_all({db.get()}, 0, 20, 24, 300);
+  carry(*db, &cursor, **view);
+  ASSERT_GT(expect_view_equals(**view, *db), 10u);
+
+  for (std::uint64_t round = 0; round < 2; ++round) {
+    for (std::size_t i : {std::size_t{1}, std::size_t{0}, std::size_t{2}}) {
+      Result<ApplyOutcome> out = (*view)->apply(replaced[i]);
+      ASSERT_OK(out);
+      EXPECT_OK(out->refused);
+      EXPECT_EQ(out->taken, replaced[i].size()) << "incarnation " << i << ", round " << round;
+      EXPECT_EQ(out->applied, 0u) << "incarnation " << i << ", round " << round;
+    }
+    // The current incarnation goes on applying.
+    signal_all({db.get()}, 0, 20, 25 + round, 300);
+    carry(*db, &cursor, **view);
+    expect_view_equals(**view, *db);
+    Result<std::vector<ShardProgress>> progress = (*view)->applied_shards();
+    ASSERT_OK(progress);
+    ASSERT_EQ(progress->size(), 1u);
+    EXPECT_EQ((*progress)[0].incarnation, db->stats().change_feed_incarnation);
+    EXPECT_EQ((*progress)[0].applied_seq, db->stats().change_feed_last_seq);
+    // Reopened: the replaced incarnations are still known.
+    ASSERT_OK((*view)->close());
+    view = GlobalView::open(dir.sub("view"));
+    ASSERT_OK(view);
+  }
+}
+
 // Re-seeds while 16 threads signal and a consumer keeps applying: every
 // snapshot is one consistent point of the shard, and the view ends equal to
 // the shard (the drain lock holds off every write between the snapshot's

@@ -422,6 +422,22 @@ Result<AppliedRecord> GlobalView::Impl::read_applied_record(std::uint64_t shard_
   return std::move(*record);
 }
 
+Result<bool> GlobalView::Impl::is_retired(std::uint64_t shard_id, const std::string& incarnation,
+                                          const AppliedRecord& record) const {
+  if (incarnation == record.retired) return true;  // also a view made before "retired/" records
+  std::optional<std::string> bytes = incarnation_bytes(incarnation);
+  if (!bytes) return false;
+  const std::string key = encode_retired_key(shard_id, *bytes);
+  std::string value;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta(), key, &value);
+  if (s.IsNotFound()) return false;
+  if (!s.ok()) {
+    return from_rocksdb(s, "read of shard " + std::to_string(shard_id) + "'s retired incarnations (key " +
+                               hex(key) + ") of the " + view_at(path_));
+  }
+  return true;
+}
+
 Result<bool> GlobalView::Impl::apply(const ChangeBatch& batch) {
   Result<ApplyOutcome> outcome = apply(std::span<const ChangeBatch>(&batch, 1));
   if (!outcome.ok()) return outcome.status();
@@ -553,6 +569,13 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
         &error);
     AppliedRecord next{batch.seq, batch.incarnation, record->incarnation};
     if (added.ok()) added = write.Put(meta(), encode_applied_key(batch.shard_id), encode_applied(next));
+    // Every incarnation replaced is remembered, not only the last: a batch
+    // of any of them delivered late is skipped (an incarnation is random
+    // and new at each re-seed and restore, so none comes back).
+    for (const std::string* replaced : {&record->incarnation, &record->retired}) {
+      std::optional<std::string> bytes = incarnation_bytes(*replaced);
+      if (added.ok() && bytes) added = write.Put(meta(), encode_retired_key(batch.shard_id, *bytes), "");
+    }
     if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
     rocksdb::WriteOptions wo;
     wo.sync = true;
@@ -597,9 +620,13 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     AppliedRecord& record = it->second.first;
     std::uint64_t& applied = record.seq;
     std::string& incarnation = record.incarnation;
-    if (!batch.incarnation.empty() && batch.incarnation == record.retired) {
-      ++out.taken;  // a batch of the incarnation a re-seed replaced, delivered late: superseded
-      continue;
+    if (!batch.incarnation.empty() && batch.incarnation != incarnation) {
+      Result<bool> retired = is_retired(batch.shard_id, batch.incarnation, record);
+      if (!retired.ok()) return retired.status();
+      if (*retired) {
+        ++out.taken;  // a batch of an incarnation a re-seed replaced, delivered late: superseded
+        continue;
+      }
     }
     // The first batch of a re-seed: at whatever seq, it replaces all the
     // view holds of the shard (a view made before per-shard sums cannot

@@ -56,6 +56,9 @@ class GlobalView::Impl {
   Result<std::uint64_t> read_applied(std::uint64_t shard_id) const;
   // The shard's applied record: seq and incarnation (a zero seq when none).
   Result<AppliedRecord> read_applied_record(std::uint64_t shard_id) const;
+  // Whether a re-seed of the shard replaced `incarnation` (32 hex digits):
+  // the record's last retired one, or a "retired/" record.
+  Result<bool> is_retired(std::uint64_t shard_id, const std::string& incarnation, const AppliedRecord& record) const;
   // Checks the format mark; writes it on a new view, and on one whose
   // creation stopped before the mark (nothing else stored); sets per_shard_.
   Status check_format(bool created);

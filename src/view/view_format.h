@@ -13,6 +13,10 @@
 //                                               [retired: 16 bytes] (the
 //                                               incarnation a re-seed replaced;
 //                                               absent: none)
+//               "retired/" + [shard_id: 8 BE] + [incarnation: 16 bytes]
+//                                            -> empty: every incarnation a
+//                                               re-seed of the shard replaced
+//                                               (older versions ignore these)
 //               "clean_close"                -> empty (memtable only; never read)
 //   aggregates  [kind: 1, 2 cohort / 3 community][owner: 8 BE][item: 8 BE]
 //               -> Units, 16 bytes LE (storage/state_format.h), merge operands
@@ -60,6 +64,16 @@ inline std::string encode_applied_key(std::uint64_t shard_id) {
 inline std::optional<std::uint64_t> decode_applied_key(std::string_view key) {
   if (key.size() != kAppliedPrefixSize + 8 || !key.starts_with(kAppliedPrefix)) return std::nullopt;
   return get_u64_be(key.data() + kAppliedPrefixSize);
+}
+
+inline constexpr char kRetiredPrefix[] = "retired/";
+
+// "retired/" + [shard_id: 8 BE] + the incarnation's 16 bytes.
+inline std::string encode_retired_key(std::uint64_t shard_id, std::string_view incarnation) {
+  std::string key(kRetiredPrefix);
+  put_u64_be(&key, shard_id);
+  key.append(incarnation);
+  return key;
 }
 
 // "shards" key: [shard_id: 8 BE][aggregate key: 17].
