@@ -67,15 +67,19 @@ class Db::Impl {
   // At a writable open: removes what backups killed mid-way left (their
   // staging directories, which hold ledger records later purges erased).
   void remove_unfinished_backups();
-  // One journal entry of replay_journal, at `seq` (db/replay.cc).
-  // A run of leave and rejoin entries, seqs first_seq.., in one write.
+  // Runs of replay_journal's entries (db/replay.cc), seqs first_seq..:
+  // leaves and rejoins in one write; purges of distinct users whose
+  // receipts the copy does not hold as one bulk purge (one intents write,
+  // one erasure).
   Status replay_memberships(std::span<const JournalRecord> run, std::uint64_t first_seq, const std::string& what);
-  Status replay_purge(const JournalRecord& rec, std::uint64_t seq, const std::string& what);
-  // The purge of a replayed entry whose intent (and mark) is written: purged,
-  // receipts written, the mark deleted, the user's records erased. On
-  // failure the user is in unfinished_purges_ (finish_recovery refuses).
-  Status purge_after_intent(const JournalRecord& rec, const std::string& what);
-  // A replayed purge entry the Db holds already: finished (purge_after_intent)
+  Status replay_purges(std::span<const JournalRecord> run, std::uint64_t first_seq, const std::string& what);
+  // A purge entry whose receipt the copy holds: journaled at `seq`, nothing redone.
+  Status replay_purge_done(const JournalRecord& rec, std::uint64_t seq, const std::string& what);
+  // The purges of replayed entries whose intents (and marks) are written:
+  // purged, receipts written, the marks deleted, the users' records erased.
+  // On failure the users are in unfinished_purges_ (finish_recovery refuses).
+  Status purge_after_intents(std::span<const JournalRecord> run, const std::string& what);
+  // A replayed purge entry the Db holds already: finished (purge_after_intents)
   // when its mark is still there and the purge not done.
   Status finish_replayed_purge(const JournalRecord& rec, const std::string& what);
 
