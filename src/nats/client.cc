@@ -523,7 +523,7 @@ std::string Pull::where() const {
   return "NATS server " + conn_.server() + ", stream " + stream_ + ", consumer " + consumer_;
 }
 
-Status Pull::subscribe(const std::string& stream, const std::string& consumer) {
+Status Pull::open(const std::string& stream, const std::string& consumer) {
   stream_ = stream;
   consumer_ = consumer;
   next_subject_ = "$JS.API.CONSUMER.MSG.NEXT." + stream + "." + consumer;
@@ -541,8 +541,6 @@ Status Pull::subscribe(const std::string& stream, const std::string& consumer) {
   return Status::OK();
 }
 
-Status Pull::open(const std::string& stream, const std::string& consumer) { return subscribe(stream, consumer); }
-
 Status Pull::open_ephemeral(const std::string& stream, const jsConsumerConfig& cc) {
   jsConsumerConfig config = cc;
   jsConsumerInfo* ci = nullptr;
@@ -557,7 +555,7 @@ Status Pull::open_ephemeral(const std::string& stream, const jsConsumerConfig& c
   const std::string name = ci->Name;
   jsConsumerInfo_Destroy(ci);
   ephemeral_ = true;
-  return subscribe(stream, name);
+  return open(stream, name);
 }
 
 namespace {

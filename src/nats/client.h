@@ -153,7 +153,6 @@ class Pull {
   const std::string& consumer() const { return consumer_; }
 
  private:
-  Status subscribe(const std::string& stream, const std::string& consumer);
   std::string where() const;
 
   Connection& conn_;
