@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -557,6 +558,69 @@ TEST(LedgerScan, ACheckAskedToLetGoStartsOverAtANewerSnapshot) {
   EXPECT_NE(r->mismatches[0].find("stored"), std::string::npos) << r->mismatches[0];
   EXPECT_TRUE(r->repaired);
   EXPECT_EQ(db->stats().ledger_check_restarts, 2u);
+  Result<VerifyReport> after = db->verify();
+  ASSERT_OK(after);
+  EXPECT_TRUE(after->ok()) << all(after->problems);
+}
+
+// Issue 41 item 9: purges one after another, each asking the checks to let
+// go, faster than a check's pass. verify() and rematerialize start over at
+// most kLedgerCheckLetGoes times, then hold their pass to the end: the
+// purges asking meanwhile wait for it and finish, erasure complete. (A
+// check that always let go started over at every purge.)
+TEST(LedgerScan, AChecksRestartsAreBoundedUnderSteadyPurges) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), manual_writes());
+  constexpr std::uint64_t kSignalled = 3000, kPurged = 400;
+  for (std::uint64_t u = 1; u <= kSignalled; ++u) {
+    ASSERT_OK(db->join_community(u, 100 + u % 3));
+    ASSERT_OK(db->signal_with_context({u, u % 40, 1.0 + static_cast<double>(u % 7)}, {{u % 30}}));
+  }
+  ASSERT_OK(db->flush());
+  std::vector<std::uint64_t> left;
+  for (std::uint64_t u = 1; u <= kPurged; ++u) left.push_back(u * 7);
+  ASSERT_OK(db->leave_community_layer(std::span<const std::uint64_t>(left)));
+  // Each step of a pass (1,024 records) takes 30 ms: a pass takes ~0.2 s,
+  // several purges' time.
+  ScopedOverride slow(Storage::step_for_testing, [&](std::string_view task, int) {
+    if (task == "ledger check") std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  });
+  for (std::size_t check = 0; check < 2; ++check) {
+    const std::uint64_t restarts_before = db->stats().ledger_check_restarts;
+    std::atomic<bool> done{false};
+    std::atomic<std::size_t> next{check * kPurged / 2}, purged{0};
+    std::thread purger([&] {
+      while (!done.load() && next.load() < (check + 1) * kPurged / 2) {
+        Result<PurgeReceipt> r = db->purge_community_contributions(left[next.fetch_add(1)]);
+        EXPECT_OK(r);
+        if (r.ok()) {
+          EXPECT_TRUE(r->erasure_complete);
+        }
+        purged.fetch_add(1);
+      }
+    });
+    // Once purges are flowing.
+    while (purged.load() < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const std::size_t purged_before = purged.load();
+    if (check == 0) {
+      Result<VerifyReport> v = db->verify();
+      ASSERT_OK(v);
+      EXPECT_TRUE(v->ok()) << all(v->problems);
+    } else {
+      Result<RematerializeReport> r = db->rematerialize_shared_aggregates(/*repair=*/false);
+      ASSERT_OK(r);
+      EXPECT_TRUE(r->mismatches.empty()) << all(r->mismatches);
+    }
+    const std::size_t purged_during = purged.load() - purged_before;
+    done.store(true);
+    purger.join();
+    const std::uint64_t restarts = db->stats().ledger_check_restarts - restarts_before;
+    std::printf("[ figures ] check %zu: %llu restarts, %zu purges during it\n", check,
+                static_cast<unsigned long long>(restarts), purged_during);
+    EXPECT_LE(restarts, kLedgerCheckLetGoes) << "check " << check;
+    EXPECT_GE(restarts, 1u) << "check " << check << ": no purge made the check start over";
+    EXPECT_GE(purged_during, 2u) << "check " << check << ": the purges did not go on during the check";
+  }
   Result<VerifyReport> after = db->verify();
   ASSERT_OK(after);
   EXPECT_TRUE(after->ok()) << all(after->problems);

@@ -608,8 +608,16 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
   const std::string dir = storage_->state_path();
   const rocksdb::SequenceNumber purged = db->GetLatestSequenceNumber();
   storage_->ask_scans_to_let_go();
-  const auto deadline = std::chrono::steady_clock::now() + erasure_wait;
+  // A check that has started over kLedgerCheckLetGoes times holds its
+  // snapshot to the end of its pass: the time limit starts once none holds.
+  auto deadline = std::chrono::steady_clock::now() + erasure_wait;
+  const auto hold_on = [&](std::chrono::steady_clock::time_point* limit) {
+    if (storage_->scans_holding().load(std::memory_order_seq_cst) > 0) {
+      *limit = std::chrono::steady_clock::now() + erasure_wait;
+    }
+  };
   for (;;) {
+    hold_on(&deadline);
     std::uint64_t oldest = 0;
     if (!db->GetIntProperty(rocksdb::DB::Properties::kOldestSnapshotSequence, &oldest)) {
       return Status::IOError("cannot read rocksdb.oldest-snapshot-sequence of '" + dir + "'");
@@ -656,8 +664,9 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
   if (!obsolete.ok()) return obsolete.status();
   std::vector<std::string> waiting = std::move(*obsolete);
   std::string stale_wal;
-  const auto give_up = std::chrono::steady_clock::now() + erasure_wait;
+  auto give_up = std::chrono::steady_clock::now() + erasure_wait;
   for (;;) {
+    hold_on(&give_up);
     // Re-enabling deletions runs a full purge of obsolete files in this
     // thread (erase_mu_ keeps other erasures from holding them disabled).
     if (Status s = from_rocksdb(db->DisableFileDeletions(), "disable file deletions"); !s.ok()) return s;

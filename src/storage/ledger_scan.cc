@@ -471,13 +471,22 @@ class Cells {
 // and notices when a purge's erasure asks scans to let go
 // (Storage::ask_scans_to_let_go), after which step() is false and the
 // attempt must end. The generation is read before the snapshot is taken: a
-// request made after the snapshot was taken is always noticed.
+// request made after the snapshot was taken is always noticed. One that
+// does not let go counts in Storage::scans_holding() for its life instead.
 class Hold {
  public:
   static constexpr std::uint64_t kStep = 1024;
-  explicit Hold(const Storage& storage)
-      : storage_(storage), generation_(storage.scan_generation()), snapshot_(storage.db(Storage::Engine::State)) {}
-  ~Hold() { storage_.scan_progress().records_read.fetch_sub(counted_, std::memory_order_relaxed); }
+  Hold(const Storage& storage, bool let_go)
+      : storage_(storage),
+        let_go_(let_go),
+        generation_(storage.scan_generation()),
+        snapshot_(storage.db(Storage::Engine::State)) {
+    if (!let_go_) storage_.scans_holding().fetch_add(1, std::memory_order_seq_cst);
+  }
+  ~Hold() {
+    storage_.scan_progress().records_read.fetch_sub(counted_, std::memory_order_relaxed);
+    if (!let_go_) storage_.scans_holding().fetch_sub(1, std::memory_order_seq_cst);
+  }
   Hold(const Hold&) = delete;
   Hold& operator=(const Hold&) = delete;
 
@@ -489,13 +498,14 @@ class Hold {
       counted_ += kStep;
       Storage::test_step("ledger check", static_cast<int>(read_ / kStep));
     }
-    if (storage_.scan_generation() != generation_) lost_ = true;
+    if (let_go_ && storage_.scan_generation() != generation_) lost_ = true;
     return !lost_;
   }
   bool lost() const { return lost_; }
 
  private:
   const Storage& storage_;
+  const bool let_go_;
   const std::uint64_t generation_;
   rocksdb::ManagedSnapshot snapshot_;
   std::uint64_t read_ = 0;
@@ -677,7 +687,7 @@ Status check_ledger(const Storage& storage, LedgerCheck* out, const std::functio
     }
     *out = LedgerCheck{};
     out->restarts = attempt;
-    Hold hold(storage);
+    Hold hold(storage, /*let_go=*/attempt < kLedgerCheckLetGoes);
     Runs runs(env, scratch, max_cells);
     CellSums sums(max_cells);
     std::size_t peak = 0;

@@ -77,6 +77,9 @@ struct AggregateMismatch {
   std::optional<Units> stored;  // 0 when absent; empty when the stored value does not decode
 };
 
+// How many times a check lets go for purges before it holds (above).
+inline constexpr std::uint64_t kLedgerCheckLetGoes = 3;
+
 struct LedgerCheck {
   std::uint64_t ledger_records = 0;  // ledger records read
   std::uint64_t ledger_entries = 0;  // entries in them
@@ -96,11 +99,13 @@ struct LedgerCheck {
 // when the runs cannot be written or read back (in the Db's directory, or
 // for a read-only open in the system's temporary directory, once the shared
 // cells outnumber `max_cells`).
-// Never holds its snapshot, or the files it reads, past a purge's request
-// (Storage::ask_scans_to_let_go) by more than one record: it lets go, calls
-// `restarted` (the caller drops every problem and mismatch reported so
-// far), and starts over with a new snapshot, which sees the purge. So a
-// check can start over as often as purges ask; each attempt is counted in
+// Lets go of its snapshot, and of the files it reads, within one record of
+// a purge's request (Storage::ask_scans_to_let_go): it calls `restarted`
+// (the caller drops every problem and mismatch reported so far) and starts
+// over with a new snapshot, which sees the purge. After kLedgerCheckLetGoes
+// such restarts it holds its next attempt to the end (Storage::
+// scans_holding()), and the purges asking meanwhile wait for it, so a check
+// finishes under steady purges. Each restart is counted in
 // LedgerCheck::restarts and Storage::scan_progress().
 Status check_ledger(const Storage& storage, LedgerCheck* out, const std::function<void(std::string)>& problem,
                     const std::function<void(const AggregateMismatch&)>& mismatch,

@@ -211,9 +211,13 @@ class Storage {
   // replaced, is left: it calls ask_scans_to_let_go() before each of its two
   // waits, and a check whose hold began before that call lets go of both
   // within one step and starts over (with a snapshot that sees the purge).
-  // A check reads scan_generation() before it takes its snapshot.
+  // A check reads scan_generation() before it takes its snapshot. One that
+  // started over kLedgerCheckLetGoes times (storage/ledger_scan.h) holds
+  // its next attempt to the end, counted in scans_holding(): an erasure
+  // waits for it (one pass of the check) before its own time limit runs.
   void ask_scans_to_let_go() const { scan_generation_.fetch_add(1, std::memory_order_seq_cst); }
   std::uint64_t scan_generation() const { return scan_generation_.load(std::memory_order_seq_cst); }
+  std::atomic<int>& scans_holding() const { return scans_holding_; }
   // What the checks under way have done, for Stats.
   struct ScanProgress {
     std::atomic<std::uint64_t> records_read{0};      // by the checks under way
@@ -313,6 +317,7 @@ class Storage {
   bool upgrade_pending_ = false;
   rocksdb::Options options_;  // the users engine's, for finish_upgrade()
   mutable std::atomic<std::uint64_t> scan_generation_{0};
+  mutable std::atomic<int> scans_holding_{0};
   mutable ScanProgress scan_progress_;
 };
 
