@@ -7,7 +7,9 @@
 // weights), every status is the original's, the shared scores are the
 // original's, I1 holds.
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "fault_fs.h"
 #include "test_util.h"
 #include "tidal/db.h"
+#include "tidal/global_view.h"
 #include "tidal/journal_entry.h"
 
 namespace tidal::reliability {
@@ -189,6 +192,201 @@ TEST(RecoverySweep, AReplayFailingAtAnyFileOperationForgetsNoPurgeOnceRetried) {
               static_cast<unsigned long long>(stride), static_cast<unsigned long long>(n),
               static_cast<unsigned long long>(runs + 1), failed_replays, refused_finishes, reopened);
   EXPECT_GT(failed_replays, 0) << "no injected fault reached the replay";
+}
+
+// ---- the change feed's recovery steps: reseed_change_feed, trim_changes ----
+
+constexpr std::uint64_t kFeedShard = 6;
+constexpr std::uint64_t kFeedUsers = 24, kFeedItems = 6, kFeedCohorts = 3, kFeedCommunity = 200;
+
+Options feed_options() {
+  Options options;
+  options.change_feed = true;
+  options.shard_id = kFeedShard;
+  return options;
+}
+
+// Every cell the feed sweeps touch, as the Db answers.
+std::vector<double> feed_cells(const Db& db) {
+  std::vector<double> out;
+  for (std::uint64_t item = 0; item < kFeedItems; ++item) {
+    for (std::uint64_t c = 0; c < kFeedCohorts; ++c) out.push_back(testing::value_of(db.cohort_score(c, item)));
+    out.push_back(testing::value_of(db.community_score(kFeedCommunity, item)));
+  }
+  return out;
+}
+std::vector<double> feed_cells(const GlobalView& view) {
+  std::vector<double> out;
+  for (std::uint64_t item = 0; item < kFeedItems; ++item) {
+    for (std::uint64_t c = 0; c < kFeedCohorts; ++c) out.push_back(testing::value_of(view.cohort_score(c, item)));
+    out.push_back(testing::value_of(view.community_score(kFeedCommunity, item)));
+  }
+  return out;
+}
+
+// Carries every batch of `db`'s feed after the view's applied seq to it, as
+// a consumer does: from the trim point when the batches after its cursor
+// were trimmed (a re-seed supersedes them). Every batch must be taken.
+Status carry_feed(Db& db, GlobalView& view) {
+  Result<std::uint64_t> cursor = view.applied_seq(kFeedShard);
+  if (!cursor.ok()) return cursor.status();
+  std::uint64_t after = *cursor;
+  for (;;) {
+    Result<std::vector<ChangeBatch>> batches = db.read_changes(after, 64 << 10);
+    if (!batches.ok() && batches.status().code() == StatusCode::NotFound && after < db.stats().change_feed_trimmed_seq) {
+      after = db.stats().change_feed_trimmed_seq;
+      continue;
+    }
+    if (!batches.ok()) return batches.status();
+    if (batches->empty()) return Status::OK();
+    Result<ApplyOutcome> out = view.apply(*batches);
+    if (!out.ok()) return out.status();
+    if (!out->refused.ok()) return out->refused;
+    after = batches->back().seq;
+  }
+}
+
+// A shard with a feed, signalled and flushed, and a view that applied all
+// of it (both closed): the starting point of each run of a feed sweep.
+struct FeedBase {
+  std::string db, view;
+  std::vector<double> cells;
+};
+
+FeedBase make_feed_base(const TempDir& dir, std::uint64_t applied_fraction_percent) {
+  FeedBase base{dir.sub("base-db"), dir.sub("base-view"), {}};
+  auto db = open_db(base.db, feed_options());
+  EXPECT_NE(db, nullptr);
+  if (db == nullptr) return base;
+  for (std::uint64_t u = 1; u <= kFeedUsers; ++u) {
+    EXPECT_OK(db->join_community(u, kFeedCommunity));
+    for (std::uint64_t i = 0; i < kFeedItems; ++i) {
+      EXPECT_OK(db->signal_with_context({u, i, 0.125 * static_cast<double>((u * 7 + i * 3) % 17) - 1.0},
+                                        {{u % kFeedCohorts}}));
+    }
+    if (u % 6 == 0) EXPECT_OK(db->flush());  // several batches
+  }
+  EXPECT_OK(db->leave_community_layer(3));
+  EXPECT_OK(db->purge_community_contributions(3));
+  EXPECT_OK(db->flush());
+  base.cells = feed_cells(*db);
+  Result<std::unique_ptr<GlobalView>> view = GlobalView::open(base.view);
+  EXPECT_OK(view);
+  if (!view.ok()) return base;
+  // The view applies the first part of the feed.
+  const std::uint64_t last = db->stats().change_feed_last_seq;
+  Result<std::vector<ChangeBatch>> batches = db->read_changes(0, 64 << 20);
+  EXPECT_OK(batches);
+  if (!batches.ok()) return base;
+  std::vector<ChangeBatch> part;
+  for (const ChangeBatch& b : *batches) {
+    if (b.seq * 100 <= last * applied_fraction_percent) part.push_back(b);
+  }
+  Result<ApplyOutcome> out = (*view)->apply(part);
+  EXPECT_OK(out);
+  EXPECT_OK((*view)->close());
+  EXPECT_OK(db->close());
+  return base;
+}
+
+// Runs `op` on a copy of `base` whose file operation n fails (every
+// `stride`-th n until op completes without reaching it); the operator then
+// retries on the same handle and, when the handle refuses, reopens and
+// retries. After each n: the Db's shared scores are the base's, and a view
+// that carries the feed from where it stopped equals them, bit for bit,
+// before and after a reopen. Returns the runs whose op failed.
+int sweep_feed_step(const TempDir& dir, const FeedBase& base, const char* name,
+                    const std::function<Status(Db&)>& op) {
+  const std::string work = dir.sub("work"), view_dir = dir.sub("work-view");
+  FaultEnv fault = FaultEnv::make();
+  const auto stride = static_cast<std::uint64_t>(testing::soak_rounds("TIDAL_RECOVERY_SWEEP_STRIDE", 2, 1));
+  int failed = 0, reopened = 0;
+  std::uint64_t n = 1, runs = 0;
+  for (; n < 2000 && !::testing::Test::HasFailure(); n += stride, ++runs) {
+    fs::remove_all(work);
+    fs::remove_all(view_dir);
+    fs::copy(base.db, work, fs::copy_options::recursive);
+    fs::copy(base.view, view_dir, fs::copy_options::recursive);
+    Result<std::unique_ptr<Db>> opened = Db::Impl::open(work, feed_options(), fault.env.get());
+    EXPECT_OK(opened);
+    if (!opened.ok()) break;
+    std::unique_ptr<Db> db = std::move(*opened);
+    fault.fs->fail_nth_op(n, /*persistent=*/false);
+    const Status first = op(*db);
+    const std::uint64_t ops = fault.fs->ops_since_arm();
+    fault.fs->clear_faults();
+    const std::string ctx = std::string(name) + " failing at op " + std::to_string(n) + " (" + first.to_string() + ")";
+    if (!first.ok()) {
+      ++failed;
+      if (!op(*db).ok()) {  // this handle refuses: reopen and retry
+        (void)db->close();
+        db.reset();
+        ++reopened;
+        Result<std::unique_ptr<Db>> again = Db::open(work, feed_options());
+        EXPECT_TRUE(again.ok()) << ctx << ": reopen: " << again.status().to_string();
+        if (!again.ok()) break;
+        db = std::move(*again);
+        const Status retried = op(*db);
+        EXPECT_TRUE(retried.ok()) << ctx << ": retry after the reopen: " << retried.to_string();
+      }
+    }
+    EXPECT_EQ(feed_cells(*db), base.cells) << ctx << ": the Db's shared scores changed";
+    for (int reopen = 0; reopen < 2; ++reopen) {
+      Result<std::unique_ptr<GlobalView>> view = GlobalView::open(view_dir);
+      EXPECT_OK(view);
+      if (!view.ok()) break;
+      const Status carried = carry_feed(*db, **view);
+      EXPECT_TRUE(carried.ok()) << ctx << (reopen ? ", reopened" : "") << ": carrying the feed: " << carried.to_string();
+      EXPECT_EQ(feed_cells(**view), base.cells) << ctx << (reopen ? ", reopened" : "") << ": the view differs";
+      EXPECT_OK((*view)->close());
+      (void)db->close();
+      db.reset();
+      Result<std::unique_ptr<Db>> again = Db::open(work, feed_options());
+      EXPECT_TRUE(again.ok()) << ctx << ": reopen after the step: " << again.status().to_string();
+      if (!again.ok()) break;
+      db = std::move(*again);
+    }
+    if (db) EXPECT_OK(db->close());
+    if (first.ok() && ops < n) break;  // the step completed without reaching op n
+  }
+  std::printf("[ figures ] %s sweep: every %llu of %llu operations (%llu runs): %d failed, %d reopened\n", name,
+              static_cast<unsigned long long>(stride), static_cast<unsigned long long>(n),
+              static_cast<unsigned long long>(runs + 1), failed, reopened);
+  return failed;
+}
+
+// Issue 41: a re-seed that fails at any file operation, then retried (after
+// a reopen when the handle refuses): the feed's snapshot brings a view that
+// applied half the old incarnation to the shard's scores exactly.
+TEST(RecoverySweep, AReseedFailingAtAnyFileOperationLeavesEveryViewExactOnceRetried) {
+  TempDir dir;
+  const FeedBase base = make_feed_base(dir, 50);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const int failed = sweep_feed_step(dir, base, "reseed_change_feed", [](Db& db) {
+    return db.reseed_change_feed().status();
+  });
+  EXPECT_GT(failed, 0) << "no injected fault reached the re-seed";
+}
+
+// Issue 41: trim_changes failing at any file operation, then retried: the
+// batches after the trim point are kept whole, and a view that applied
+// through it carries the rest to the shard's scores exactly.
+TEST(RecoverySweep, ATrimFailingAtAnyFileOperationKeepsEveryBatchAfterItOnceRetried) {
+  TempDir dir;
+  const FeedBase base = make_feed_base(dir, 50);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  std::uint64_t through = 0;
+  {
+    auto db = open_db(base.db, feed_options());
+    ASSERT_NE(db, nullptr);
+    through = db->stats().change_feed_last_seq / 2;
+    ASSERT_GT(through, 0u);
+    ASSERT_OK(db->close());
+  }
+  const int failed = sweep_feed_step(dir, base, "trim_changes", [through](Db& db) {
+    return db.trim_changes(through);
+  });
+  EXPECT_GT(failed, 0) << "no injected fault reached the trim";
 }
 
 }  // namespace
