@@ -14,7 +14,18 @@
 // Reports p50 / p99 / max of each kind, from all rounds. Targets: replicated
 // p50 <= local p50 + 2 ms, replicated p99 <= 25 ms.
 //
+// BM_RecoverShardStreamRead: the stream read of a restore. A Db (1,024
+// users, each with a ledger record) is backed up, then writes 10,000
+// journal entries its JournalPublisher has replicated: leaves and rejoins
+// in bulk calls, then a bulk purge of 1,000 users (1,000 entries). The
+// backup, copied, is recovered with nats::recover_shard: the 10,000
+// entries read from the stream, replayed (the purges as one bulk purge)
+// and the change feed re-seeded. At this size the replay is small: the
+// time is the stream read's, to add to journal_bench's BM_RecoveryTime
+// (the replay at 1M users).
+//
 //   build/bench/journal_nats_bench
+//   build/bench/journal_nats_bench --benchmark_filter=RecoverShard
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -25,6 +36,7 @@
 #include <filesystem>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -181,6 +193,78 @@ void BM_ReplicatedLeave(benchmark::State& state) {
 BENCHMARK(BM_ReplicatedLeave)
     ->ArgNames({"poll_ms", "signalers"})->Args({5, 8})->Args({5, 2})->Args({5, 0})
     ->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+void BM_RecoverShardStreamRead(benchmark::State& state) {
+  static std::uint64_t next_shard = 500;
+  const std::uint64_t shard = next_shard++;
+  constexpr std::uint64_t kPurges = 1000, kEntries = 10'000;
+  auto db = make_db("recover", true, shard, std::chrono::milliseconds(0));
+  for (std::uint64_t u = 0; u < kMembers; ++u) {
+    if (Status s = db->signal_with_context({u, u % 64, 1.0}, {{7}}).status(); !s.ok()) die("signal", s);
+  }
+  if (Status s = db->flush(); !s.ok()) die("flush", s);
+  const std::string backup = g_root + "/recover-backup";
+  std::filesystem::remove_all(backup);
+  if (Status s = db->backup(backup); !s.ok()) die("backup", s);
+  const std::uint64_t seq0 = db->stats().journal_last_seq;
+
+  // Leaves and rejoins of everyone, then of a prefix, then everyone leaves
+  // and 1,000 of them are purged: 10,000 entries after the backup.
+  std::vector<std::uint64_t> all(kMembers);
+  for (std::uint64_t u = 0; u < kMembers; ++u) all[u] = u;
+  const std::uint64_t other = kEntries - kPurges - kMembers;  // leaves and rejoins before the last leave
+  for (std::uint64_t written = 0; written < other;) {
+    const std::uint64_t n = std::min<std::uint64_t>(kMembers, (other - written) / 2);
+    const std::span<const std::uint64_t> users(all.data(), n);
+    if (Status s = db->leave_community_layer(users); !s.ok()) die("bulk leave", s);
+    if (Status s = db->rejoin_community_layer(users); !s.ok()) die("bulk rejoin", s);
+    written += 2 * n;
+  }
+  if (Status s = db->leave_community_layer(std::span<const std::uint64_t>(all)); !s.ok()) die("bulk leave", s);
+  const std::span<const std::uint64_t> purged(all.data(), kPurges);
+  if (Status s = db->purge_community_contributions(purged).status(); !s.ok()) die("bulk purge", s);
+  const std::uint64_t last = db->stats().journal_last_seq;
+
+  nats::Config config;
+  config.servers = g_servers;
+  config.replicas = 3;
+  {
+    auto pub = nats::JournalPublisher::start(db.get(), config);
+    if (!pub.ok()) die("JournalPublisher::start", pub.status());
+    const auto give_up = Clock::now() + std::chrono::seconds(120);
+    while (db->stats().journal_confirmed_seq < last && Clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (db->stats().journal_confirmed_seq < last) die("replication", Status::Busy((*pub)->stats().last_error));
+    if (Status s = (*pub)->stop(); !s.ok()) die("JournalPublisher::stop", s);
+  }
+  if (Status s = db->close(); !s.ok()) die("close", s);
+
+  double read_and_replay_s = 0;
+  for (auto _ : state) {
+    const std::string restored_dir = g_root + "/recover-restored";
+    std::filesystem::remove_all(restored_dir);
+    std::filesystem::copy(backup, restored_dir, std::filesystem::copy_options::recursive);
+    Options options;
+    options.journal = true;
+    options.shard_id = shard;
+    auto restored = Db::open(restored_dir, options);
+    if (!restored.ok()) die("open the backup", restored.status());
+    const auto t0 = Clock::now();
+    if (Status s = nats::recover_shard(restored->get(), config); !s.ok()) die("recover_shard", s);
+    read_and_replay_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    state.SetIterationTime(read_and_replay_s);
+    const Stats st = (*restored)->stats();
+    if (st.recovering || st.journal_last_seq != last) {
+      state.SkipWithError("the restored Db is still recovering, or its journal does not end at the original's");
+    }
+    if (Status s = (*restored)->close(); !s.ok()) die("close restored", s);
+  }
+  state.counters["entries"] = static_cast<double>(last - seq0);
+  state.counters["purges"] = static_cast<double>(kPurges);
+  state.counters["recover_shard_s"] = read_and_replay_s;
+}
+BENCHMARK(BM_RecoverShardStreamRead)->Iterations(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

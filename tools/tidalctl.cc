@@ -493,6 +493,23 @@ int cmd_restore(const std::string& backup, const std::string& path, const Args& 
     std::fprintf(stderr, "tidalctl: restore: '%s' already exists; restore into a new directory\n", path.c_str());
     return kExitUsage;
   }
+  // What the backup holds, in one walk: its directories (before what they
+  // hold) and files, with their sizes.
+  struct Entry {
+    fs::path from;
+    bool directory;
+    std::uintmax_t size;
+  };
+  std::vector<Entry> entries;
+  for (auto it = fs::recursive_directory_iterator(backup, ec); !ec && it != fs::recursive_directory_iterator();
+       it.increment(ec)) {
+    const bool directory = it->is_directory(ec);
+    entries.push_back({it->path(), directory, directory ? 0 : it->file_size(ec)});
+  }
+  if (ec) {
+    std::fprintf(stderr, "tidalctl: restore: reading '%s' failed: %s\n", backup.c_str(), ec.message().c_str());
+    return kExitFailed;
+  }
   // Room first: the bytes copied (every file but the table files, which are
   // hard-linked when BACKUP is on PATH's file system), with 1 % and 1 MiB
   // to spare, must be free where PATH goes.
@@ -502,9 +519,8 @@ int cmd_restore(const std::string& backup, const std::string& path, const Args& 
     const bool same_fs =
         ::stat(parent.c_str(), &at) == 0 && ::stat(backup.c_str(), &from) == 0 && at.st_dev == from.st_dev;
     std::uintmax_t need = 0;
-    for (auto it = fs::recursive_directory_iterator(backup, ec); !ec && it != fs::recursive_directory_iterator();
-         it.increment(ec)) {
-      if (it->is_regular_file(ec) && !(same_fs && it->path().extension() == ".sst")) need += it->file_size(ec);
+    for (const Entry& e : entries) {
+      if (!e.directory && !(same_fs && e.from.extension() == ".sst")) need += e.size;
     }
     need += need / 100 + (1u << 20);
     const fs::space_info room = fs::space(parent, ec);
@@ -539,24 +555,24 @@ int cmd_restore(const std::string& backup, const std::string& path, const Args& 
   std::uint64_t linked = 0, copied = 0;
   std::vector<fs::path> written{staging};  // what is fsynced before the rename
   fs::create_directories(staging, ec);
-  for (auto it = fs::recursive_directory_iterator(backup, ec); !ec && it != fs::recursive_directory_iterator();
-       it.increment(ec)) {
-    const fs::path to = fs::path(staging) / fs::relative(it->path(), backup, ec);
+  for (std::size_t i = 0; !ec && i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    const fs::path to = fs::path(staging) / fs::relative(e.from, backup, ec);
     written.push_back(to);
-    if (it->is_directory(ec)) {
+    if (e.directory) {
       fs::create_directories(to, ec);
       continue;
     }
     maybe_kill(std::to_string(linked + copied + 1));
-    if (it->path().extension() == ".sst") {
-      fs::create_hard_link(it->path(), to, ec);
+    if (e.from.extension() == ".sst") {
+      fs::create_hard_link(e.from, to, ec);
       if (!ec) {
         ++linked;
         continue;
       }
       ec.clear();
     }
-    fs::copy_file(it->path(), to, ec);
+    fs::copy_file(e.from, to, ec);
     ++copied;
   }
   std::string failed = ec ? ec.message() : std::string();
