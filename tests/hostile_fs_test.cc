@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "db/impl.h"
 #include "storage/ledger_scan.h"
 #include "test_util.h"
 
@@ -635,6 +636,9 @@ TEST(HostileFsTest, ABackupOntoADiskThatFillsUpAtAnyPointFailsAndLeavesNothing) 
     ASSERT_TRUE((*db)->signal_with_context({u, u % 50, 1.0}, SignalContext{{u % 11}}).ok());
   }
   ASSERT_OK((*db)->flush());
+  // Past the check of the room it needs (the test below), to fail at every
+  // point of the copy.
+  testing::ScopedOverride unchecked(Db::Impl::backup_checks_space, false);
   std::size_t failures = 0, at_manifest = 0;
   bool whole = false;
   for (std::size_t keep = 0; keep <= (4u << 20) && !whole; keep += 4096) {
@@ -666,6 +670,58 @@ TEST(HostileFsTest, ABackupOntoADiskThatFillsUpAtAnyPointFailsAndLeavesNothing) 
   ASSERT_TRUE(whole) << "no backup succeeded with up to 4 MiB free";
   EXPECT_GT(failures, 10u);
   EXPECT_GT(at_manifest, 0u) << "no backup failed at its manifest";
+  ASSERT_OK((*db)->close());
+}
+
+// Issue 41 item 9: a backup checks the room it needs first. Onto a disk
+// with too little free, it is refused before anything is written, naming
+// the bytes it needs and the bytes free; the first backup the check lets
+// through succeeds, and it wrote no more than the check asked for.
+TEST(HostileFsTest, ABackupWithoutRoomIsRefusedFirstNamingTheBytesNeededAndFree) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  auto disk = Mount::tmpfs(8 << 20);
+  ASSERT_NE(disk, nullptr);
+  TempDir dir;
+  auto db = Db::open(dir.sub("db"));
+  ASSERT_TRUE(db.ok()) << db.status().to_string();
+  for (std::uint64_t u = 1; u <= 200; ++u) {
+    ASSERT_OK((*db)->join_community(u, u % 7));
+    ASSERT_TRUE((*db)->signal_with_context({u, u % 50, 1.0}, SignalContext{{u % 11}}).ok());
+  }
+  ASSERT_OK((*db)->flush());
+  std::size_t refused = 0;
+  std::uintmax_t need = 0;
+  for (std::size_t keep = 0; keep <= (6u << 20); keep += 64 << 10) {
+    disk->fill_leaving(keep);
+    const std::string backup = disk->dir() + "/b" + std::to_string(keep);
+    Status s = (*db)->backup(backup);
+    if (s.ok()) {
+      std::uintmax_t written = 0;
+      for (const auto& e : fs::recursive_directory_iterator(backup)) {
+        if (e.is_regular_file()) written += e.file_size();
+      }
+      std::printf("[ figures ] %zu backups refused (the last needing %ju bytes), then one with %zu KiB free wrote %ju "
+                  "bytes\n", refused, need, keep >> 10, written);
+      EXPECT_LE(written, need) << "the backup wrote more than the check asked for";
+      break;
+    }
+    ++refused;
+    EXPECT_EQ(s.code(), StatusCode::IOError) << s.to_string();
+    const std::string& m = s.message();
+    const std::size_t at = m.find("it needs ");
+    ASSERT_NE(at, std::string::npos) << "with " << keep << " bytes free: " << s.to_string();
+    need = std::stoull(m.substr(at + 9));
+    EXPECT_NE(m.find(" bytes free in '" + disk->dir() + "'"), std::string::npos) << m;
+    EXPECT_NE(m.find("nothing written"), std::string::npos) << m;
+    std::vector<std::string> left;
+    for (const auto& e : fs::directory_iterator(disk->dir())) {
+      if (e.path().filename() != "filler") left.push_back(e.path().filename().string());
+    }
+    EXPECT_TRUE(left.empty()) << "with " << keep << " bytes free, the refused backup left " << left.front();
+    disk->free_space();
+  }
+  EXPECT_GT(refused, 0u);
+  EXPECT_GT(need, 0u) << "no backup was refused, or none succeeded";
   ASSERT_OK((*db)->close());
 }
 

@@ -108,17 +108,18 @@ TEST(RecoverySweep, AReplayFailingAtAnyFileOperationForgetsNoPurgeOnceRetried) {
     ASSERT_OK(db->backup(base));
     // After the backup, in the journal only: a purge followed by the
     // rejoin of the same user; leaves of the others, then four purge
-    // entries in a row (a single, a bulk purge of two, a single), which
-    // the replay re-runs as one bulk purge.
+    // entries in a row, not in user order (a single, a bulk purge of two,
+    // a single: users 5, 3, 4, 2), which the replay re-runs as one bulk
+    // purge.
     const std::vector<std::uint64_t> pair{3, 4};
     ASSERT_OK(db->purge_community_contributions(1));
     ASSERT_OK(db->rejoin_community_layer(1));
     ASSERT_OK(db->leave_community_layer(2));
     ASSERT_OK(db->leave_community_layer(std::span<const std::uint64_t>(pair)));
     ASSERT_OK(db->leave_community_layer(5));
-    ASSERT_OK(db->purge_community_contributions(2));
-    ASSERT_OK(db->purge_community_contributions(std::span<const std::uint64_t>(pair)));
     ASSERT_OK(db->purge_community_contributions(5));
+    ASSERT_OK(db->purge_community_contributions(std::span<const std::uint64_t>(pair)));
+    ASSERT_OK(db->purge_community_contributions(2));
     ASSERT_OK(db->flush());
     expected = expected_of(*db);
     for (std::uint64_t u = 1; u <= kUsers; ++u) ASSERT_EQ(expected.receipts[u - 1].size(), 1u) << "user " << u;

@@ -517,8 +517,10 @@ class Db {
   // hard-linked or copied, how long it took). SST files are hard-linked
   // where the file system allows (the same one as the Db), copied
   // otherwise. Signals, leaves and purges go on meanwhile. InvalidArgument
-  // naming what was wrong (dir exists, no parent, a read-only Db); nothing of
-  // `dir` is left when it fails. The copy is assembled in
+  // naming what was wrong (dir exists, no parent, a read-only Db); IOError
+  // naming the bytes needed and free, before anything is written, when the
+  // parent's file system lacks room for what the backup flushes and copies
+  // (with 1 % and 1 MiB to spare); nothing of `dir` is left when it fails. The copy is assembled in
   // "<dir>.tidal-backup-tmp" and renamed to `dir` once whole; a backup
   // killed mid-way leaves that directory, which the Db's next writable open
   // removes (a marker in the Db's directory names it).

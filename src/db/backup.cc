@@ -101,6 +101,31 @@ Status write_file_durably(const std::string& path, const std::string& text, cons
 
 }  // namespace
 
+std::uintmax_t Db::Impl::backup_bytes_needed(const std::string& parent) const {
+  const bool linked = same_file_system(parent, storage_->path());
+  std::uintmax_t need = 0;
+  for (auto [engine, engine_dir] : {std::pair{Storage::Engine::Users, storage_->path()},
+                                    std::pair{Storage::Engine::State, storage_->state_path()}}) {
+    rocksdb::DB* db = storage_->db(engine);
+    std::uint64_t memtables = 0;
+    if (db->GetIntProperty("rocksdb.cur-size-all-mem-tables", &memtables)) need += memtables;
+    // The MANIFEST, OPTIONS, CURRENT and WAL files (an upper bound: older
+    // OPTIONS files are counted too), and the table files unless linked.
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(engine_dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (!e.is_regular_file(ec) || name.rfind("LOG", 0) == 0 || name.ends_with(".sst")) continue;
+      need += e.file_size(ec);
+    }
+    if (!linked) {
+      std::vector<rocksdb::LiveFileMetaData> files;
+      db->GetLiveFilesMetaData(&files);
+      for (const rocksdb::LiveFileMetaData& f : files) need += f.size;
+    }
+  }
+  return need + need / 100 + (std::uintmax_t{1} << 20);
+}
+
 Status Db::Impl::backup(const std::string& dir) const {
   return guarded("backup", [&]() -> Status {
     Call call(this, "backup", /*write=*/false);
@@ -134,6 +159,18 @@ Status Db::Impl::backup(const std::string& dir) const {
                                      "' exists (another backup into the same directory is running, or one was "
                                      "killed and its Db not opened since: remove it and try again)");
     }
+    // Room first, before anything is written.
+    if (backup_checks_space) {
+      const std::uintmax_t need = backup_bytes_needed(parent);
+      const fs::space_info room = fs::space(parent, ec);
+      if (!ec && room.available < need) {
+        return Status::IOError(what + ": it needs " + std::to_string(need) + " bytes free in '" + parent +
+                               "' (the memtables it flushes and the files it copies" +
+                               (same_file_system(parent, storage_->path()) ? ", table files hard-linked" : "") +
+                               ", with 1 % and 1 MiB to spare); " + std::to_string(room.available) +
+                               " are: free some, or back up onto another file system; nothing written");
+      }
+    }
     // The marker, durable before anything is copied: after a crash the
     // next open removes `staging`, which holds ledger records that later
     // purges erase from the Db (and from no copy of them).
@@ -142,7 +179,10 @@ Status Db::Impl::backup(const std::string& dir) const {
     const std::string marker = storage_->path() + "/" + kBackupPendingPrefix + hash;
     if (Status s = write_file_durably(marker, staging + "\n", what + ": its pending marker"); !s.ok()) return s;
     Storage::test_step("backup", 1);
-    auto abandon = [&](Status s) {
+    // Removes the staging directory and the marker, and returns `s`: on
+    // every failure, and once the backup is whole (its staging directory
+    // is empty then).
+    auto remove_staging = [&](Status s) {
       fs::remove_all(staging, ec);
       if (!ec) {
         fs::remove(marker, ec);
@@ -154,9 +194,9 @@ Status Db::Impl::backup(const std::string& dir) const {
     const std::string state_copy = staging + "/state";
     const auto start = std::chrono::steady_clock::now();
     fs::create_directory(staging, ec);
-    if (ec) return abandon(Status::IOError(what + ": creating '" + staging + "' failed: " + ec.message()));
+    if (ec) return remove_staging(Status::IOError(what + ": creating '" + staging + "' failed: " + ec.message()));
     // Everything acknowledged before the call is in the copy.
-    if (Status s = state_->flush(); !s.ok()) return abandon(s);
+    if (Status s = state_->flush(); !s.ok()) return remove_staging(s);
     std::ostringstream manifest;
     manifest << "tidal backup\n"
              << "format 3\n"
@@ -193,35 +233,35 @@ Status Db::Impl::backup(const std::string& dir) const {
     if (s.ok() && journal_) manifest << "journal_last_seq " << journal_->last_seq() << "\n";
     if (s.ok()) s = checkpoint(storage_->db(Storage::Engine::Users), users_copy, what + ": the users engine");
     no_purge.unlock();
-    if (!s.ok()) return abandon(s);
+    if (!s.ok()) return remove_staging(s);
     Storage::test_step("backup", 3);
     fs::rename(state_copy, state_engine_dir(users_copy), ec);
     if (ec) {
-      return abandon(Status::IOError(what + ": moving the state engine's copy into place failed: " + ec.message()));
+      return remove_staging(Status::IOError(what + ": moving the state engine's copy into place failed: " + ec.message()));
     }
     const bool linked = same_file_system(staging, storage_->path());
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     manifest << "files " << (linked ? "linked" : "copied") << "\nseconds " << seconds << "\n";
     if (Status w = write_file_durably(users_copy + "/" + kBackupManifest, manifest.str(), what + ": its manifest");
         !w.ok()) {
-      return abandon(w);
+      return remove_staging(w);
     }
     for (const std::string& p : {state_engine_dir(users_copy), users_copy}) {
       if (std::string error = sync_path(p); !error.empty()) {
-        return abandon(Status::IOError(what + ": fsync of '" + p + "' failed: " + error));
+        return remove_staging(Status::IOError(what + ": fsync of '" + p + "' failed: " + error));
       }
     }
     Storage::test_step("backup", 4);
     fs::rename(users_copy, dir, ec);
-    if (ec) return abandon(Status::IOError(what + ": renaming the copy to '" + dir + "' failed: " + ec.message()));
+    if (ec) return remove_staging(Status::IOError(what + ": renaming the copy to '" + dir + "' failed: " + ec.message()));
     if (std::string error = sync_path(parent); !error.empty()) {
       fs::remove_all(dir, ec);
-      return abandon(Status::IOError(what + ": fsync of '" + parent + "' failed: " + error));
+      return remove_staging(Status::IOError(what + ": fsync of '" + parent + "' failed: " + error));
     }
     Storage::test_step("backup", 5);
     // The backup is whole: what is left is an empty directory and the
     // marker, which the next open removes if this fails.
-    return abandon(Status::OK());
+    return remove_staging(Status::OK());
   });
 }
 

@@ -58,6 +58,10 @@ class Db::Impl {
   Status flush();
   Status backup(const std::string& dir) const;
   Status finish_recovery();
+  // The bytes a backup into `parent`'s file system writes there: the
+  // memtables it flushes, and the engines' files it copies (all of them on
+  // another file system; else all but the hard-linked table files).
+  std::uintmax_t backup_bytes_needed(const std::string& parent) const;
   Status replay_journal(std::span<const JournalEntry> entries);
   bool recovering() const { return recovering_.load(std::memory_order_acquire); }
   // Busy naming `what` and the steps that end a recovery (db/backup.cc).
@@ -140,6 +144,9 @@ class Db::Impl {
   // (another thread deleting them, a reader still holding them). Tests
   // lower it.
   static inline std::chrono::milliseconds erasure_wait{10'000};
+  // Whether backup() checks the room it needs first. Tests turn it off to
+  // reach the failures of a disk that fills up during the copy.
+  static inline bool backup_checks_space = true;
 
  private:
   class Call;

@@ -257,11 +257,17 @@ Status Db::Impl::replay_purges(std::span<const JournalRecord> run, std::uint64_t
 }
 
 Status Db::Impl::purge_after_intents(std::span<const JournalRecord> run, const std::string& what) {
+  // In ascending user order, as a bulk purge's: its batches are written as
+  // sorted files (the entries' order is the journal's, any).
+  std::vector<const JournalRecord*> sorted;
+  for (const JournalRecord& rec : run) sorted.push_back(&rec);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const JournalRecord* a, const JournalRecord* b) { return a->user_id < b->user_id; });
   std::vector<std::uint64_t> users, left_at, purged_at;
-  for (const JournalRecord& rec : run) {
-    users.push_back(rec.user_id);
-    left_at.push_back(rec.left_at_ns);
-    purged_at.push_back(rec.at_ns);
+  for (const JournalRecord* rec : sorted) {
+    users.push_back(rec->user_id);
+    left_at.push_back(rec->left_at_ns);
+    purged_at.push_back(rec->at_ns);
   }
   std::vector<std::uint64_t> to_erase;
   Result<std::vector<PurgeReceipt>> done = purge_registered("replay_journal", users, left_at, purged_at, &to_erase);
@@ -276,7 +282,6 @@ Status Db::Impl::purge_after_intents(std::span<const JournalRecord> run, const s
                       "then finish_recovery");
   }
   (void)delete_purge_marks(users);
-  std::sort(to_erase.begin(), to_erase.end());  // neighbours share a range
   return erase_purged(to_erase);
 }
 
