@@ -928,6 +928,65 @@ TEST(NatsCrash, AFollowerKilledWithTheDefaultAckWaitCatchesUpWithoutWaitingForIt
 
 // ---- The cluster unavailable at start and for a while mid-run ----
 
+// docs/SCALE.md's runbook, "the stream is full (discard-new)": publishes are
+// refused and the Publisher says so in last_error; the repair as written,
+// a larger max_bytes on the stream (`nats stream edit`, here the same
+// js_UpdateStream), and the Publisher goes on from where it stopped: no
+// batch lost, the view equals the reference.
+TEST(NatsRunbook, AFullStreamRefusesPublishesUntilItsMaxBytesIsRaisedAndLosesNothing) {
+  NatsCluster cluster(3);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "FULLSTREAM", 3);
+  config.stream_max_bytes = 32 << 10;
+  std::vector<std::unique_ptr<Db>> shards;
+  shards.push_back(open_shard(dir.sub("shard0"), 0));
+  auto reference = tidal::testing::open_db(dir.sub("reference"));
+  auto view = open_view(dir.sub("view"));
+  auto pub = start_publisher(shards[0].get(), config);
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(pub && f && reference && view && shards[0]);
+  Workload w(41, 40);
+  ASSERT_EQ(w.setup(raw(shards), reference.get()), "");
+  // Until the stream refuses.
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (pub->stats().last_error.empty() && std::chrono::steady_clock::now() < give_up) {
+    for (int i = 0; i < 50; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+    ASSERT_OK(shards[0]->flush());
+    std::this_thread::sleep_for(20ms);
+  }
+  const PublisherStats full = pub->stats();
+  ASSERT_FALSE(full.last_error.empty()) << "the 32 KiB stream never refused a publish";
+  std::printf("[ figures ] full stream: %s\n", full.last_error.c_str());
+  EXPECT_NE(full.last_error.find("bytes"), std::string::npos) << full.last_error;
+  // More signals meanwhile: the Db keeps them; nothing is trimmed past what the stream holds.
+  for (int i = 0; i < 200; ++i) ASSERT_EQ(w.step(raw(shards), reference.get()), "");
+  ASSERT_OK(shards[0]->flush());
+  EXPECT_LT(pub->stats().published_seq, *shards[0]->last_change_seq());
+  EXPECT_EQ(shards[0]->stats().change_feed_trimmed_seq, pub->stats().published_seq);
+
+  // The repair: a larger max_bytes on the stream.
+  {
+    Js js(cluster);
+    ASSERT_TRUE(js.ok());
+    jsStreamInfo* si = js.info(config.stream);
+    ASSERT_NE(si, nullptr);
+    jsStreamConfig sc = *si->Config;
+    sc.MaxBytes = std::int64_t{64} << 20;
+    jsStreamInfo* updated = nullptr;
+    jsErrCode jerr = static_cast<jsErrCode>(0);
+    const natsStatus ns = js_UpdateStream(&updated, js.js(), &sc, nullptr, &jerr);
+    if (updated != nullptr) jsStreamInfo_Destroy(updated);
+    jsStreamInfo_Destroy(si);
+    ASSERT_EQ(ns, NATS_OK) << natsStatus_GetText(ns) << " (" << jerr << ")";
+  }
+  ASSERT_TRUE(converge(raw(shards), *view, *f, 90s));
+  EXPECT_EQ(compare(*view, *reference), "");
+  EXPECT_EQ(pub->stats().published_seq, *shards[0]->last_change_seq());
+  EXPECT_OK(pub->stop());
+  EXPECT_OK(f->stop());
+}
+
 TEST(NatsOutage, PublisherAndFollowerRetryWithBoundedBackoffAndCatchUp) {
   NatsCluster cluster(3);  // not started yet
   TempDir dir;
