@@ -585,6 +585,79 @@ TEST(GlobalViewPowerLoss, EveryAcknowledgedApplySurvivesAPowerCut) {
 // N = 1, 2, ... until the apply no longer reaches it. After each, a reopened
 // view holds the batch whole or not at all, its applied seq says which, and
 // delivering the batch again completes it exactly once.
+// Issue 41 (the Follower's re-seed apply): the view's write of a re-seed's
+// first batch fails at any file operation (once, or from then on). After a
+// reopen the view holds the shard's old contribution or the new one whole,
+// with the applied record to match, never a mix; applying the batch again
+// ends with the new one, and a late batch of the replaced incarnation is
+// skipped.
+TEST(GlobalViewFaultSweep, AReseedApplyIsAllOrNothingWhateverFileOperationFails) {
+  TempDir dir;
+  const std::string base = dir.sub("base");
+  const std::string old_inc(32, 'a'), new_inc(32, 'b'), other_inc(32, 'c');
+  {
+    auto view = open_view(base);
+    ASSERT_NE(view, nullptr);
+    ASSERT_TRUE(applied(*view, {1, 1, payload_of({cohort(1, 1, weight(1.0)), community(5, 6, weight(2.0))}), old_inc}));
+    ASSERT_TRUE(applied(*view, {2, 1, payload_of({cohort(1, 1, weight(0.5))}), other_inc}));
+    ASSERT_OK(view->close());
+  }
+  const ChangeBatch reseed{1, 7, payload_of({cohort(1, 1, weight(4.0)), cohort(2, 2, weight(8.0))}, FeedOrigin::Reseed),
+                           new_inc};
+  const ChangeBatch late{1, 2, payload_of({cohort(1, 1, weight(100.0))}), old_inc};
+  int failed_applies = 0, stored_anyway = 0;
+  for (bool persistent : {false, true}) {
+    for (std::uint64_t n = 1;; ++n) {
+      SCOPED_TRACE("operation " + std::to_string(n) + (persistent ? " and every later one" : " once"));
+      ASSERT_LT(n, 200u) << "the sweep does not end";
+      const std::string work = dir.sub("work");
+      fs::remove_all(work);
+      fs::copy(base, work, fs::copy_options::recursive);
+      bool reached = false;
+      Result<bool> r = false;
+      {
+        reliability::FaultEnv fault = reliability::FaultEnv::make();
+        auto view = open_view_on(work, fault.env.get());
+        ASSERT_NE(view, nullptr);
+        const std::uint64_t injected = fault.fs->faults_injected();
+        fault.fs->fail_nth_op(n, persistent);
+        r = view->apply(reseed);
+        reached = fault.fs->faults_injected() > injected;
+        fault.fs->clear_faults();
+        view.reset();
+      }
+      if (!r.ok()) {
+        ++failed_applies;
+        EXPECT_NE(r.status().code(), StatusCode::Corruption) << r.status().to_string();
+      }
+      auto view = open_view(work);
+      ASSERT_NE(view, nullptr);
+      const std::uint64_t seq = seq_of(*view, 1);
+      ASSERT_TRUE(seq == 1 || seq == 7) << seq;
+      if (r.ok()) {
+        EXPECT_EQ(seq, 7u);
+      }
+      if (!r.ok() && seq == 7) ++stored_anyway;
+      // Whole or not at all, as its applied record says.
+      const bool replaced = seq == 7;
+      EXPECT_EQ(value_of(view->cohort_score(1, 1)), replaced ? 4.5 : 1.5);
+      EXPECT_EQ(value_of(view->community_score(5, 6)), replaced ? 0.0 : 2.0);
+      EXPECT_EQ(value_of(view->cohort_score(2, 2)), replaced ? 8.0 : 0.0);
+      EXPECT_EQ(applied(*view, reseed), !replaced);
+      EXPECT_FALSE(applied(*view, late));  // the replaced incarnation's, late: skipped
+      EXPECT_EQ(value_of(view->cohort_score(1, 1)), 4.5);
+      EXPECT_EQ(value_of(view->community_score(5, 6)), 0.0);
+      EXPECT_EQ(value_of(view->cohort_score(2, 2)), 8.0);
+      EXPECT_EQ(seq_of(*view, 1), 7u);
+      ASSERT_OK(view->close());
+      if (!reached) break;
+    }
+  }
+  EXPECT_GT(failed_applies, 0) << "no fault reached the apply: the sweep tested nothing";
+  std::cout << "[global view re-seed fault sweep] " << failed_applies << " failed applies, " << stored_anyway
+            << " of them stored after all\n";
+}
+
 TEST(GlobalViewFaultSweep, AnApplyIsAllOrNothingWhateverFileOperationFails) {
   TempDir dir;
   const std::string base = dir.sub("base");
