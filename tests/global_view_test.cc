@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -585,6 +586,52 @@ TEST(GlobalViewPowerLoss, EveryAcknowledgedApplySurvivesAPowerCut) {
 // N = 1, 2, ... until the apply no longer reaches it. After each, a reopened
 // view holds the batch whole or not at all, its applied seq says which, and
 // delivering the batch again completes it exactly once.
+// A fault sweep of one apply: on a copy of the view at `base`, the n-th
+// file operation fails (once, then from then on) while `b` is applied, for
+// every n until one is no longer reached. After each, `check` gets the view
+// reopened on the normal Env and what the apply returned (an error must
+// not be Corruption), and says whether the batch is stored. Returns
+// the failed applies and, of them, those stored after all.
+std::pair<int, int> sweep_apply(const TempDir& dir, const std::string& base, const ChangeBatch& b,
+                                const std::function<bool(GlobalView&, const Status&)>& check) {
+  int failed_applies = 0, stored_anyway = 0;
+  for (bool persistent : {false, true}) {
+    for (std::uint64_t n = 1;; ++n) {
+      SCOPED_TRACE("operation " + std::to_string(n) + (persistent ? " and every later one" : " once"));
+      EXPECT_LT(n, 200u) << "the sweep does not end";
+      if (n >= 200u) return {failed_applies, stored_anyway};
+      const std::string work = dir.sub("work");
+      fs::remove_all(work);
+      fs::copy(base, work, fs::copy_options::recursive);
+      bool reached = false;
+      Result<bool> r = false;
+      {
+        reliability::FaultEnv fault = reliability::FaultEnv::make();
+        auto view = open_view_on(work, fault.env.get());
+        if (view == nullptr) return {failed_applies, stored_anyway};
+        const std::uint64_t injected = fault.fs->faults_injected();
+        fault.fs->fail_nth_op(n, persistent);
+        r = view->apply(b);
+        reached = fault.fs->faults_injected() > injected;
+        fault.fs->clear_faults();
+        view.reset();
+      }
+      if (!r.ok()) {
+        ++failed_applies;
+        EXPECT_NE(r.status().code(), StatusCode::Corruption) << r.status().to_string();
+      }
+      auto view = open_view(work);
+      if (view == nullptr) return {failed_applies, stored_anyway};
+      const bool stored = check(*view, r.status());
+      if (!r.ok() && stored) ++stored_anyway;
+      EXPECT_OK(view->close());
+      if (!reached) break;
+    }
+  }
+  EXPECT_GT(failed_applies, 0) << "no fault reached the apply: the sweep tested nothing";
+  return {failed_applies, stored_anyway};
+}
+
 // Issue 41 (the Follower's re-seed apply): the view's write of a re-seed's
 // first batch fails at any file operation (once, or from then on). After a
 // reopen the view holds the shard's old contribution or the new one whole,
@@ -605,56 +652,26 @@ TEST(GlobalViewFaultSweep, AReseedApplyIsAllOrNothingWhateverFileOperationFails)
   const ChangeBatch reseed{1, 7, payload_of({cohort(1, 1, weight(4.0)), cohort(2, 2, weight(8.0))}, FeedOrigin::Reseed),
                            new_inc};
   const ChangeBatch late{1, 2, payload_of({cohort(1, 1, weight(100.0))}), old_inc};
-  int failed_applies = 0, stored_anyway = 0;
-  for (bool persistent : {false, true}) {
-    for (std::uint64_t n = 1;; ++n) {
-      SCOPED_TRACE("operation " + std::to_string(n) + (persistent ? " and every later one" : " once"));
-      ASSERT_LT(n, 200u) << "the sweep does not end";
-      const std::string work = dir.sub("work");
-      fs::remove_all(work);
-      fs::copy(base, work, fs::copy_options::recursive);
-      bool reached = false;
-      Result<bool> r = false;
-      {
-        reliability::FaultEnv fault = reliability::FaultEnv::make();
-        auto view = open_view_on(work, fault.env.get());
-        ASSERT_NE(view, nullptr);
-        const std::uint64_t injected = fault.fs->faults_injected();
-        fault.fs->fail_nth_op(n, persistent);
-        r = view->apply(reseed);
-        reached = fault.fs->faults_injected() > injected;
-        fault.fs->clear_faults();
-        view.reset();
-      }
-      if (!r.ok()) {
-        ++failed_applies;
-        EXPECT_NE(r.status().code(), StatusCode::Corruption) << r.status().to_string();
-      }
-      auto view = open_view(work);
-      ASSERT_NE(view, nullptr);
-      const std::uint64_t seq = seq_of(*view, 1);
-      ASSERT_TRUE(seq == 1 || seq == 7) << seq;
-      if (r.ok()) {
-        EXPECT_EQ(seq, 7u);
-      }
-      if (!r.ok() && seq == 7) ++stored_anyway;
-      // Whole or not at all, as its applied record says.
-      const bool replaced = seq == 7;
-      EXPECT_EQ(value_of(view->cohort_score(1, 1)), replaced ? 4.5 : 1.5);
-      EXPECT_EQ(value_of(view->community_score(5, 6)), replaced ? 0.0 : 2.0);
-      EXPECT_EQ(value_of(view->cohort_score(2, 2)), replaced ? 8.0 : 0.0);
-      EXPECT_EQ(applied(*view, reseed), !replaced);
-      EXPECT_FALSE(applied(*view, late));  // the replaced incarnation's, late: skipped
-      EXPECT_EQ(value_of(view->cohort_score(1, 1)), 4.5);
-      EXPECT_EQ(value_of(view->community_score(5, 6)), 0.0);
-      EXPECT_EQ(value_of(view->cohort_score(2, 2)), 8.0);
-      EXPECT_EQ(seq_of(*view, 1), 7u);
-      ASSERT_OK(view->close());
-      if (!reached) break;
+  const auto [failed, stored_anyway] = sweep_apply(dir, base, reseed, [&](GlobalView& view, const Status& r) {
+    const std::uint64_t seq = seq_of(view, 1);
+    EXPECT_TRUE(seq == 1 || seq == 7) << seq;
+    if (r.ok()) {
+      EXPECT_EQ(seq, 7u);
     }
-  }
-  EXPECT_GT(failed_applies, 0) << "no fault reached the apply: the sweep tested nothing";
-  std::cout << "[global view re-seed fault sweep] " << failed_applies << " failed applies, " << stored_anyway
+    // Whole or not at all, as its applied record says.
+    const bool replaced = seq == 7;
+    EXPECT_EQ(value_of(view.cohort_score(1, 1)), replaced ? 4.5 : 1.5);
+    EXPECT_EQ(value_of(view.community_score(5, 6)), replaced ? 0.0 : 2.0);
+    EXPECT_EQ(value_of(view.cohort_score(2, 2)), replaced ? 8.0 : 0.0);
+    EXPECT_EQ(applied(view, reseed), !replaced);
+    EXPECT_FALSE(applied(view, late));  // the replaced incarnation's, late: skipped
+    EXPECT_EQ(value_of(view.cohort_score(1, 1)), 4.5);
+    EXPECT_EQ(value_of(view.community_score(5, 6)), 0.0);
+    EXPECT_EQ(value_of(view.cohort_score(2, 2)), 8.0);
+    EXPECT_EQ(seq_of(view, 1), 7u);
+    return replaced;
+  });
+  std::cout << "[global view re-seed fault sweep] " << failed << " failed applies, " << stored_anyway
             << " of them stored after all\n";
 }
 
@@ -668,54 +685,23 @@ TEST(GlobalViewFaultSweep, AnApplyIsAllOrNothingWhateverFileOperationFails) {
     ASSERT_OK(view->close());
   }
   const ChangeBatch next = batch(1, 2, {cohort(1, 1, weight(2.0)), community(5, 6, weight(-3.0))});
-  int failed_applies = 0, stored_anyway = 0;
-  for (bool persistent : {false, true}) {
-    for (std::uint64_t n = 1;; ++n) {
-      SCOPED_TRACE("operation " + std::to_string(n) + (persistent ? " and every later one" : " once"));
-      ASSERT_LT(n, 200u) << "the sweep does not end";
-      const std::string work = dir.sub("work");
-      fs::remove_all(work);
-      fs::copy(base, work, fs::copy_options::recursive);
-      bool reached = false;
-      Result<bool> r = false;
-      {
-        reliability::FaultEnv fault = reliability::FaultEnv::make();
-        auto view = open_view_on(work, fault.env.get());
-        ASSERT_NE(view, nullptr);
-        const std::uint64_t injected = fault.fs->faults_injected();
-        fault.fs->fail_nth_op(n, persistent);
-        r = view->apply(next);
-        reached = fault.fs->faults_injected() > injected;
-        fault.fs->clear_faults();
-        view.reset();
-      }
-      if (r.ok()) {
-        EXPECT_TRUE(*r);
-      } else {
-        ++failed_applies;
-        EXPECT_NE(r.status().code(), StatusCode::Corruption) << r.status().to_string();
-        expect_has(r.status(), "may or may not be stored");
-      }
-      auto view = open_view(work);
-      ASSERT_NE(view, nullptr);
-      const std::uint64_t seq = seq_of(*view, 1);
-      ASSERT_TRUE(seq == 1 || seq == 2) << seq;
-      if (r.ok()) {
-        EXPECT_EQ(seq, 2u);
-      }
-      if (!r.ok() && seq == 2) ++stored_anyway;
-      // Whole or not at all, as its applied seq says.
-      EXPECT_EQ(value_of(view->cohort_score(1, 1)), seq == 2 ? 3.0 : 1.0);
-      EXPECT_EQ(value_of(view->community_score(5, 6)), seq == 2 ? -3.0 : 0.0);
-      EXPECT_EQ(applied(*view, next), seq == 1);
-      EXPECT_EQ(value_of(view->cohort_score(1, 1)), 3.0);
-      EXPECT_EQ(value_of(view->community_score(5, 6)), -3.0);
-      ASSERT_OK(view->close());
-      if (!reached) break;
+  const auto [failed, stored_anyway] = sweep_apply(dir, base, next, [&](GlobalView& view, const Status& r) {
+    const std::uint64_t seq = seq_of(view, 1);
+    EXPECT_TRUE(seq == 1 || seq == 2) << seq;
+    if (r.ok()) {
+      EXPECT_EQ(seq, 2u);
+    } else {
+      expect_has(r, "may or may not be stored");
     }
-  }
-  EXPECT_GT(failed_applies, 0) << "no fault reached the apply: the sweep tested nothing";
-  std::cout << "[global view fault sweep] " << failed_applies << " failed applies, " << stored_anyway
+    // Whole or not at all, as its applied seq says.
+    EXPECT_EQ(value_of(view.cohort_score(1, 1)), seq == 2 ? 3.0 : 1.0);
+    EXPECT_EQ(value_of(view.community_score(5, 6)), seq == 2 ? -3.0 : 0.0);
+    EXPECT_EQ(applied(view, next), seq == 1);
+    EXPECT_EQ(value_of(view.cohort_score(1, 1)), 3.0);
+    EXPECT_EQ(value_of(view.community_score(5, 6)), -3.0);
+    return seq == 2;
+  });
+  std::cout << "[global view fault sweep] " << failed << " failed applies, " << stored_anyway
             << " of them stored after all\n";
 }
 

@@ -618,6 +618,18 @@ TEST(HostileFsTest, AReadOnlyOpensChecksWriteNothingInTheDbsDirectory) {
 
 // ---- A backup onto a disk that fills up at any point (issue 41, item 5) ----
 
+// A Db to back up: 200 users, each in a community with one signal, flushed.
+Result<std::unique_ptr<Db>> backup_source(const std::string& path) {
+  Result<std::unique_ptr<Db>> db = Db::open(path);
+  if (!db.ok()) return db;
+  for (std::uint64_t u = 1; u <= 200; ++u) {
+    if (Status s = (*db)->join_community(u, u % 7); !s.ok()) return s;
+    if (Status s = (*db)->signal_with_context({u, u % 50, 1.0}, SignalContext{{u % 11}}).status(); !s.ok()) return s;
+  }
+  if (Status s = (*db)->flush(); !s.ok()) return s;
+  return db;
+}
+
 // Backups into a tmpfs left with a little more room each time, from none
 // to enough: each one either succeeds whole (its manifest in place, it
 // opens recovering) or fails with an error naming what failed and leaves
@@ -629,13 +641,8 @@ TEST(HostileFsTest, ABackupOntoADiskThatFillsUpAtAnyPointFailsAndLeavesNothing) 
   auto disk = Mount::tmpfs(8 << 20);
   ASSERT_NE(disk, nullptr);
   TempDir dir;
-  auto db = Db::open(dir.sub("db"));
+  auto db = backup_source(dir.sub("db"));
   ASSERT_TRUE(db.ok()) << db.status().to_string();
-  for (std::uint64_t u = 1; u <= 200; ++u) {
-    ASSERT_OK((*db)->join_community(u, u % 7));
-    ASSERT_TRUE((*db)->signal_with_context({u, u % 50, 1.0}, SignalContext{{u % 11}}).ok());
-  }
-  ASSERT_OK((*db)->flush());
   // Past the check of the room it needs (the test below), to fail at every
   // point of the copy.
   testing::ScopedOverride unchecked(Db::Impl::backup_checks_space, false);
@@ -682,13 +689,8 @@ TEST(HostileFsTest, ABackupWithoutRoomIsRefusedFirstNamingTheBytesNeededAndFree)
   auto disk = Mount::tmpfs(8 << 20);
   ASSERT_NE(disk, nullptr);
   TempDir dir;
-  auto db = Db::open(dir.sub("db"));
+  auto db = backup_source(dir.sub("db"));
   ASSERT_TRUE(db.ok()) << db.status().to_string();
-  for (std::uint64_t u = 1; u <= 200; ++u) {
-    ASSERT_OK((*db)->join_community(u, u % 7));
-    ASSERT_TRUE((*db)->signal_with_context({u, u % 50, 1.0}, SignalContext{{u % 11}}).ok());
-  }
-  ASSERT_OK((*db)->flush());
   std::size_t refused = 0;
   std::uintmax_t need = 0;
   for (std::size_t keep = 0; keep <= (6u << 20); keep += 64 << 10) {
