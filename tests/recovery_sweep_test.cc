@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,65 @@ void expect_matches(Db& db, const Expected& e, const std::string& ctx) {
   EXPECT_TRUE(report->ok()) << ctx << ": verify found problems";
 }
 
+// A journalled Db's backup, the journal entries after it (a purge and the
+// rejoin of the same user; leaves of the others, then four purge entries
+// in a row, not in user order: a single, a bulk purge of two, a single,
+// users 5, 3, 4, 2, which a replay re-runs as one bulk purge), what the
+// original answered at the end, and a view that applied the original's
+// whole change feed (all closed), with a last signal no journal keeps (a
+// restore loses it: the restored Db's re-seed takes it out of the view).
+struct JournalBase {
+  std::string backup, view;
+  Expected expected;
+  std::vector<JournalEntry> journal;
+};
+
+JournalBase make_journal_base(const TempDir& dir) {
+  JournalBase base{dir.sub("backup"), dir.sub("base-view"), {}, {}};
+  auto db = open_db(dir.sub("db"), journal_options());
+  EXPECT_NE(db, nullptr);
+  if (db == nullptr) return base;
+  for (std::uint64_t u = 1; u <= kUsers; ++u) {
+    EXPECT_OK(db->join_community(u, 100));
+    for (std::uint64_t i = 0; i < kItems; ++i) {
+      EXPECT_OK(db->signal_with_context({u, i, 0.25 * static_cast<double>(u + 2 * i + 1)}, {{kCohort}}));
+    }
+  }
+  EXPECT_OK(db->leave_community_layer(1));
+  EXPECT_OK(db->backup(base.backup));
+  const std::vector<std::uint64_t> pair{3, 4};
+  EXPECT_OK(db->purge_community_contributions(1));
+  EXPECT_OK(db->rejoin_community_layer(1));
+  EXPECT_OK(db->leave_community_layer(2));
+  EXPECT_OK(db->leave_community_layer(std::span<const std::uint64_t>(pair)));
+  EXPECT_OK(db->leave_community_layer(5));
+  EXPECT_OK(db->purge_community_contributions(5));
+  EXPECT_OK(db->purge_community_contributions(std::span<const std::uint64_t>(pair)));
+  EXPECT_OK(db->purge_community_contributions(2));
+  EXPECT_OK(db->flush());
+  base.expected = expected_of(*db);
+  for (std::uint64_t u = 1; u <= kUsers; ++u) EXPECT_EQ(base.expected.receipts[u - 1].size(), 1u) << "user " << u;
+  EXPECT_OK(db->signal_with_context({kUsers + 1, 0, 8.0}, {{kCohort}}));
+  EXPECT_OK(db->flush());
+  Result<std::vector<JournalEntry>> read = db->read_journal(0, 1 << 20);
+  EXPECT_OK(read);
+  if (read.ok()) base.journal = *read;
+  Result<std::unique_ptr<GlobalView>> view = GlobalView::open(base.view);
+  EXPECT_OK(view);
+  if (view.ok()) {
+    Result<std::vector<ChangeBatch>> batches = db->read_changes(0, 64 << 20);
+    EXPECT_OK(batches);
+    if (batches.ok()) {
+      Result<ApplyOutcome> out = (*view)->apply(std::span<const ChangeBatch>(*batches));
+      EXPECT_OK(out);
+      if (out.ok()) EXPECT_OK(out->refused);
+    }
+    EXPECT_OK((*view)->close());
+  }
+  EXPECT_OK(db->close());
+  return base;
+}
+
 // Issue 41 item 1: a replayed purge that failed after its intent was written
 // was skipped by the retry (its seq is the Db's already), the rejoin after it
 // applied, and the next open deleted its mark: the acknowledged purge never
@@ -92,42 +152,11 @@ void expect_matches(Db& db, const Expected& e, const std::string& ctx) {
 TEST(RecoverySweep, AReplayFailingAtAnyFileOperationForgetsNoPurgeOnceRetried) {
   TempDir dir;
   const Options options = journal_options();
-  const std::string base = dir.sub("backup");
-  Expected expected;
-  std::vector<JournalEntry> journal;
-  {
-    auto db = open_db(dir.sub("db"), options);
-    ASSERT_NE(db, nullptr);
-    for (std::uint64_t u = 1; u <= kUsers; ++u) {
-      ASSERT_OK(db->join_community(u, 100));
-      for (std::uint64_t i = 0; i < kItems; ++i) {
-        ASSERT_OK(db->signal_with_context({u, i, 0.25 * static_cast<double>(u + 2 * i + 1)}, {{kCohort}}));
-      }
-    }
-    ASSERT_OK(db->leave_community_layer(1));
-    ASSERT_OK(db->backup(base));
-    // After the backup, in the journal only: a purge followed by the
-    // rejoin of the same user; leaves of the others, then four purge
-    // entries in a row, not in user order (a single, a bulk purge of two,
-    // a single: users 5, 3, 4, 2), which the replay re-runs as one bulk
-    // purge.
-    const std::vector<std::uint64_t> pair{3, 4};
-    ASSERT_OK(db->purge_community_contributions(1));
-    ASSERT_OK(db->rejoin_community_layer(1));
-    ASSERT_OK(db->leave_community_layer(2));
-    ASSERT_OK(db->leave_community_layer(std::span<const std::uint64_t>(pair)));
-    ASSERT_OK(db->leave_community_layer(5));
-    ASSERT_OK(db->purge_community_contributions(5));
-    ASSERT_OK(db->purge_community_contributions(std::span<const std::uint64_t>(pair)));
-    ASSERT_OK(db->purge_community_contributions(2));
-    ASSERT_OK(db->flush());
-    expected = expected_of(*db);
-    for (std::uint64_t u = 1; u <= kUsers; ++u) ASSERT_EQ(expected.receipts[u - 1].size(), 1u) << "user " << u;
-    Result<std::vector<JournalEntry>> read = db->read_journal(0, 1 << 20);
-    ASSERT_OK(read);
-    journal = *read;
-    ASSERT_OK(db->close());
-  }
+  const JournalBase jb = make_journal_base(dir);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const std::string& base = jb.backup;
+  const Expected& expected = jb.expected;
+  const std::vector<JournalEntry>& journal = jb.journal;
 
   const std::string work = dir.sub("work");
   FaultEnv fault = FaultEnv::make();
@@ -226,12 +255,17 @@ std::vector<double> feed_cells(const GlobalView& view) {
 }
 
 // Carries every batch of `db`'s feed after the view's applied seq to it, as
-// a consumer does: from the trim point when the batches after its cursor
-// were trimmed (a re-seed supersedes them). Every batch must be taken.
+// a consumer does: from the trim point when the view's cursor is of another
+// incarnation (a re-seed's snapshot follows the trim point and replaces it)
+// or when the batches after it were trimmed. Every batch must be taken.
 Status carry_feed(Db& db, GlobalView& view) {
-  Result<std::uint64_t> cursor = view.applied_seq(kFeedShard);
-  if (!cursor.ok()) return cursor.status();
-  std::uint64_t after = *cursor;
+  const Stats st = db.stats();
+  Result<std::vector<ShardProgress>> shards = view.applied_shards();
+  if (!shards.ok()) return shards.status();
+  std::uint64_t after = st.change_feed_trimmed_seq;
+  for (const ShardProgress& p : *shards) {
+    if (p.shard_id == st.change_feed_shard_id && p.incarnation == st.change_feed_incarnation) after = p.applied_seq;
+  }
   for (;;) {
     Result<std::vector<ChangeBatch>> batches = db.read_changes(after, 64 << 10);
     if (!batches.ok() && batches.status().code() == StatusCode::NotFound && after < db.stats().change_feed_trimmed_seq) {
@@ -388,6 +422,88 @@ TEST(RecoverySweep, ATrimFailingAtAnyFileOperationKeepsEveryBatchAfterItOnceRetr
     return db.trim_changes(through);
   });
   EXPECT_GT(failed, 0) << "no injected fault reached the trim";
+}
+
+// Issue 41: finish_recovery failing at any file operation after a whole
+// replay (its re-seed of the change feed is what writes). Until it returns
+// OK the Db serves nothing; the operator calls it again and, when the handle
+// refuses, reopens (still recovering: the backup's manifest is removed
+// last), replays and finishes. After each N nothing acknowledged is
+// forgotten, and a view that applied the original's whole feed, carried
+// from the restored Db's re-seed, equals the restored Db's shared scores.
+TEST(RecoverySweep, AFinishRecoveryFailingAtAnyFileOperationServesOnlyOnceWholeAndRetried) {
+  TempDir dir;
+  const Options options = journal_options();
+  const JournalBase jb = make_journal_base(dir);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const std::string work = dir.sub("work"), view_dir = dir.sub("work-view");
+  FaultEnv fault = FaultEnv::make();
+  const auto stride = static_cast<std::uint64_t>(testing::soak_rounds("TIDAL_RECOVERY_SWEEP_STRIDE", 2, 1));
+  int failed = 0, reopened = 0;
+  std::uint64_t n = 1, runs = 0;
+  for (; n < 2000 && !::testing::Test::HasFailure(); n += stride, ++runs) {
+    fs::remove_all(work);
+    fs::remove_all(view_dir);
+    fs::copy(jb.backup, work, fs::copy_options::recursive);
+    fs::copy(jb.view, view_dir, fs::copy_options::recursive);
+    Result<std::unique_ptr<Db>> opened = Db::Impl::open(work, options, fault.env.get());
+    ASSERT_OK(opened);
+    std::unique_ptr<Db> db = std::move(*opened);
+    ASSERT_OK(db->replay_journal(jb.journal));
+    fault.fs->fail_nth_op(n, /*persistent=*/false);
+    const Status first = db->finish_recovery();
+    const std::uint64_t ops = fault.fs->ops_since_arm();
+    fault.fs->clear_faults();
+    const std::string ctx = "finish_recovery failing at op " + std::to_string(n) + " (" + first.to_string() + ")";
+    if (!first.ok()) {
+      ++failed;
+      EXPECT_TRUE(db->stats().recovering) << ctx << ": the Db serves after a failed finish_recovery";
+      const Status signal = db->signal_with_context({1, 0, 1.0}, {{kCohort}}).status();
+      EXPECT_EQ(signal.code(), StatusCode::Busy) << ctx << ": a signal: " << signal.to_string();
+      if (!db->finish_recovery().ok()) {  // this handle refuses: reopen, replay, finish
+        (void)db->close();
+        db.reset();
+        ++reopened;
+        Result<std::unique_ptr<Db>> again = Db::open(work, options);
+        ASSERT_TRUE(again.ok()) << ctx << ": reopen: " << again.status().to_string();
+        db = std::move(*again);
+        EXPECT_TRUE(db->stats().recovering) << ctx << ": reopened";
+        Status s = db->replay_journal(jb.journal);
+        if (s.ok()) s = db->finish_recovery();
+        ASSERT_TRUE(s.ok()) << ctx << ": replay and finish after the reopen: " << s.to_string();
+      }
+    }
+    EXPECT_FALSE(db->stats().recovering) << ctx;
+    expect_matches(*db, jb.expected, ctx);
+    for (int reopen = 0; reopen < 2 && !::testing::Test::HasFailure(); ++reopen) {
+      const std::string at = ctx + (reopen ? ", reopened" : "");
+      Result<std::unique_ptr<GlobalView>> view = GlobalView::open(view_dir);
+      ASSERT_OK(view);
+      const Status carried = carry_feed(*db, **view);
+      EXPECT_TRUE(carried.ok()) << at << ": carrying the feed: " << carried.to_string();
+      for (std::uint64_t i = 0; i < kItems; ++i) {
+        EXPECT_EQ(testing::value_of((*view)->cohort_score(kCohort, i)), jb.expected.cohort_scores[i])
+            << at << ": the view's cohort score of item " << i;
+        EXPECT_EQ(testing::value_of((*view)->community_score(100, i)), testing::value_of(db->community_score(100, i)))
+            << at << ": the view's community score of item " << i;
+      }
+      EXPECT_OK((*view)->close());
+      (void)db->close();
+      db.reset();
+      Result<std::unique_ptr<Db>> again = Db::open(work, options);
+      ASSERT_TRUE(again.ok()) << at << ": reopen after the recovery: " << again.status().to_string();
+      db = std::move(*again);
+      EXPECT_FALSE(db->stats().recovering) << at;
+      expect_matches(*db, jb.expected, at + ", reopened");
+    }
+    if (db) EXPECT_OK(db->close());
+    if (first.ok() && ops < n) break;  // finish_recovery completed without reaching op n
+  }
+  std::printf("[ figures ] finish_recovery sweep: every %llu of %llu operations (%llu runs): %d failed, %d "
+              "reopened\n",
+              static_cast<unsigned long long>(stride), static_cast<unsigned long long>(n),
+              static_cast<unsigned long long>(runs + 1), failed, reopened);
+  EXPECT_GT(failed, 0) << "no injected fault reached finish_recovery";
 }
 
 }  // namespace
