@@ -68,6 +68,15 @@
 //     into <backup-dir>, SIGKILLing itself when the backup reaches <step>
 //     (Storage::step_for_testing "backup"); prints "E ..." and exits 3 if
 //     it never does.
+//   tidal_crash_child reseed <db-path> <shard> <task> <step>
+//     Opens the Db with the change feed on (shard <shard>) and re-seeds its
+//     feed, SIGKILLing itself when task <task> reaches <step>
+//     (Storage::step_for_testing); prints "E ..." and exits 3 if it never
+//     does.
+//   tidal_crash_child finish <db-path> <shard> <task> <step>
+//     Opens the Db (a restored backup whose journal was replayed) with the
+//     change feed and the privacy journal on (shard <shard>) and calls
+//     finish_recovery, SIGKILLing itself as reseed does.
 //   tidal_crash_child open <db-path> [<backfill-batch>]
 //     Opens the Db, prints "R", closes it, prints "C" and exits 0 (the parent
 //     kills it while it opens: the start-up scan and the index backfill).
@@ -375,6 +384,21 @@ int run_backup(const std::string& path, const std::string& backup_dir, int step)
   return 3;
 }
 
+// reseed and finish: one recovery step of an existing Db, killed at a step.
+int run_recovery_step(const std::string& mode, const std::string& path, std::uint64_t shard, const std::string& task,
+                      int step) {
+  tidal::Options options;
+  options.change_feed = true;
+  options.shard_id = shard;
+  options.journal = mode == "finish";
+  auto db = tidal::Db::open(path, options);
+  if (!db.ok()) fail("open", db.status());
+  kill_at_step(task, step);
+  const tidal::Status s = mode == "finish" ? (*db)->finish_recovery() : (*db)->reseed_change_feed().status();
+  say("E " + mode + " returned (" + s.to_string() + ") without reaching " + task + " step " + std::to_string(step));
+  return 3;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -393,10 +417,13 @@ int main(int argc, char** argv) {
   if (mode == "overload" && argc == 5) {
     return run_overload(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
+  if ((mode == "reseed" || mode == "finish") && argc == 6) {
+    return run_recovery_step(mode, argv[2], std::strtoull(argv[3], nullptr, 10), argv[4], std::atoi(argv[5]));
+  }
   if (mode == "migrate" && argc == 4) return run_migrate(argv[2], std::atoi(argv[3]));
   if (mode == "feed" && argc == 5) {
     return run_feed(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | journal-purge <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | journal-purge <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step> | reseed|finish <db> <shard> <task> <step>");
   return 2;
 }

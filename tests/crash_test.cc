@@ -29,6 +29,7 @@
 #include <rocksdb/db.h>
 #include <rocksdb/write_batch.h>
 
+#include "crash_child.h"
 #include "db/impl.h"
 #include "erasure_scan.h"
 #include "feed_util.h"
@@ -38,83 +39,12 @@
 #include "storage/journal_format.h"
 #include "tidal/db.h"
 
-#ifndef TIDAL_CRASH_CHILD
-#error "TIDAL_CRASH_CHILD must name the tidal_crash_child executable"
-#endif
-
-extern char** environ;
-
 namespace tidal::reliability {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
 int crash_rounds() { return testing::soak_rounds("TIDAL_CRASH_ROUNDS", 60, 200); }
-
-// A running tidal_crash_child whose stdout is a pipe we read.
-class Child {
- public:
-  explicit Child(const std::vector<std::string>& args) {
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) std::abort();
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    std::vector<std::string> argv_store;
-    argv_store.push_back(TIDAL_CRASH_CHILD);
-    argv_store.insert(argv_store.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& a : argv_store) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const int rc = ::posix_spawn(&pid_, TIDAL_CRASH_CHILD, &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
-    ::close(fds[1]);
-    fd_ = fds[0];
-    if (rc != 0) {
-      std::cerr << "posix_spawn " << TIDAL_CRASH_CHILD << " failed: " << rc << "\n";
-      std::abort();
-    }
-  }
-  ~Child() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      (void)wait();
-    }
-    if (fd_ >= 0) ::close(fd_);
-  }
-
-  // Waits up to `timeout` for complete lines; appends them to `lines`.
-  // Returns false at end of file (the child is gone and its output drained).
-  bool read_lines(Clock::duration timeout, std::vector<std::string>* lines) {
-    pollfd p{fd_, POLLIN, 0};
-    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count();
-    const int r = ::poll(&p, 1, static_cast<int>(ms < 0 ? 0 : ms));
-    if (r <= 0) return true;
-    char buf[4096];
-    const ssize_t n = ::read(fd_, buf, sizeof buf);
-    if (n <= 0) return false;
-    pending_.append(buf, static_cast<std::size_t>(n));
-    for (std::size_t nl; (nl = pending_.find('\n')) != std::string::npos;) {
-      lines->push_back(pending_.substr(0, nl));
-      pending_.erase(0, nl + 1);
-    }
-    return true;
-  }
-  void kill() { ::kill(pid_, SIGKILL); }
-  // Reaps the child; returns its wait status.
-  int wait() {
-    int status = 0;
-    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
-    }
-    pid_ = -1;
-    return status;
-  }
-
- private:
-  pid_t pid_ = -1;
-  int fd_ = -1;
-  std::string pending_;
-};
 
 MembershipStatus target_of(const std::string& op) { return op == "L" ? MembershipStatus::Left : MembershipStatus::Active; }
 
@@ -954,13 +884,7 @@ TEST(CrashTest, ABackupKilledAtAnyStepLeavesNothingButAWholeBackupOnceTheDbIsOpe
     const std::string backup = root + "/b1";
     {
       Child child({"backup", path, backup, std::to_string(step)});
-      std::vector<std::string> lines;
-      while (child.read_lines(std::chrono::milliseconds(100), &lines)) {
-      }
-      for (const std::string& line : lines) {
-        if (line != "R") ADD_FAILURE() << "child said: " << line;
-      }
-      const int status = child.wait();
+      const int status = wait_for_kill(child);
       ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
     }
     auto entries = [](const std::string& d) {

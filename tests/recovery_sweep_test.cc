@@ -10,12 +10,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <utility>
 #include <span>
 #include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "crash_child.h"
 #include "db/impl.h"
 #include "fault_fs.h"
 #include "test_util.h"
@@ -424,6 +426,22 @@ TEST(RecoverySweep, ATrimFailingAtAnyFileOperationKeepsEveryBatchAfterItOnceRetr
   EXPECT_GT(failed, 0) << "no injected fault reached the trim";
 }
 
+// The view at `view_dir`, carried from the restored `db`'s feed, holds the
+// original's cohort scores and the restored Db's community scores.
+void expect_view_carried(Db& db, const std::string& view_dir, const Expected& e, const std::string& at) {
+  Result<std::unique_ptr<GlobalView>> view = GlobalView::open(view_dir);
+  ASSERT_OK(view);
+  const Status carried = carry_feed(db, **view);
+  EXPECT_TRUE(carried.ok()) << at << ": carrying the feed: " << carried.to_string();
+  for (std::uint64_t i = 0; i < kItems; ++i) {
+    EXPECT_EQ(testing::value_of((*view)->cohort_score(kCohort, i)), e.cohort_scores[i])
+        << at << ": the view's cohort score of item " << i;
+    EXPECT_EQ(testing::value_of((*view)->community_score(100, i)), testing::value_of(db.community_score(100, i)))
+        << at << ": the view's community score of item " << i;
+  }
+  EXPECT_OK((*view)->close());
+}
+
 // Issue 41: finish_recovery failing at any file operation after a whole
 // replay (its re-seed of the change feed is what writes). Until it returns
 // OK the Db serves nothing; the operator calls it again and, when the handle
@@ -477,17 +495,7 @@ TEST(RecoverySweep, AFinishRecoveryFailingAtAnyFileOperationServesOnlyOnceWholeA
     expect_matches(*db, jb.expected, ctx);
     for (int reopen = 0; reopen < 2 && !::testing::Test::HasFailure(); ++reopen) {
       const std::string at = ctx + (reopen ? ", reopened" : "");
-      Result<std::unique_ptr<GlobalView>> view = GlobalView::open(view_dir);
-      ASSERT_OK(view);
-      const Status carried = carry_feed(*db, **view);
-      EXPECT_TRUE(carried.ok()) << at << ": carrying the feed: " << carried.to_string();
-      for (std::uint64_t i = 0; i < kItems; ++i) {
-        EXPECT_EQ(testing::value_of((*view)->cohort_score(kCohort, i)), jb.expected.cohort_scores[i])
-            << at << ": the view's cohort score of item " << i;
-        EXPECT_EQ(testing::value_of((*view)->community_score(100, i)), testing::value_of(db->community_score(100, i)))
-            << at << ": the view's community score of item " << i;
-      }
-      EXPECT_OK((*view)->close());
+      expect_view_carried(*db, view_dir, jb.expected, at);
       (void)db->close();
       db.reset();
       Result<std::unique_ptr<Db>> again = Db::open(work, options);
@@ -504,6 +512,106 @@ TEST(RecoverySweep, AFinishRecoveryFailingAtAnyFileOperationServesOnlyOnceWholeA
               static_cast<unsigned long long>(stride), static_cast<unsigned long long>(n),
               static_cast<unsigned long long>(runs + 1), failed, reopened);
   EXPECT_GT(failed, 0) << "no injected fault reached finish_recovery";
+}
+
+// ---- SIGKILL at each step of a re-seed and of finish_recovery ----
+
+// Runs tidal_crash_child `mode` on `db` until it kills itself at `task`'s `step`.
+void kill_child_at(const std::string& mode, const std::string& db, std::uint64_t shard, const std::string& task,
+                   int step) {
+  Child child({mode, db, std::to_string(shard), task, std::to_string(step)});
+  const int status = wait_for_kill(child);
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+      << mode << " killed at " << task << " step " << step << ": wait status " << status;
+}
+
+// Issue 41: a re-seed SIGKILLed before its one ingestion (step 1) and after
+// it (step 2): the reopened Db holds the old feed whole or the new one, its
+// scores unchanged; a view that applied half the old incarnation carries
+// the feed to them exactly, before and after the operator's retry.
+TEST(RecoverySweep, AReseedKilledAtAnyStepLeavesEveryViewExactOnceRetried) {
+  TempDir dir;
+  const FeedBase base = make_feed_base(dir, 50);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const std::string work = dir.sub("work"), view_dir = dir.sub("work-view");
+  for (int step = 1; step <= 2; ++step) {
+    SCOPED_TRACE("re-seed killed at step " + std::to_string(step));
+    fs::remove_all(work);
+    fs::remove_all(view_dir);
+    fs::copy(base.db, work, fs::copy_options::recursive);
+    fs::copy(base.view, view_dir, fs::copy_options::recursive);
+    std::string incarnation;
+    {
+      auto db = open_db(work, feed_options());
+      ASSERT_NE(db, nullptr);
+      incarnation = db->stats().change_feed_incarnation;
+      ASSERT_OK(db->close());
+    }
+    kill_child_at("reseed", work, kFeedShard, "reseed", step);
+    for (int retried = 0; retried < 2; ++retried) {
+      auto db = open_db(work, feed_options());
+      ASSERT_NE(db, nullptr);
+      if (retried == 0) {
+        EXPECT_EQ(db->stats().change_feed_incarnation == incarnation, step == 1) << "the re-seed's ingestion is whole";
+      }
+      EXPECT_EQ(feed_cells(*db), base.cells) << "the Db's shared scores changed";
+      Result<std::unique_ptr<GlobalView>> view = GlobalView::open(view_dir);
+      ASSERT_OK(view);
+      const Status carried = carry_feed(*db, **view);
+      EXPECT_TRUE(carried.ok()) << "carrying the feed: " << carried.to_string();
+      EXPECT_EQ(feed_cells(**view), base.cells) << (retried ? "after the retry" : "after the kill") << ": the view differs";
+      EXPECT_OK((*view)->close());
+      if (retried == 0) EXPECT_OK(db->reseed_change_feed());  // the operator's retry
+      EXPECT_OK(db->close());
+    }
+  }
+}
+
+// Issue 41: finish_recovery SIGKILLed inside its re-seed (before and after
+// the ingestion) and after it removed the backup's manifest. Until the
+// manifest is gone the reopened Db is recovering and serves nothing; the
+// operator replays and finishes. Then nothing acknowledged is forgotten,
+// and a view that applied the original's feed, carried, equals the Db.
+TEST(RecoverySweep, AFinishRecoveryKilledAtAnyStepServesOnlyOnceWholeAndRetried) {
+  TempDir dir;
+  const Options options = journal_options();
+  const JournalBase jb = make_journal_base(dir);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const std::string work = dir.sub("work"), view_dir = dir.sub("work-view");
+  const std::vector<std::pair<std::string, int>> steps{{"reseed", 1}, {"reseed", 2}, {"finish recovery", 1}};
+  for (const auto& [task, step] : steps) {
+    const std::string at = "finish_recovery killed at " + task + " step " + std::to_string(step);
+    SCOPED_TRACE(at);
+    fs::remove_all(work);
+    fs::remove_all(view_dir);
+    fs::copy(jb.backup, work, fs::copy_options::recursive);
+    fs::copy(jb.view, view_dir, fs::copy_options::recursive);
+    {
+      auto db = open_db(work, options);
+      ASSERT_NE(db, nullptr);
+      ASSERT_OK(db->replay_journal(jb.journal));
+      ASSERT_OK(db->close());
+    }
+    kill_child_at("finish", work, options.shard_id, task, step);
+    auto db = open_db(work, options);
+    ASSERT_NE(db, nullptr);
+    const bool manifest_left = task == "reseed";
+    EXPECT_EQ(db->stats().recovering, manifest_left);
+    if (db->stats().recovering) {
+      const Status signal = db->signal_with_context({1, 0, 1.0}, {{kCohort}}).status();
+      EXPECT_EQ(signal.code(), StatusCode::Busy) << "a signal: " << signal.to_string();
+      ASSERT_OK(db->replay_journal(jb.journal));
+      ASSERT_OK(db->finish_recovery());
+    }
+    expect_matches(*db, jb.expected, at);
+    expect_view_carried(*db, view_dir, jb.expected, at);
+    ASSERT_OK(db->close());
+    db = open_db(work, options);
+    ASSERT_NE(db, nullptr);
+    EXPECT_FALSE(db->stats().recovering);
+    expect_matches(*db, jb.expected, at + ", reopened");
+    ASSERT_OK(db->close());
+  }
 }
 
 }  // namespace

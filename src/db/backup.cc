@@ -340,6 +340,7 @@ Status Db::Impl::finish_recovery() {
     std::error_code ec;
     fs::remove(path, ec);
     if (ec) return Status::IOError("finish_recovery: removing " + path + " failed: " + ec.message());
+    Storage::test_step("finish recovery", 1);
     if (std::string error = sync_path(storage_->path()); !error.empty()) {
       return Status::IOError("finish_recovery: fsync of '" + storage_->path() + "' failed: " + error);
     }

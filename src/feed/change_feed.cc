@@ -324,6 +324,7 @@ Result<std::uint64_t> ChangeFeed::reseed() {
     return s;
   }
   if (Status s = batch.ingest(what); !s.ok()) return s;
+  Storage::test_step("reseed", 2);
   {
     std::lock_guard<std::mutex> lock(mu_);
     incarnation_ = hex(incarnation);
