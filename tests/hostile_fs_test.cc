@@ -616,6 +616,59 @@ TEST(HostileFsTest, AReadOnlyOpensChecksWriteNothingInTheDbsDirectory) {
   EXPECT_EQ(names(), before);
 }
 
+// ---- The upgrade of a format-2 Db onto a disk without room (issue 41, item 9) ----
+
+#ifndef TIDAL_TEST_DATA
+#error "TIDAL_TEST_DATA must name tests/data"
+#endif
+
+// The upgrade checks the room it needs first. With too little free it is
+// refused before anything is written, naming the bytes it needs and the
+// bytes free, and the Db stays format 2 (no state/ engine); the first open
+// the check lets through upgrades it. (Without the check the upgrade failed
+// part-way, "No space left on device", after writing state/.)
+TEST(HostileFsTest, AnUpgradeWithoutRoomIsRefusedFirstNamingTheBytesNeededAndFree) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  auto disk = Mount::tmpfs(8 << 20);
+  ASSERT_NE(disk, nullptr);
+  const std::string extract =
+      "tar -xzf '" + std::string(TIDAL_TEST_DATA) + "/format2_db.tar.gz' -C '" + disk->dir() + "'";
+  ASSERT_EQ(std::system(extract.c_str()), 0) << extract;
+  const std::string path = disk->dir() + "/db";
+  Options options;
+  options.create_if_missing = false;
+  options.change_feed = true;
+  options.shard_id = 7;  // the fixture's
+  std::size_t refused = 0;
+  std::uintmax_t need = 0;
+  bool upgraded = false;
+  for (std::size_t keep = 256 << 10; keep <= (4u << 20) && !upgraded; keep += 64 << 10) {
+    disk->fill_leaving(keep);
+    Result<std::unique_ptr<Db>> db = Db::open(path, options);
+    if (db.ok()) {
+      upgraded = true;
+      std::printf("[ figures ] %zu upgrades refused (the last needing %ju bytes), then one upgraded with %zu KiB "
+                  "free\n", refused, need, keep >> 10);
+      EXPECT_TRUE(fs::exists(state_engine_dir(path)));
+      EXPECT_TRUE((*db)->community_layer_status(1021).ok());
+      ASSERT_OK((*db)->close());
+    } else {
+      ++refused;
+      const Status& s = db.status();
+      EXPECT_EQ(s.code(), StatusCode::IOError) << s.to_string();
+      const std::size_t at = s.message().find("it needs ");
+      ASSERT_NE(at, std::string::npos) << "with " << keep << " bytes free: " << s.to_string();
+      need = std::stoull(s.message().substr(at + 9));
+      EXPECT_NE(s.message().find(" bytes free in '" + path + "'"), std::string::npos) << s.message();
+      EXPECT_NE(s.message().find("the Db is unchanged"), std::string::npos) << s.message();
+      EXPECT_FALSE(fs::exists(state_engine_dir(path))) << "a refused upgrade left state/";
+    }
+    disk->free_space();
+  }
+  EXPECT_TRUE(upgraded) << "no upgrade with up to 4 MiB free";
+  EXPECT_GT(refused, 0u) << "no upgrade was refused: the test tests nothing";
+}
+
 // ---- A backup onto a disk that fills up at any point (issue 41, item 5) ----
 
 // A Db to back up: 200 users, each in a community with one signal, flushed.

@@ -386,7 +386,11 @@ Status recover_shard(Db* db, const Config& config);
 // once it read to the stream's end (a message with nothing pending after
 // it: an empty read is not the end) with nothing refused. A batch is never
 // skipped: the stream keeps every terminated message for that read. Other
-// shards keep applying meanwhile.
+// shards keep applying meanwhile. At every start (and reconnect) the
+// Follower parks each shard the view holds whose last message in the stream
+// is one the view lacks and the consumer delivered already (a Follower
+// before it may have terminated it while the shard was parked): one request
+// per shard the view holds.
 //
 // The consumer, created when missing, has explicit acks (MaxAckPending =
 // Config::max_ack_pending, AckWait = Config::ack_wait, redelivered until

@@ -107,17 +107,8 @@ std::uintmax_t Db::Impl::backup_bytes_needed(const std::string& parent) const {
   for (auto [engine, engine_dir] : {std::pair{Storage::Engine::Users, storage_->path()},
                                     std::pair{Storage::Engine::State, storage_->state_path()}}) {
     rocksdb::DB* db = storage_->db(engine);
-    std::uint64_t memtables = 0;
-    if (db->GetIntProperty("rocksdb.cur-size-all-mem-tables", &memtables)) need += memtables;
-    // The MANIFEST, OPTIONS, CURRENT and WAL files (an upper bound: older
-    // OPTIONS files are counted too), and the table files unless linked.
-    std::error_code ec;
-    for (const auto& e : fs::directory_iterator(engine_dir, ec)) {
-      const std::string name = e.path().filename().string();
-      if (!e.is_regular_file(ec) || name.rfind("LOG", 0) == 0 || name.ends_with(".sst")) continue;
-      need += e.file_size(ec);
-    }
-    if (!linked) {
+    need += checkpoint_unlinked_bytes(db, engine_dir);
+    if (!linked) {  // the table files are copied too
       std::vector<rocksdb::LiveFileMetaData> files;
       db->GetLiveFilesMetaData(&files);
       for (const rocksdb::LiveFileMetaData& f : files) need += f.size;

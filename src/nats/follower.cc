@@ -247,6 +247,8 @@ class Follower::Impl {
     internal::Pull pull(conn);  // read with our own pull requests (internal::Pull says why)
     s = pull.open(config_.stream, consumer_);
     if (!s.ok()) return s;
+    s = park_shards_left_behind(conn);
+    if (!s.ok()) return s;
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
       stats_.connected = true;
@@ -541,7 +543,57 @@ class Follower::Impl {
     return it != repairs_.end() && it->second.parked;
   }
 
+  // A Follower that stopped or failed while a shard was parked had
+  // terminated messages of that shard, which the durable consumer never
+  // delivers again: the next Follower would leave the shard behind,
+  // silently, until the shard published more. So at every start, each shard
+  // the view holds whose last message in the stream is one the view lacks,
+  // and which the consumer delivered already, is parked: its repair reads
+  // the shard's subject (all of it, as a first park does). One request per
+  // shard the view holds, and one for the consumer's position.
+  Status park_shards_left_behind(Connection& conn) {
+    Result<std::vector<ShardProgress>> applied = view_->applied_shards();
+    if (!applied.ok()) return applied.status();
+    if (applied->empty()) return Status::OK();
+    std::uint64_t delivered = 0;
+    {
+      jsConsumerInfo* ci = nullptr;
+      jsErrCode jerr = static_cast<jsErrCode>(0);
+      natsStatus ns = js_GetConsumerInfo(&ci, conn.js(), config_.stream.c_str(), consumer_.c_str(), nullptr, &jerr);
+      if (ns != NATS_OK) {
+        return Status::IOError(where(conn) + ": cannot read the consumer's position: " + internal::nats_error(ns));
+      }
+      delivered = ci->Delivered.Stream;
+      jsConsumerInfo_Destroy(ci);
+    }
+    for (const ShardProgress& p : *applied) {
+      if (parked(p.shard_id)) continue;
+      const std::string subject = config_.subject_prefix + "." + std::to_string(p.shard_id);
+      natsMsg* m = nullptr;
+      jsErrCode jerr = static_cast<jsErrCode>(0);
+      natsStatus ns = js_GetLastMsg(&m, conn.js(), config_.stream.c_str(), subject.c_str(), nullptr, &jerr);
+      if (ns == NATS_NOT_FOUND || jerr == JSNoMessageFoundErr) continue;
+      if (ns != NATS_OK) {
+        return Status::IOError(where(conn) + ": cannot read the last message on " + subject + ": " +
+                               internal::nats_error(ns));
+      }
+      std::unique_ptr<natsMsg, void (*)(natsMsg*)> guard(m, natsMsg_Destroy);
+      const std::uint64_t stream_seq = natsMsg_GetSequence(m);
+      Result<ChangeBatch> last = internal::batch_of(m, config_);
+      if (!last.ok() || stream_seq > delivered) continue;  // no batch; or the consumer delivers it
+      if (last->incarnation == p.incarnation && last->seq <= p.applied_seq) continue;  // the view holds it
+      park_quietly(p.shard_id, stream_seq);
+    }
+    return Status::OK();
+  }
+
   void park(Connection& conn, std::uint64_t shard, std::uint64_t stream_seq, const Status& why) {
+    park_quietly(shard, stream_seq);
+    note_refusal(conn, shard, why);
+  }
+
+  // park() without a refusal to report.
+  void park_quietly(std::uint64_t shard, std::uint64_t stream_seq) {
     Repair& r = repairs_.try_emplace(shard, config_.min_backoff, config_.max_backoff).first->second;
     if (!r.parked) {
       r.parked = true;
@@ -556,7 +608,6 @@ class Follower::Impl {
       r.backoff.reset();
       r.next_read = Clock::now() + config_.min_backoff;
     }
-    note_refusal(conn, shard, why);
     std::lock_guard<std::mutex> lock(stats_mu_);
     shard_stats_[shard].parked = true;
     stats_.stalled_on_gap = true;

@@ -125,6 +125,38 @@ Status Storage::checkpoint_as_state(const rocksdb::Options& base) {
   return result;
 }
 
+Status Storage::check_upgrade_room(const std::string& what) {
+  // The meta records and receipts the upgrade moves into state/.
+  std::uintmax_t moved = 0;
+  {
+    auto it = iterator(meta());
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (copied_to_state(view(it->key()))) moved += it->key().size() + it->value().size();
+    }
+    if (Status s = from_rocksdb(it->status(), what); !s.ok()) return s;
+  }
+  {
+    auto it = iterator(users(), /*bulk=*/true);
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const std::optional<DecodedKey> key = decode_key(view(it->key()));
+      if (key && key->tag == static_cast<std::uint8_t>(Tag::PurgeManifest)) {
+        moved += it->key().size() + it->value().size();
+      }
+    }
+    if (Status s = from_rocksdb(it->status(), what); !s.ok()) return s;
+  }
+  std::uintmax_t need = checkpoint_unlinked_bytes(users_.db.get(), path_) + moved;
+  need += need / 100 + (std::uintmax_t{1} << 20);
+  std::error_code ec;
+  const std::filesystem::space_info room = std::filesystem::space(path_, ec);
+  if (ec || room.available >= need) return Status::OK();
+  return Status::IOError(what + ": it needs " + std::to_string(need) + " bytes free in '" + path_ +
+                         "' (the memtables it flushes, the files it copies and the records it moves into state/; "
+                         "the table files are hard-linked; with 1 % and 1 MiB to spare); " +
+                         std::to_string(room.available) +
+                         " are: free some and open again; the Db is unchanged (format 2, readable by tidal 0.2)");
+}
+
 Status Storage::migrate_to_format3(const rocksdb::Options& base,
                                    const std::vector<rocksdb::ColumnFamilyHandle*>& legacy) {
   const auto step = [](int n) { test_step("migrate", n); };
@@ -148,6 +180,9 @@ Status Storage::migrate_to_format3(const rocksdb::Options& base,
     std::filesystem::remove_all(dir, ec);
     if (ec) return refuse(Status::IOError(what + ": removing '" + dir + "' failed: " + ec.message()));
   }
+  // Room first, before anything is written (issue 41 item 9): the format-2
+  // files go only after the commit.
+  if (Status s = check_upgrade_room(what); !s.ok()) return refuse(s);
   step(2);
   // The largest epoch a ledger key names (its last 8 bytes); only read.
   std::uint64_t ledger_epoch = 0;

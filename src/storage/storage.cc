@@ -356,6 +356,19 @@ Status from_rocksdb(const rocksdb::Status& s, std::string_view what) {
   return Status::IOError(std::move(msg));
 }
 
+std::uintmax_t checkpoint_unlinked_bytes(rocksdb::DB* db, const std::string& dir) {
+  std::uintmax_t bytes = 0;
+  std::uint64_t memtables = 0;
+  if (db->GetAggregatedIntProperty("rocksdb.cur-size-all-mem-tables", &memtables)) bytes += memtables;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_regular_file(ec) || name.rfind("LOG", 0) == 0 || name.ends_with(".sst")) continue;
+    bytes += e.file_size(ec);
+  }
+  return bytes;
+}
+
 Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const Storage::Config& config) {
   std::unique_lock<std::mutex> registry(g_open_mu);
   if (!config.read_only) {

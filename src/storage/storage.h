@@ -25,6 +25,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <cstdint>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -53,6 +54,12 @@ bool is_indexed(Tag tag);
 
 // Converts a RocksDB status into a tidal Status whose message starts with `what`.
 Status from_rocksdb(const rocksdb::Status& s, std::string_view what);
+
+// What a RocksDB checkpoint of `db`, whose files are in `dir`, writes beside
+// the table files it hard-links on the same file system: the memtables it
+// flushes (every column family's) and the MANIFEST, OPTIONS, CURRENT and
+// WAL files it copies (an upper bound: older OPTIONS files count too).
+std::uintmax_t checkpoint_unlinked_bytes(rocksdb::DB* db, const std::string& dir);
 
 // The table options of every column family of a Db's two engines and of a
 // global view: `cache` bounds the blocks read, index and filter blocks
@@ -243,7 +250,10 @@ class Storage {
   //   "trim changes"    after a trim_changes through seq n was written
   //                     (feed/change_feed.cc)
   //   "reseed"          1: after a re-seed read the aggregates, before its
-  //                     snapshot is written (feed/change_feed.cc)
+  //                     snapshot is written; 2: after its one ingestion
+  //                     (feed/change_feed.cc)
+  //   "finish recovery" 1: the backup's manifest removed, before the
+  //                     directory's fsync (db/backup.cc)
   //   "backup"          1: its pending marker written; 2: the state engine
   //                     copied; 3: the users engine copied; 4: assembled
   //                     with its manifest, before the rename into place;
@@ -277,6 +287,9 @@ class Storage {
   // column families `legacy` (aggregates, ledger, feed; some may be absent)
   // a format-3 Db, with its state engine open.
   Status migrate_to_format3(const rocksdb::Options& base, const std::vector<rocksdb::ColumnFamilyHandle*>& legacy);
+  // IOError naming the bytes the upgrade needs and those free, when the
+  // Db's file system has too little room for it (storage/migrate.cc).
+  Status check_upgrade_room(const std::string& what);
   // Drops the format-2 column families from the users engine.
   Status drop_legacy(const std::vector<rocksdb::ColumnFamilyHandle*>& legacy);
   // The format-2 column family `name` of the users engine; null when absent.
