@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
 #include <utility>
 #include <span>
 #include <string>
@@ -41,6 +42,14 @@ Options journal_options() {
   options.change_feed = true;
   options.shard_id = 5;
   return options;
+}
+
+// Replaces each `to` with a copy of its `from`.
+void copy_fresh(std::initializer_list<std::pair<std::string, std::string>> from_to) {
+  for (const auto& [from, to] : from_to) {
+    fs::remove_all(to);
+    fs::copy(from, to, fs::copy_options::recursive);
+  }
 }
 
 // What the original Db answers, to compare a restored one with.
@@ -340,10 +349,7 @@ int sweep_feed_step(const TempDir& dir, const FeedBase& base, const char* name,
   int failed = 0, reopened = 0;
   std::uint64_t n = 1, runs = 0;
   for (; n < 2000 && !::testing::Test::HasFailure(); n += stride, ++runs) {
-    fs::remove_all(work);
-    fs::remove_all(view_dir);
-    fs::copy(base.db, work, fs::copy_options::recursive);
-    fs::copy(base.view, view_dir, fs::copy_options::recursive);
+    copy_fresh({{base.db, work}, {base.view, view_dir}});
     Result<std::unique_ptr<Db>> opened = Db::Impl::open(work, feed_options(), fault.env.get());
     EXPECT_OK(opened);
     if (!opened.ok()) break;
@@ -460,10 +466,7 @@ TEST(RecoverySweep, AFinishRecoveryFailingAtAnyFileOperationServesOnlyOnceWholeA
   int failed = 0, reopened = 0;
   std::uint64_t n = 1, runs = 0;
   for (; n < 2000 && !::testing::Test::HasFailure(); n += stride, ++runs) {
-    fs::remove_all(work);
-    fs::remove_all(view_dir);
-    fs::copy(jb.backup, work, fs::copy_options::recursive);
-    fs::copy(jb.view, view_dir, fs::copy_options::recursive);
+    copy_fresh({{jb.backup, work}, {jb.view, view_dir}});
     Result<std::unique_ptr<Db>> opened = Db::Impl::open(work, options, fault.env.get());
     ASSERT_OK(opened);
     std::unique_ptr<Db> db = std::move(*opened);
@@ -536,10 +539,7 @@ TEST(RecoverySweep, AReseedKilledAtAnyStepLeavesEveryViewExactOnceRetried) {
   const std::string work = dir.sub("work"), view_dir = dir.sub("work-view");
   for (int step = 1; step <= 2; ++step) {
     SCOPED_TRACE("re-seed killed at step " + std::to_string(step));
-    fs::remove_all(work);
-    fs::remove_all(view_dir);
-    fs::copy(base.db, work, fs::copy_options::recursive);
-    fs::copy(base.view, view_dir, fs::copy_options::recursive);
+    copy_fresh({{base.db, work}, {base.view, view_dir}});
     std::string incarnation;
     {
       auto db = open_db(work, feed_options());
@@ -582,10 +582,7 @@ TEST(RecoverySweep, AFinishRecoveryKilledAtAnyStepServesOnlyOnceWholeAndRetried)
   for (const auto& [task, step] : steps) {
     const std::string at = "finish_recovery killed at " + task + " step " + std::to_string(step);
     SCOPED_TRACE(at);
-    fs::remove_all(work);
-    fs::remove_all(view_dir);
-    fs::copy(jb.backup, work, fs::copy_options::recursive);
-    fs::copy(jb.view, view_dir, fs::copy_options::recursive);
+    copy_fresh({{jb.backup, work}, {jb.view, view_dir}});
     {
       auto db = open_db(work, options);
       ASSERT_NE(db, nullptr);
