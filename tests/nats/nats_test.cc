@@ -792,6 +792,9 @@ TEST(NatsCrash, AShardKilledMidPublishLosesNoBatchAndPublishesNoneTwice) {
       continue;
     }
     Child child({"shard", dir.sub("db"), "5", config.servers, config.stream, std::to_string(100 + r)});
+    // 300-800 ms of work from its start (on a busy machine the open alone
+    // can take that long, and rounds killed before any work purged nothing).
+    ASSERT_TRUE(child.ready(60s)) << "the shard process did not start in round " << r;
     std::this_thread::sleep_for(std::chrono::milliseconds(300 + rng() % 500));
     ASSERT_TRUE(child.kill()) << "the shard process failed on its own in round " << r;
   }
@@ -845,6 +848,10 @@ TEST(NatsCrash, AFollowerKilledMidApplyLeavesTheViewExactAfterRestart) {
   std::mt19937_64 rng(11);
   for (int r = 0; r < rounds; ++r) {
     Child child({"follower", dir.sub("view"), config.servers, config.stream, "view"});
+    if (!child.ready(60s)) {  // then 400-1000 ms of work (the load thread must be joined: no ASSERT)
+      ADD_FAILURE() << "the follower process did not start in round " << r;
+      break;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(400 + rng() % 600));
     EXPECT_TRUE(child.kill()) << "the follower process failed on its own in round " << r;
   }
@@ -899,6 +906,10 @@ TEST(NatsCrash, AFollowerKilledWithTheDefaultAckWaitCatchesUpWithoutWaitingForIt
   std::int64_t pending = 0;
   for (int r = 0; r < 20 && pending == 0; ++r) {
     Child child({"follower", dir.sub("view"), config.servers, config.stream, "view", "default-ack-wait"});
+    if (!child.ready(60s)) {  // the load thread must be joined: no ASSERT
+      ADD_FAILURE() << "the follower process did not start in round " << r;
+      break;
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(300 + rng() % 500));
     ASSERT_TRUE(child.kill()) << "the follower process failed on its own in round " << r;
     jsConsumerInfo* ci = nullptr;
