@@ -8,6 +8,7 @@ packages=(
   cmake g++ make pkg-config python3   # python3: JSON checks in the CLI tests
   ccache                              # a compiler cache for every build of tidal (CMakeLists.txt)
   libcuckoo-dev
+  libssl-dev                          # libcrypto: the sealed ledger's AES-256-GCM, HMAC and CSPRNG
   # RocksDB is built from Debian's source package (scripts/rocksdb.sh):
   # apt-get source, patch, and the compression libraries it links
   dpkg-dev patch libsnappy-dev liblz4-dev libzstd-dev zlib1g-dev libbz2-dev

@@ -1,6 +1,12 @@
-// Physical erasure checks (docs/CONTRACT.md, P4): every SST's point keys
-// and range tombstones, and every WAL's raw bytes, searched for a user's
-// contribution-ledger prefix [user_id BE][0x13].
+// Physical and cryptographic erasure checks (docs/CONTRACT.md, P4;
+// docs/PURGE.md, "What erased means"), of every file of a Db's two engines:
+//   - format 3's ledger prefix [user_id BE][0x13] in every SST's point keys
+//     and range tombstones and in every WAL's raw bytes;
+//   - the user's ledger key (format 4, storage/sealed_ledger.h): its 32
+//     bytes in any file's raw bytes or any SST's values;
+//   - the user's sealed ledger records (named by the key's pseudonym) that
+//     open with a key the Db's files still hold.
+// Before a purge each of these finds the user's records; after it, none.
 #ifndef TIDAL_TESTS_ERASURE_SCAN_H_
 #define TIDAL_TESTS_ERASURE_SCAN_H_
 
@@ -9,6 +15,7 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +26,7 @@
 #include <rocksdb/table_properties.h>
 
 #include "storage/format.h"
+#include "storage/sealed_ledger.h"
 #include "storage/state_format.h"
 
 namespace tidal::testing {
@@ -41,17 +49,26 @@ inline std::string read_file(const std::filesystem::path& p) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-// Every SST's point keys (rocksdb::SstFileReader) and range tombstones, and
-// every WAL's raw bytes, checked for the ledger prefix of `user`: the files
-// of both engines (the Db directory and state/).
+// What scan_files found. `user_keys`: the user's ledger keys (the key
+// store's value, 33 bytes) the files hold; pass them to a later scan, which
+// then looks for them even where no key store record names the user.
 struct ErasureScan {
   std::size_t ssts = 0, wals = 0, sst_keys = 0;
+  std::size_t sealed_records = 0;  // the user's sealed records on disk, readable or not
   std::vector<std::string> found;
+  std::vector<std::string> user_keys;
 };
 
-inline ErasureScan scan_files(const std::string& path, std::uint64_t user) {
+inline ErasureScan scan_files(const std::string& path, std::uint64_t user, std::vector<std::string> keys = {}) {
   ErasureScan out;
   const std::string prefix = encode_key_prefix(EntityId(user), Tag::ContributionLedger);
+  const std::string key_store_key = encode_key_store_key(user);
+  struct Record {
+    std::string name, key, value;
+  };
+  std::vector<Record> sealed;  // every sealed ledger record on disk
+  std::vector<UserKey> held;   // every key the key store's files hold
+  std::vector<std::pair<std::string, std::string>> raw;  // (name, bytes) of every file but the SSTs' values
   std::error_code ec;
   for (auto walk = std::filesystem::recursive_directory_iterator(path, ec);
        walk != std::filesystem::recursive_directory_iterator(); walk.increment(ec)) {
@@ -65,6 +82,7 @@ inline ErasureScan scan_files(const std::string& path, std::uint64_t user) {
       walk.disable_recursion_pending();
       continue;
     }
+    if (!entry.is_regular_file(ec)) continue;
     if (name.ends_with(".sst")) {
       ++out.ssts;
       rocksdb::Options options;
@@ -83,19 +101,59 @@ inline ErasureScan scan_files(const std::string& path, std::uint64_t user) {
         if (std::filesystem::exists(entry.path())) ADD_FAILURE() << name << ": " << opened.ToString();
         continue;
       }
+      auto props = reader.GetTableProperties();
+      const std::string family = props ? props->column_family_name : std::string();
       std::unique_ptr<rocksdb::Iterator> it(reader.NewIterator(rocksdb::ReadOptions()));
       for (it->SeekToFirst(); it->Valid(); it->Next()) {
         ++out.sst_keys;
         if (it->key().starts_with(prefix)) out.found.push_back(name + ": key " + hex(it->key().ToString()));
+        if (family == "keys") {
+          if (std::optional<UserKey> k = UserKey::decode(it->value().ToString())) {
+            held.push_back(*k);
+            if (it->key() == key_store_key) keys.push_back(it->value().ToString());
+          }
+        } else if (family == "sealed_ledger") {
+          sealed.push_back({name, it->key().ToString(), it->value().ToString()});
+        }
+        raw.emplace_back(name + " (a value)", it->value().ToString());
       }
       EXPECT_TRUE(it->status().ok()) << name << ": " << it->status().ToString();
-      auto props = reader.GetTableProperties();
-      if (props && props->num_range_deletions != 0 && props->column_family_name == "ledger") {
+      if (props && props->num_range_deletions != 0 && family == "ledger") {
         out.found.push_back(name + ": " + std::to_string(props->num_range_deletions) + " range tombstones");
       }
-    } else if (name.ends_with(".log")) {
-      ++out.wals;
-      if (wal_holds_prefix(read_file(entry.path()), prefix)) out.found.push_back(name + ": WAL bytes hold the prefix");
+      raw.emplace_back(name, read_file(entry.path()));
+    } else {
+      std::string bytes = read_file(entry.path());
+      if (name.ends_with(".log")) {
+        ++out.wals;
+        if (wal_holds_prefix(bytes, prefix)) out.found.push_back(name + ": WAL bytes hold the prefix");
+      }
+      raw.emplace_back(name, std::move(bytes));
+    }
+  }
+  std::sort(keys.begin(), keys.end());
+  keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
+  out.user_keys = keys;
+  for (const std::string& k : keys) {
+    const std::optional<UserKey> key = UserKey::decode(k);
+    if (!key) {
+      ADD_FAILURE() << "not a ledger key: " << k.size() << " bytes";
+      continue;
+    }
+    const std::string_view secret = key->bytes_for_testing();
+    for (const auto& [name, bytes] : raw) {
+      if (bytes.find(secret) != std::string::npos) out.found.push_back(name + ": holds the user's ledger key");
+    }
+    std::string plain;
+    for (const Record& r : sealed) {
+      if (!r.key.starts_with(key->pseudonym())) continue;
+      ++out.sealed_records;
+      for (const UserKey& h : held) {
+        if (h.open(r.key, r.value, &plain)) {
+          out.found.push_back(r.name + ": sealed ledger record " + hex(r.key) + " opens with a key the Db holds");
+          break;
+        }
+      }
     }
   }
   return out;

@@ -288,10 +288,14 @@ TEST(Purge, NoSstOrWalFileHoldsAKeyOfThePurgedLedgerOnReturn) {
   ASSERT_OK(db->flush());  // one more, after the reopen
   ErasureScan before = scan_files(path, u);
   ASSERT_GE(before.found.size(), 5u) << "the test found too few ledger records of the user to erase";
+  ASSERT_EQ(before.user_keys.size(), 1u) << "the user's ledger key is not in the key store's files";
+  ASSERT_GE(before.sealed_records, 5u);
 
   ASSERT_OK(db->leave_community_layer(u));
   ASSERT_OK(db->purge_community_contributions(u));
-  ErasureScan after = scan_files(path, u);
+  // Looked for by its bytes too, wherever they are (the scan finds no key
+  // store record of the user any more).
+  ErasureScan after = scan_files(path, u, before.user_keys);
   EXPECT_GT(after.ssts, 0u);
   EXPECT_GT(after.wals, 0u);
   for (const std::string& f : after.found) ADD_FAILURE() << "after the purge: " << f;
@@ -301,7 +305,7 @@ TEST(Purge, NoSstOrWalFileHoldsAKeyOfThePurgedLedgerOnReturn) {
   EXPECT_EQ(value_of(db->community_score(77, 3)), 2.5);
   expect_healthy(*db, "after the purge");
   ASSERT_OK(db->close());
-  for (const std::string& f : scan_files(path, u).found) ADD_FAILURE() << "after close: " << f;
+  for (const std::string& f : scan_files(path, u, before.user_keys).found) ADD_FAILURE() << "after close: " << f;
 }
 
 // ---- re-materialization ----
@@ -327,7 +331,7 @@ TEST(Rematerialize, FindsAndRepairsEveryAggregateThatDisagreesWithTheLedger) {
   {  // Damage two aggregates behind tidal's back: one off by 1e-9, one that has no ledger entry.
     rocksdb::Options options;
     std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* n : {"default", "aggregates", "ledger", "receipts"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+    for (const char* n : {"default", "aggregates", "ledger", "receipts", "keys", "sealed_ledger"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
     cfs[1].options.merge_operator = new_units_add_operator();
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;

@@ -99,9 +99,10 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
                    are a snapshot of the shard's shared aggregates; every view
                    replaces the shard's contribution once it applies them (watch
                    with 'view PATH applied': the shard shows the new incarnation)
-  migrate          upgrade a Db written by tidal 0.2 or earlier (format 2, one
-                   RocksDB database) to format 3 (users and state engines);
-                   crash-safe, and what any writable open does anyway
+  migrate          upgrade a Db written by tidal 0.2 (format 2, one RocksDB
+                   database) or 0.3 (format 3) to format 4 (users and state
+                   engines, the ledger sealed per user); crash-safe, and what
+                   any writable open does anyway
   leave --from FILE, rejoin --from FILE, purge --from FILE
                    one user id per line (FILE '-' reads stdin); blank lines and
                    lines starting with '#' are skipped; bad lines are reported
@@ -822,8 +823,10 @@ int cmd_rematerialize(tidal::Db& db, bool repair, bool json) {
 
 // The open did the work (Storage::open); this reports it.
 int cmd_migrate(bool upgraded, bool json) {
-  const char* what = upgraded ? "upgraded from format 2 to format 3" : "already in format 3; nothing changed";
-  if (json) std::printf("{\"format\":3,\"upgraded\":%s}\n", upgraded ? "true" : "false");
+  // A format-3 Db is upgraded by any writable open, this one included (the
+  // key store and the sealed ledger created; nothing rewritten).
+  const char* what = upgraded ? "upgraded from format 2 to format 4" : "in format 4; nothing else changed";
+  if (json) std::printf("{\"format\":4,\"upgraded\":%s}\n", upgraded ? "true" : "false");
   else std::printf("migrate: %s\n", what);
   return kExitOk;
 }
@@ -1187,7 +1190,7 @@ int run(int argc, char** argv) {
   if (name == "verify") options.corrupt_record_policy = tidal::CorruptRecordPolicy::TreatAsLeft;
   bool upgraded = false;
   if (name == "migrate") {
-    // In format 3 already when a read-only open (which never upgrades) works.
+    // Past format 2 already when a read-only open (which never upgrades) works.
     tidal::Options ro = options;
     ro.read_only = true;
     tidal::Result<std::unique_ptr<tidal::Db>> probe = tidal::Db::open(path, ro);

@@ -24,6 +24,7 @@
 #include <rocksdb/env.h>
 
 #include "db/clock.h"
+#include "db/erasure_ranges.h"
 #include "db/grace.h"
 #include "db/leave_gate.h"
 #include "db/maps.h"
@@ -31,6 +32,7 @@
 #include "feed/change_feed.h"
 #include "journal/journal.h"
 #include "storage/receipt.h"
+#include "storage/sealed_ledger.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
 
@@ -275,8 +277,11 @@ class Db::Impl {
   // sum, a range deletion of each user's ledger, each user's receipt
   // (`records`, same order), the stripes' clock floors and the erasure
   // marks (`marks`: the mark value of each user).
-  Status write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<ReceiptRecord>& records,
-                           const std::vector<std::uint64_t>& marks, const std::string& what);
+  // `keys`: each user's ledger key, when the key store holds one (same
+  // order); the batch deletes it with the user's sealed records.
+  Status write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<std::optional<UserKey>>& keys,
+                           const std::vector<ReceiptRecord>& records, const std::vector<std::uint64_t>& marks,
+                           const std::string& what);
   // The purged_at_ns of the user's earliest receipt whose erasure has not
   // finished, if any (the erasure mark).
   Result<std::optional<std::uint64_t>> erasure_pending_since(std::uint64_t user) const;
@@ -284,8 +289,10 @@ class Db::Impl {
   Status erase_purged(const std::vector<std::uint64_t>& users);
   // At a writable open: finishes every erasure still marked.
   Status complete_pending_erasures();
-  // Makes sure no SST or WAL file holds a purged record in the ledger ranges.
-  Status erase_ledger_ranges(const std::vector<std::pair<std::string, std::string>>& ranges);
+  // Makes sure no SST or WAL file holds a record in the ranges (of the key
+  // store and of format 3's ledger): flushes, force-compacts them, and waits
+  // until the files that held them are deleted.
+  Status erase_ranges(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::vector<KeyRange>>>& ranges);
   // The Db directory's SST files that are not live (sorted names).
   Result<std::vector<std::string>> obsolete_files() const;
 

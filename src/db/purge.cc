@@ -44,6 +44,7 @@
 #include <cstring>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -55,6 +56,7 @@
 #include "storage/ingest_batch.h"
 #include "storage/journal_format.h"
 #include "storage/receipt.h"
+#include "storage/sealed_ledger.h"
 
 namespace tidal {
 namespace {
@@ -88,21 +90,43 @@ struct UserTotals {
   Units community = 0;
 };
 
-// Calls `fn` for every entry of the user's ledger, streaming.
+// Calls `fn` for every entry of the user's ledger, streaming: the records
+// format 3 wrote before the Db's upgrade (unsealed, keyed [user BE][0x13]),
+// then the sealed ones, opened with the user's key (`key`; null when the
+// key store has none).
 template <class Fn>
-Status for_each_ledger_entry(const Storage& storage, std::uint64_t user, Fn&& fn) {
-  const std::string prefix = ledger_begin(user);
-  auto it = storage.iterator(storage.ledger());
-  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-    std::optional<std::vector<LedgerEntry>> entries = decode_ledger_value(view(it->value()));
+Status for_each_ledger_entry(const Storage& storage, std::uint64_t user, const UserKey* key, Fn&& fn) {
+  const auto entries_of = [&](std::string_view record_key, std::string_view value) -> Status {
+    std::optional<std::vector<LedgerEntry>> entries = decode_ledger_value(value);
     if (!entries) {
-      return Status::Corruption("ledger record " + hex(view(it->key())) + " of " + user_text(user) +
-                                " does not decode (" + std::to_string(it->value().size()) +
+      return Status::Corruption("ledger record " + hex(record_key) + " of " + user_text(user) +
+                                " does not decode (" + std::to_string(value.size()) +
                                 "-byte value; expected a multiple of 33); nothing purged");
     }
     for (const LedgerEntry& e : *entries) fn(e);
+    return Status::OK();
+  };
+  const std::string prefix = ledger_begin(user);
+  auto it = storage.iterator(storage.ledger());
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    if (Status s = entries_of(view(it->key()), view(it->value())); !s.ok()) return s;
   }
-  return from_rocksdb(it->status(), "ledger read of " + user_text(user) + " in '" + storage.path() + "'");
+  if (Status s = from_rocksdb(it->status(), "ledger read of " + user_text(user) + " in '" + storage.path() + "'");
+      !s.ok() || key == nullptr) {
+    return s;
+  }
+  const rocksdb::Slice pseudonym(key->pseudonym().data(), key->pseudonym().size());
+  std::string plain;
+  auto sealed = storage.iterator(storage.sealed_ledger());
+  for (sealed->Seek(pseudonym); sealed->Valid() && sealed->key().starts_with(pseudonym); sealed->Next()) {
+    if (!key->open(view(sealed->key()), view(sealed->value()), &plain)) {
+      return Status::Corruption("sealed ledger record " + hex(view(sealed->key())) + " of " + user_text(user) +
+                                " does not open with the user's key (" + std::to_string(sealed->value().size()) +
+                                "-byte value: changed, or not the user's); nothing purged");
+    }
+    if (Status s = entries_of(view(sealed->key()), plain); !s.ok()) return s;
+  }
+  return from_rocksdb(sealed->status(), "sealed ledger read of " + user_text(user) + " in '" + storage.path() + "'");
 }
 
 // An encoded aggregate key, ordered as RocksDB orders it (unsigned bytes).
@@ -398,14 +422,17 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
                                                             std::to_string(batch_users.front()) + ".." +
                                                             std::to_string(batch_users.back()) + ")";
       std::vector<std::uint64_t> purged;  // users of the batch with entries to remove
+      std::vector<std::optional<UserKey>> keys;  // their ledger keys (same order)
       std::vector<ReceiptRecord> records;
       std::vector<std::uint64_t> marks;  // each purged user's erasure mark value
       std::vector<std::uint64_t> erase;
       std::vector<PurgeReceipt> pending;
       for (std::size_t i = begin; i < end; ++i) {
         const std::uint64_t u = users[i];
+        Result<std::optional<UserKey>> key = read_user_key(*storage_, u);
+        if (!key.ok()) return key.status();
         UserTotals totals;
-        if (Status r = for_each_ledger_entry(*storage_, u, [&](const LedgerEntry& e) {
+        if (Status r = for_each_ledger_entry(*storage_, u, key->has_value() ? &**key : nullptr, [&](const LedgerEntry& e) {
               (e.target == AggregateKind::Cohort ? totals.cohort : totals.community) += e.units;
               ++totals.entries;
             });
@@ -418,12 +445,14 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
         const ReceiptRecord record{left_at[i], *now, totals.entries, totals.cohort, totals.community};
         pending.push_back(to_public(u, record, /*erasure_complete=*/true));  // returned once erased
         // Nothing to remove, nothing written; an earlier purge's erasure
-        // that did not finish is finished now.
+        // that did not finish is finished now. (A key with no record left
+        // cannot be: the batch that stored it stored a record with it.)
         if (totals.entries == 0) {
           if (*marked) erase.push_back(u);
           continue;
         }
         purged.push_back(u);
+        keys.push_back(std::move(*key));
         records.push_back(record);
         marks.push_back(marked->value_or(*now));
         erase.push_back(u);
@@ -435,7 +464,11 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
           std::lock_guard<std::mutex> lock(marks_mu_);
           for (std::uint64_t u : purged) purge_generation_[u] = ++generation_;
         }
-        if (Status w = write_purge_batch(purged, records, marks, std::string(what) + " of " + ids); !w.ok()) {
+        Status w = write_purge_batch(purged, keys, records, marks, std::string(what) + " of " + ids);
+        // Whatever the outcome: the writer reads the key again if it is
+        // still stored, and makes a new one if it is gone.
+        for (std::uint64_t u : purged) state_->forget_ledger_key(u);
+        if (!w.ok()) {
           // A failed write may still have reached the disk (RocksDB cannot
           // tell): its users' outcome is unknown, not "untouched".
           return Status(w.code(), w.message() + "; the purge of " + ids +
@@ -457,8 +490,9 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
   return receipts;
 }
 
-Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<ReceiptRecord>& records,
-                                   const std::vector<std::uint64_t>& marks, const std::string& what) {
+Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<std::optional<UserKey>>& keys,
+                                   const std::vector<ReceiptRecord>& records, const std::vector<std::uint64_t>& marks,
+                                   const std::string& what) {
   IngestBatch batch(storage_.get(), "purge." + std::to_string(records.front().purged_at_ns));
   // The subtraction also enters the change feed, in the same ingestion, so
   // the purge reaches every view.
@@ -475,8 +509,8 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   for (;;) {
     std::map<CellKey, Units> cells;
     std::optional<CellKey> cut;  // the first key of the next pass
-    for (std::uint64_t u : users) {
-      Status r = for_each_ledger_entry(*storage_, u, [&](const LedgerEntry& e) {
+    for (std::size_t i = 0; i < users.size(); ++i) {
+      Status r = for_each_ledger_entry(*storage_, users[i], keys[i] ? &*keys[i] : nullptr, [&](const LedgerEntry& e) {
         encoded.clear();
         put_aggregate_key(&encoded, e.target, e.target_id, e.item);
         CellKey k;
@@ -500,17 +534,38 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
     if (!cut) break;
     lo = cut;
   }
-  // The ledger's range deletions, the receipts, then the meta records: the
-  // stripes' clock floors ("clock_floor/...") before the erasure marks
-  // ("erasure_pending/..."), each in key order.
+  // The ledgers' range deletions (format 3's, by user; the sealed ones, by
+  // pseudonym: ordinary compaction drops them), the keys' (which
+  // erase_purged then erases from the files), the receipts, then the meta
+  // records: the stripes' clock floors ("clock_floor/...") before the
+  // erasure marks ("erasure_pending/..."), each in key order.
   std::vector<std::uint64_t> floors(user_locks_.size(), 0);
   for (std::size_t i = 0; i < users.size(); ++i) {
     std::uint64_t& floor = floors[users[i] % floors.size()];
     floor = std::max(floor, records[i].purged_at_ns);
   }
   rocksdb::Status w;
+  // Format 3's records, only of users who have some: a tombstone of its own
+  // would make an SST file in a ledger that format 4 never writes.
+  {
+    auto it = storage_->iterator(storage_->ledger());
+    for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
+      const std::string begin = ledger_begin(users[i]);
+      it->Seek(begin);
+      if (it->Valid() && it->key().starts_with(begin)) w = batch.delete_range(storage_->ledger(), begin, ledger_end(users[i]));
+    }
+    if (Status s = from_rocksdb(it->status(), what); !s.ok()) return s;
+  }
+  std::vector<std::string_view> pseudonyms;
+  for (const std::optional<UserKey>& k : keys) {
+    if (k) pseudonyms.push_back(k->pseudonym());
+  }
+  std::sort(pseudonyms.begin(), pseudonyms.end());
+  for (std::string_view p : pseudonyms) {
+    if (w.ok()) w = batch.delete_range(storage_->sealed_ledger(), p, pseudonym_end(p));
+  }
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
-    w = batch.delete_range(storage_->ledger(), ledger_begin(users[i]), ledger_end(users[i]));
+    if (keys[i]) w = batch.delete_range(storage_->keys(), encode_key_store_key(users[i]), key_store_end(users[i]));
   }
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
     w = batch.put(storage_->receipts(), encode_receipt_key(users[i], records[i].purged_at_ns), encode_receipt(records[i]));
@@ -559,13 +614,19 @@ Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
     std::lock_guard<std::mutex> marks(marks_mu_);
     generation = generation_;
   }
-  std::vector<std::pair<std::string, std::string>> ranges;
+  // The users' keys (format 4), and their records of format 3's ledger.
+  // Adjacent users share one range: a bulk purge compacts only their ranges.
+  std::vector<KeyRange> ledger_ranges, key_ranges;
+  const auto add = [](std::vector<KeyRange>* ranges, std::string begin, std::string end) {
+    if (!ranges->empty() && ranges->back().second == begin) ranges->back().second = std::move(end);
+    else ranges->emplace_back(std::move(begin), std::move(end));
+  };
   for (std::uint64_t u : users) {
-    // Adjacent users share one range: a bulk purge compacts only their ledgers.
-    if (!ranges.empty() && ranges.back().second == ledger_begin(u)) ranges.back().second = ledger_end(u);
-    else ranges.emplace_back(ledger_begin(u), ledger_end(u));
+    add(&ledger_ranges, ledger_begin(u), ledger_end(u));
+    add(&key_ranges, encode_key_store_key(u),
+        u == std::numeric_limits<std::uint64_t>::max() ? key_store_end(u) : encode_key_store_key(u + 1));
   }
-  if (Status s = erase_ledger_ranges(ranges); !s.ok()) return s;
+  if (Status s = erase_ranges({{storage_->keys(), key_ranges}, {storage_->ledger(), ledger_ranges}}); !s.ok()) return s;
   // Erased: the marks go, except those of users whose next purge wrote its
   // batch (and its mark) after this erasure began: that purge's own
   // erasure removes it. Under marks_mu_, which a purge takes before its
@@ -595,10 +656,10 @@ Status Db::Impl::complete_pending_erasures() {
   return erase_purged(users);
 }
 
-Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, std::string>>& ranges) {
-  // Every memtable to SST: the WALs that held the purged ledger records (and
-  // the purge batch itself, whose range tombstone starts with the prefix)
-  // are then no longer needed by any column family.
+Status Db::Impl::erase_ranges(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::vector<KeyRange>>>& ranges) {
+  // Every memtable to SST: the WALs that held the purged keys and ledger
+  // records (and the purge batch itself, whose range tombstones start with
+  // them) are then no longer needed by any column family.
   if (Status s = storage_->flush(Storage::Engine::State); !s.ok()) return s;
   // A compaction keeps what a snapshot older than the purge batches can
   // still see: wait until every such snapshot is released. Later snapshots
@@ -644,13 +705,20 @@ Status Db::Impl::erase_ledger_ranges(const std::vector<std::pair<std::string, st
   // into a new file after a concurrent manual compaction has passed its
   // range (seen once in CI with compactions starting at 2 L0 files).
   options.exclusive_manual_compaction = true;
-  for (const auto& [begin, end] :
-       JoinRanges(ranges, ListLevelFiles(db, storage_->ledger()->GetName()), kErasureFilesPerCompaction)) {
-    const rocksdb::Slice b(begin), e(end);
-    if (Status s = from_rocksdb(db->CompactRange(options, storage_->ledger(), &b, &e),
-                                "compaction of the purged ledger range of '" + storage_->path() + "'");
-        !s.ok()) {
-      return s;
+  for (const auto& [cf, cf_ranges] : ranges) {
+    if (cf == nullptr || cf_ranges.empty()) continue;
+    // Format 3's ledger has no file in a Db created in format 4: nothing to
+    // compact (the flush above left nothing in memory either).
+    rocksdb::ColumnFamilyMetaData files;
+    db->GetColumnFamilyMetaData(cf, &files);
+    if (files.file_count == 0) continue;
+    for (const auto& [begin, end] : JoinRanges(cf_ranges, ListLevelFiles(db, cf->GetName()), kErasureFilesPerCompaction)) {
+      const rocksdb::Slice b(begin), e(end);
+      if (Status s = from_rocksdb(db->CompactRange(options, cf, &b, &e),
+                                  "compaction of the purged " + cf->GetName() + " range of '" + storage_->path() + "'");
+          !s.ok()) {
+        return s;
+      }
     }
   }
   // No live file holds a purged record now; obsolete ones still may, until

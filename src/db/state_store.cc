@@ -448,8 +448,19 @@ Status StateStore::write_frozen_locked(int frozen) {
   return Status::OK();
 }
 
+Result<const UserKey*> StateStore::ledger_key(std::uint64_t user, std::unordered_map<std::uint64_t, UserKey>* created) {
+  if (auto it = ledger_keys_.find(user); it != ledger_keys_.end()) return &it->second;
+  if (auto it = created->find(user); it != created->end()) return &it->second;
+  Result<std::optional<UserKey>> stored = read_user_key(*storage_, user);
+  if (!stored.ok()) return stored.status();
+  if (*stored) return &ledger_keys_.emplace(user, std::move(**stored)).first->second;
+  Result<UserKey> fresh = UserKey::generate();
+  if (!fresh.ok()) return fresh.status();
+  return &created->emplace(user, std::move(*fresh)).first->second;
+}
+
 Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch,
-                                     const std::string& what, std::uint64_t* keys, std::uint64_t* bytes) const {
+                                     const std::string& what, std::uint64_t* keys, std::uint64_t* bytes) {
   // An SST file takes its entries in key order. An aggregate key is
   // [kind][owner BE][item BE], so (kind, a, b) order is its byte order; the
   // aggregates (kind <= Community) come first. A ledger cell's key is
@@ -503,6 +514,13 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     }
   }
   std::string key, units_value, record;  // record: the ledger entries of one user so far
+  // The ledger's records, sealed with their users' keys and named by their
+  // pseudonyms (storage/sealed_ledger.h): in the pseudonyms' order, once
+  // all are sealed. The keys made for users new to the ledger go into the
+  // key store in the same ingestion, so no record is ever stored without
+  // its key.
+  std::vector<std::pair<std::string, std::string>> sealed;
+  std::unordered_map<std::uint64_t, UserKey> created;
   *keys = 0;
   *bytes = 0;
   for (std::size_t i = 0; i < cells->size(); ++i) {
@@ -519,14 +537,33 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     } else {
       put_ledger_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
       if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
-        const std::string ledger_key = encode_ledger_key(cell.a, epoch);
-        s = files.put(storage_->ledger(), ledger_key, record);
-        *bytes += ledger_key.size() + record.size();
+        Result<const UserKey*> user_key = ledger_key(cell.a, &created);
+        if (!user_key.ok()) return Status(user_key.status().code(), what + ": " + user_key.status().message());
+        auto& [sealed_key, sealed_value] = sealed.emplace_back((*user_key)->record_key(epoch), std::string());
+        if (Status seal = (*user_key)->seal(sealed_key, record, &sealed_value); !seal.ok()) {
+          return Status(seal.code(), what + ": " + seal.message());
+        }
+        *bytes += sealed_key.size() + sealed_value.size();
         record.clear();
         ++*keys;
       }
     }
     if (!s.ok()) return from_rocksdb(s, what);
+  }
+  std::sort(sealed.begin(), sealed.end());
+  for (const auto& [k, v] : sealed) {
+    if (rocksdb::Status s = files.put(storage_->sealed_ledger(), k, v); !s.ok()) return from_rocksdb(s, what);
+  }
+  if (!created.empty()) {
+    std::vector<std::uint64_t> users;
+    for (const auto& [user, k] : created) users.push_back(user);
+    std::sort(users.begin(), users.end());
+    for (std::uint64_t user : users) {
+      if (rocksdb::Status s = files.put(storage_->keys(), encode_key_store_key(user), created.at(user).encode());
+          !s.ok()) {
+        return from_rocksdb(s, what);
+      }
+    }
   }
   ChangeFeed::Appended appended;
   if (feed_done.valid()) {
@@ -536,6 +573,7 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   }
   if (Status s = files.ingest(what, &feed_file); !s.ok()) return s;
   if (feed_ != nullptr) feed_->committed(appended);
+  ledger_keys_.merge(created);  // stored now
   return Status::OK();
 }
 

@@ -73,11 +73,13 @@
 #include <mutex>
 #include <shared_mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "db/cuckoo.h"
 
 #include "feed/change_feed.h"
+#include "storage/sealed_ledger.h"
 #include "storage/state_format.h"
 #include "storage/storage.h"
 #include "tidal/db.h"
@@ -217,6 +219,11 @@ class StateStore {
   // the buffers hold is in neither, and lands after fn). A re-seed's snapshot.
   Status between_batches(const std::function<Status()>& fn);
 
+  // Forgets the writer's copy of `user`'s ledger key (a purge deletes the
+  // stored one): the user's next contribution gets a new key. Only inside
+  // exclusive(), whose drain lock keeps the writer out.
+  void forget_ledger_key(std::uint64_t user) { ledger_keys_.erase(user); }
+
  private:
   // kind 1-3: an aggregate (a = owner, b = item). kind 4-5 (cohort or
   // community + kLedgerKindOffset): a ledger cell (a = user, b = target id, c = item).
@@ -263,7 +270,11 @@ class StateStore {
   // SST file per column family and ingests them together; counts the keys
   // and the bytes (keys and values) of the aggregates and the ledger.
   Status write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch, const std::string& what,
-                           std::uint64_t* keys, std::uint64_t* bytes) const;
+                           std::uint64_t* keys, std::uint64_t* bytes);
+  // The ledger key of `user`: the writer's copy, else the key store's, else
+  // a new one (added to `created`, which the batch stores; the copy is kept
+  // only once the batch is ingested). Caller holds drain_mu_.
+  Result<const UserKey*> ledger_key(std::uint64_t user, std::unordered_map<std::uint64_t, UserKey>* created);
 
   Storage* const storage_;
   ChangeFeed* feed_ = nullptr;
@@ -288,6 +299,10 @@ class StateStore {
   // writer starts).
   std::uint64_t last_epoch_ = 0;
   std::uint64_t reserved_epoch_ = 0;
+  // The ledger keys of the users the writer has sealed records of, read or
+  // made as they first contribute (storage/sealed_ledger.h); guarded by
+  // drain_mu_. ~100 bytes a user.
+  std::unordered_map<std::uint64_t, UserKey> ledger_keys_;
 
   // Writer thread control and backpressure.
   std::mutex writer_mu_;

@@ -77,12 +77,16 @@ std::optional<MembershipStatus> deserialize_history_status(std::string_view byte
 
 // ---- meta records (the default column family of each engine) ----
 
-// The layout of the Db directory, in the users engine's meta: "3" for two
-// engines (the users engine in the directory, the state engine in state/).
+// The layout of the Db directory, in the users engine's meta: "4" for two
+// engines (the users engine in the directory, the state engine in state/)
+// whose ledger is sealed per user (storage/sealed_ledger.h); "3" for the
+// same without the sealed ledger, upgraded to "4" by a writable open.
 // Absent in format 2, where one RocksDB database held every column family;
 // written last by the migration (storage/migrate.cc), as its commit point.
+// tidal 0.3 reads only "3" and refuses any other value, naming it.
 inline constexpr char kDbFormatKey[] = "db_format";
-inline constexpr char kDbFormat[] = "3";
+inline constexpr char kDbFormat[] = "4";
+inline constexpr char kDbFormat3[] = "3";
 
 // Present, with value kIndexVersion, once the by_tag index is complete
 // (storage/index.h).

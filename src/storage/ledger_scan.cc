@@ -23,6 +23,8 @@
 #include <rocksdb/env.h>
 #include <rocksdb/snapshot.h>
 
+#include "storage/sealed_ledger.h"
+
 namespace tidal {
 namespace {
 
@@ -543,6 +545,20 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
     return Status::OK();
   };
   pending.reserve(2 * kPending);
+  const auto add_record = [&](const std::vector<LedgerEntry>& entries) -> Status {
+    out->ledger_entries += entries.size();
+    for (const LedgerEntry& e : entries) {
+      encoded.clear();
+      put_aggregate_key(&encoded, e.target, e.target_id, e.item);
+      Pending& p = pending.emplace_back();
+      std::memcpy(p.key.data(), encoded.data(), p.key.size());
+      p.hash = CellSums::hash(p.key);
+      p.units = e.units;
+      sums->prefetch(p.hash);
+    }
+    return pending.size() >= kPending ? add_pending() : Status::OK();
+  };
+  // Format 3's unsealed records (what a Db wrote before its upgrade).
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     if (!hold->step()) return Status::OK();
     ++out->ledger_records;
@@ -553,21 +569,50 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
               std::to_string(it->value().size()) + "-byte value; expected a multiple of 33)");
       continue;
     }
-    out->ledger_entries += entries->size();
-    for (const LedgerEntry& e : *entries) {
-      encoded.clear();
-      put_aggregate_key(&encoded, e.target, e.target_id, e.item);
-      Pending& p = pending.emplace_back();
-      std::memcpy(p.key.data(), encoded.data(), p.key.size());
-      p.hash = CellSums::hash(p.key);
-      p.units = e.units;
-      sums->prefetch(p.hash);
-    }
-    if (pending.size() >= kPending) {
-      if (Status s = add_pending(); !s.ok()) return s;
-    }
+    if (Status s = add_record(*entries); !s.ok()) return s;
   }
   if (Status s = from_rocksdb(it->status(), "ledger scan of '" + storage.path() + "'"); !s.ok()) return s;
+  it.reset();
+  // The sealed records, each opened with the key its pseudonym names.
+  if (storage.sealed_ledger() != nullptr) {
+    std::vector<UserKey> keys;
+    auto k = storage.iterator(storage.keys(), /*bulk=*/true, hold->snapshot());
+    for (k->SeekToFirst(); k->Valid(); k->Next()) {
+      if (!hold->step()) return Status::OK();
+      std::optional<UserKey> key = UserKey::decode(view(k->value()));
+      if (!decode_key_store_key(view(k->key())) || !key) {
+        problem("key store key " + hex(view(k->key())) + ": a user's ledger key does not decode (" +
+                std::to_string(k->value().size()) + "-byte value; expected 33 of version 1)");
+        continue;
+      }
+      keys.push_back(std::move(*key));
+    }
+    if (Status s = from_rocksdb(k->status(), "key store scan of '" + storage.path() + "'"); !s.ok()) return s;
+    k.reset();
+    std::sort(keys.begin(), keys.end(), [](const UserKey& a, const UserKey& b) { return a.pseudonym() < b.pseudonym(); });
+    std::string plain;
+    auto sealed = storage.iterator(storage.sealed_ledger(), /*bulk=*/true, hold->snapshot());
+    for (sealed->SeekToFirst(); sealed->Valid(); sealed->Next()) {
+      if (!hold->step()) return Status::OK();
+      ++out->ledger_records;
+      const std::string_view key = view(sealed->key());
+      const std::string_view pseudonym = key.substr(0, kPseudonymSize);
+      auto owner = std::lower_bound(keys.begin(), keys.end(), pseudonym,
+                                    [](const UserKey& a, std::string_view p) { return a.pseudonym() < p; });
+      if (!sealed_ledger_epoch(key) || owner == keys.end() || owner->pseudonym() != pseudonym) {
+        problem("sealed ledger key " + hex(key) + ": no user's key in the key store has its pseudonym");
+        continue;
+      }
+      std::optional<std::vector<LedgerEntry>> entries;
+      if (!owner->open(key, view(sealed->value()), &plain) || !(entries = decode_ledger_value(plain))) {
+        problem("sealed ledger key " + hex(key) + ": the record (" + std::to_string(sealed->value().size()) +
+                " bytes) does not open with its user's key, or what it holds does not decode");
+        continue;
+      }
+      if (Status s = add_record(*entries); !s.ok()) return s;
+    }
+    if (Status s = from_rocksdb(sealed->status(), "sealed ledger scan of '" + storage.path() + "'"); !s.ok()) return s;
+  }
   if (Status s = add_pending(); !s.ok()) return s;
   *peak = std::max(*peak, sums->size());
   if (runs->count() == 0) return Status::OK();
@@ -673,7 +718,9 @@ Status check_ledger(const Storage& storage, LedgerCheck* out, const std::functio
   const std::string scratch = scratch_dir(storage);
   remove_stale_dirs(env, scratch);
   Storage::ScanProgress& progress = storage.scan_progress();
-  const std::uint64_t estimate = storage.estimate_keys(storage.ledger()) + storage.estimate_keys(storage.aggregates());
+  const std::uint64_t estimate =
+      storage.estimate_keys(storage.ledger()) + storage.estimate_keys(storage.aggregates()) +
+      (storage.sealed_ledger() != nullptr ? storage.estimate_keys(storage.sealed_ledger()) : 0);
   progress.records_estimate.fetch_add(estimate, std::memory_order_relaxed);
   struct Unestimate {
     Storage::ScanProgress& progress;

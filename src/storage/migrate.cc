@@ -72,7 +72,7 @@ Status fsync_dir(const std::string& dir) {
 }  // namespace
 
 Status Storage::checkpoint_as_state(const rocksdb::Options& base) {
-  const std::string what = "upgrade of tidal Db '" + path_ + "' to format 3";
+  const std::string what = "upgrade of tidal Db '" + path_ + "' from format 2";
   const std::string dir = state_path();
   {
     rocksdb::Checkpoint* raw = nullptr;
@@ -164,7 +164,7 @@ Status Storage::migrate_to_format3(const rocksdb::Options& base,
   for (auto* h : legacy) {
     if (h->GetName() == "ledger") old_ledger = h;
   }
-  const std::string what = "upgrade of tidal Db '" + path_ + "' to format 3";
+  const std::string what = "upgrade of tidal Db '" + path_ + "' from format 2";
   // A refusal leaves the format-2 Db as it was, and no state/.
   const auto refuse = [&](Status s) {
     if (state_.db != nullptr) (void)close_instance(&state_, state_path());

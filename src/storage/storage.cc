@@ -242,8 +242,10 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   // (and the purge's latency) small. 1 MiB instead of RocksDB's 64 MiB: on
   // a 10M-entry ledger the compaction step of a purge took ~95 ms with 4 MiB
   // files and ~35 ms with 1 MiB (bench/README.md, "Purge").
-  if (name == "ledger") options->target_file_size_base = 1 << 20;
-  if (name == "aggregates" || name == "ledger") {
+  // A purge force-compacts the purged users' range of the key store (the
+  // erasure of their keys): the same small files keep that rewrite small.
+  if (name == "ledger" || name == "keys") options->target_file_size_base = 1 << 20;
+  if (name == "aggregates" || name == "ledger" || name == "sealed_ledger" || name == "keys") {
     // The state store ingests one file per batch into each (Storage::ingest).
     // RocksDB puts an ingested file in the deepest level its keys do not
     // overlap, so a young Db's first batches landed one per level (L6, L5,
@@ -317,7 +319,7 @@ class UsersEngineEnv : public rocksdb::EnvWrapper {
 
 // The column families of each engine, in the order of Storage's accessors.
 const char* const kUsersFamilies[] = {"default", "users", "by_tag"};
-const char* const kStateFamilies[] = {"default", "aggregates", "ledger", "receipts"};
+const char* const kStateFamilies[] = {"default", "aggregates", "ledger", "receipts", "keys", "sealed_ledger"};
 // Format 2 kept these in the users engine (storage/migrate.cc moves them).
 const char* const kLegacyFamilies[] = {"aggregates", "ledger", "feed"};
 
@@ -456,15 +458,15 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   std::string format;
   Status f = storage->get(storage->meta(), kDbFormatKey, &format);
   if (!f.ok() && f.code() != StatusCode::NotFound) return f;
-  if (f.ok() && format != kDbFormat) {
+  if (f.ok() && format != kDbFormat && format != kDbFormat3) {
     return Status::InvalidArgument("cannot open tidal Db at '" + path + "': it is in format " + format +
-                                   "; this version reads format " + kDbFormat + " (and upgrades format 2)");
+                                   "; this version reads format " + kDbFormat + " (and upgrades formats 2 and 3)");
   }
   if (config.read_only) {
     if (!f.ok()) {
       return Status::InvalidArgument("cannot open tidal Db at '" + path +
                                      "' read-only: it is in format 2 (one RocksDB database); a writable open "
-                                     "upgrades it to format 3, or run `tidalctl migrate " + path + "`");
+                                     "upgrades it to format 4, or run `tidalctl migrate " + path + "`");
     }
     if (Status o = storage->open_state(options, /*create=*/false); !o.ok()) return o;
     return storage;
@@ -498,6 +500,20 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     storage->release_legacy();
 
     if (Status o = storage->open_state(options, /*create=*/false); !o.ok()) return o;
+    // Format 3 to 4: open_state created the key store and the sealed ledger;
+    // the ledger format 3 wrote stays where it is, read and never written
+    // again (storage/sealed_ledger.h). Written synced, after the families
+    // (RocksDB's MANIFEST): a crash before it leaves a format-3 Db whose next
+    // open finds them there, and tidal 0.3 refuses the Db from then on
+    // ("it is in format 4; this version reads format 3").
+    if (format == kDbFormat3) {
+      rocksdb::WriteBatch batch;
+      batch.Put(storage->meta(), kDbFormatKey, kDbFormat);
+      if (Status w = storage->write(Engine::Users, &batch, WriteMode::Sync, "upgrade of '" + path + "' to format 4");
+          !w.ok()) {
+        return w;
+      }
+    }
     // A format-3 Db upgraded or created before the users engine carried the
     // mark that tidal 0.2 refuses (format.h, kUsersStateFormatMark).
     std::string mark;
@@ -541,19 +557,32 @@ Status Storage::open_state(const rocksdb::Options& base, bool create) {
   const bool listed = rocksdb::DB::ListColumnFamilies(options, dir, &existing).ok();
   if (!create && !listed) {
     return Status::Corruption("cannot open tidal Db at '" + path_ + "': its state engine (" + dir +
-                              ") is missing or unreadable, though the Db is in format 3");
+                              ") is missing or unreadable, though the Db is in format 3 or 4 (which have one)");
   }
+  // A writable open creates format 4's families in a format-3 state engine
+  // (the upgrade, Storage::open); a read-only open of one opens it without
+  // them (their handles null: an empty key store and sealed ledger).
+  options.create_missing_column_families = !read_only_;
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
-  for (const char* name : kStateFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+  std::vector<bool> opened;  // per kStateFamilies entry
+  for (const char* name : kStateFamilies) {
+    opened.push_back(!read_only_ || !listed || contains(existing, name));
+    if (opened.back()) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+  }
   if (listed && contains(existing, kFeedColumnFamily)) {
     descriptors.emplace_back(kFeedColumnFamily, rocksdb::ColumnFamilyOptions(options));
   }
   for (auto& d : descriptors) d.options = state_cf_options(options, d.name);
   rocksdb::DB* raw = nullptr;
-  rocksdb::Status s = read_only_ ? rocksdb::DB::OpenForReadOnly(options, dir, descriptors, &state_.handles, &raw)
-                                 : rocksdb::DB::Open(options, dir, descriptors, &state_.handles, &raw);
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::Status s = read_only_ ? rocksdb::DB::OpenForReadOnly(options, dir, descriptors, &handles, &raw)
+                                 : rocksdb::DB::Open(options, dir, descriptors, &handles, &raw);
   if (!s.ok()) return from_rocksdb(s, "cannot open the state engine of tidal Db '" + path_ + "' (" + dir + ")");
   state_.db.reset(raw);
+  auto next = handles.begin();
+  state_.handles.clear();
+  for (bool o : opened) state_.handles.push_back(o ? *next++ : nullptr);
+  state_.handles.insert(state_.handles.end(), next, handles.end());
   return Status::OK();
 }
 
@@ -785,7 +814,8 @@ Status Storage::flush(Engine engine) {
 Storage::CompactionDebt Storage::compaction_debt() const {
   CompactionDebt debt;
   if (read_only_ || state_.db == nullptr) return debt;
-  for (rocksdb::ColumnFamilyHandle* cf : {aggregates(), ledger()}) {
+  for (rocksdb::ColumnFamilyHandle* cf : {aggregates(), sealed_ledger(), ledger()}) {
+    if (cf == nullptr) continue;
     std::string files;
     if (state_.db->GetProperty(cf, rocksdb::DB::Properties::kNumFilesAtLevelPrefix + "0", &files)) {
       debt.l0_files = std::max<std::uint64_t>(debt.l0_files, std::strtoull(files.c_str(), nullptr, 10));
@@ -801,6 +831,7 @@ Storage::CompactionDebt Storage::compaction_debt() const {
 Status Storage::close_instance(Instance* instance, const std::string& path) {
   Status result;
   for (auto* h : instance->handles) {
+    if (h == nullptr) continue;  // a family a read-only open found absent
     if (Status s = from_rocksdb(instance->db->DestroyColumnFamilyHandle(h), "close of '" + path + "'");
         !s.ok() && result.ok()) {
       result = s;

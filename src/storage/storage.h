@@ -16,6 +16,9 @@
 //   aggregates  personal/cohort/community sums (merge operands of an integer add)
 //   ledger      the contribution ledger: what each user gave to which aggregate
 //   receipts    purge receipts, keyed as users records (tag 0x10)
+//   keys        format 4: each contributing user's ledger key (storage/sealed_ledger.h)
+//   sealed_ledger  format 4: the ledger, sealed per user; "ledger" keeps
+//               what format 3 wrote before the upgrade, unsealed
 //   feed        the change feed (only in a Db opened with Options::change_feed)
 // Everything a purge or a batch of the writer writes is in the state engine,
 // so each stays one atomic step; a leave touches only the users engine.
@@ -112,12 +115,18 @@ class Storage {
   rocksdb::ColumnFamilyHandle* aggregates() const {
     return upgrade_pending_ ? legacy("aggregates") : state_.handles[1];
   }
+  // The unsealed ledger of format 3 and older: read, never written by this
+  // version (storage/sealed_ledger.h).
   rocksdb::ColumnFamilyHandle* ledger() const { return upgrade_pending_ ? legacy("ledger") : state_.handles[2]; }
   rocksdb::ColumnFamilyHandle* receipts() const { return upgrade_pending_ ? users() : state_.handles[3]; }
+  // Format 4's key store and sealed ledger (storage/sealed_ledger.h); null
+  // while upgrade_pending(), and in a read-only open of a format-3 Db.
+  rocksdb::ColumnFamilyHandle* keys() const { return upgrade_pending_ ? nullptr : state_.handles[4]; }
+  rocksdb::ColumnFamilyHandle* sealed_ledger() const { return upgrade_pending_ ? nullptr : state_.handles[5]; }
   // The change feed (docs/FORMAT.md); null until create_feed().
   rocksdb::ColumnFamilyHandle* feed() const {
     if (upgrade_pending_) return legacy("feed");
-    return state_.handles.size() > 4 ? state_.handles[4] : nullptr;
+    return state_.handles.size() > kFeedHandle ? state_.handles[kFeedHandle] : nullptr;
   }
   // Creates the feed's column family (durable: RocksDB's MANIFEST). No-op
   // when it exists.
@@ -265,6 +274,9 @@ class Storage {
   }
 
  private:
+  // The index of the feed's handle in the state engine's (after the
+  // families every format-4 state engine has).
+  static constexpr std::size_t kFeedHandle = 6;
   struct Instance {
     std::unique_ptr<rocksdb::DB> db;
     std::vector<rocksdb::ColumnFamilyHandle*> handles;

@@ -325,10 +325,10 @@ t --db "$VIEW" status 1; rc_is 2; err_has "lacks tidal's column families"   # a 
 mkdir -p "$WORK/f2" && tar -xzf "$FORMAT2" -C "$WORK/f2" || { echo "FAIL: cannot extract $FORMAT2"; exit 1; }
 t --db "$WORK/f2/db" status 1003; rc_is 2; err_has 'format 2'; err_fixed "tidalctl migrate $WORK/f2/db"
 checks=$((checks + 1)); [ ! -e "$WORK/f2/db/state" ] || fail "a read-only command upgraded the Db"
-t --db "$WORK/f2/db" migrate; rc_is 0; out_has '^migrate: upgraded from format 2 to format 3$'
+t --db "$WORK/f2/db" migrate; rc_is 0; out_has '^migrate: upgraded from format 2 to format 4$'
 t --db "$WORK/f2/db" status 1003; rc_is 0; out_has 'Left'
 t --db "$WORK/f2/db" --json receipts 1003; rc_is 0; out_has '"entries_removed": ?12'
-t --db "$WORK/f2/db" --json migrate; rc_is 0; json 'd == {"format": 3, "upgraded": False}'
+t --db "$WORK/f2/db" --json migrate; rc_is 0; json 'd == {"format": 4, "upgraded": False}'
 t --db "$WORK/f2/db" changes; rc_is 0; out_has '^last_seq +9$'
 t --db "$WORK/f2/db" verify; rc_is 0
 

@@ -1,0 +1,179 @@
+#include "storage/sealed_ledger.h"
+
+#include <cstring>
+#include <memory>
+
+#include <openssl/crypto.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
+
+#include "storage/format.h"
+#include "storage/storage.h"
+
+namespace tidal {
+namespace {
+
+constexpr unsigned char kKeyVersion = 1;
+constexpr char kPseudonymLabel[] = "tidal ledger pseudonym v1";
+
+// The reason of libcrypto's last error, for a message.
+std::string crypto_error() {
+  const unsigned long e = ERR_get_error();
+  if (e == 0) return "no reason given";
+  char text[256];
+  ERR_error_string_n(e, text, sizeof text);
+  return text;
+}
+
+struct CipherCtxDeleter {
+  void operator()(EVP_CIPHER_CTX* ctx) const { EVP_CIPHER_CTX_free(ctx); }
+};
+// One context per thread, reset by each use: allocating one per record cost
+// as much as the sealing itself.
+EVP_CIPHER_CTX* cipher_ctx() {
+  thread_local std::unique_ptr<EVP_CIPHER_CTX, CipherCtxDeleter> ctx(EVP_CIPHER_CTX_new());
+  return ctx.get();
+}
+
+const unsigned char* bytes(std::string_view s) { return reinterpret_cast<const unsigned char*>(s.data()); }
+
+}  // namespace
+
+Result<UserKey> UserKey::generate() {
+  UserKey key;
+  if (RAND_bytes(key.key_.data(), static_cast<int>(key.key_.size())) != 1) {
+    return Status::IOError("the OS random number generator gave no key for a user's ledger (OpenSSL RAND_bytes: " +
+                           crypto_error() + ")");
+  }
+  key.derive_pseudonym();
+  return key;
+}
+
+std::optional<UserKey> UserKey::decode(std::string_view stored) {
+  if (stored.size() != kKeyStoreValueSize || static_cast<unsigned char>(stored[0]) != kKeyVersion) return std::nullopt;
+  UserKey key;
+  std::memcpy(key.key_.data(), stored.data() + 1, kUserKeySize);
+  key.derive_pseudonym();
+  return key;
+}
+
+UserKey::~UserKey() {
+  OPENSSL_cleanse(key_.data(), key_.size());
+  OPENSSL_cleanse(pseudonym_.data(), pseudonym_.size());
+}
+
+void UserKey::derive_pseudonym() {
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  // HMAC cannot fail with a valid digest and key; a null result would leave
+  // the pseudonym zero, which every open then refuses to authenticate.
+  if (HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()), reinterpret_cast<const unsigned char*>(kPseudonymLabel),
+           sizeof kPseudonymLabel - 1, mac, &size) != nullptr &&
+      size >= kPseudonymSize) {
+    std::memcpy(pseudonym_.data(), mac, kPseudonymSize);
+  }
+  OPENSSL_cleanse(mac, sizeof mac);
+}
+
+std::string UserKey::encode() const {
+  std::string out(1, static_cast<char>(kKeyVersion));
+  out.append(reinterpret_cast<const char*>(key_.data()), key_.size());
+  return out;
+}
+
+std::string UserKey::record_key(std::uint64_t epoch) const {
+  std::string out(pseudonym());
+  put_u64_be(&out, epoch);
+  return out;
+}
+
+Status UserKey::seal(std::string_view record_key, std::string_view plaintext, std::string* value) const {
+  value->resize(kSealNonceSize + plaintext.size() + kSealTagSize);
+  auto* out = reinterpret_cast<unsigned char*>(value->data());
+  if (RAND_bytes(out, static_cast<int>(kSealNonceSize)) != 1) {
+    return Status::IOError("the OS random number generator gave no nonce to seal a ledger record (OpenSSL RAND_bytes: " +
+                           crypto_error() + ")");
+  }
+  EVP_CIPHER_CTX* ctx = cipher_ctx();
+  int n = 0;
+  int total = 0;
+  const bool ok =
+      ctx != nullptr && EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr, key_.data(), out) == 1 &&
+      EVP_EncryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
+      EVP_EncryptUpdate(ctx, out + kSealNonceSize, &n, bytes(plaintext), static_cast<int>(plaintext.size())) == 1 &&
+      (total = n, EVP_EncryptFinal_ex(ctx, out + kSealNonceSize + total, &n) == 1) &&
+      EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, static_cast<int>(kSealTagSize),
+                          out + kSealNonceSize + plaintext.size()) == 1;
+  if (!ok) return Status::IOError("sealing a ledger record failed (OpenSSL AES-256-GCM: " + crypto_error() + ")");
+  return Status::OK();
+}
+
+bool UserKey::open(std::string_view record_key, std::string_view value, std::string* plaintext) const {
+  if (value.size() < kSealNonceSize + kSealTagSize) return false;
+  const std::size_t size = value.size() - kSealNonceSize - kSealTagSize;
+  plaintext->resize(size);
+  const auto* in = bytes(value);
+  EVP_CIPHER_CTX* ctx = cipher_ctx();
+  int n = 0;
+  // The tag is given before the final step checks it; libcrypto takes it
+  // as non-const.
+  unsigned char tag[kSealTagSize];
+  std::memcpy(tag, in + kSealNonceSize + size, kSealTagSize);
+  const bool ok = ctx != nullptr && EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr, key_.data(), in) == 1 &&
+         EVP_DecryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
+         EVP_DecryptUpdate(ctx, reinterpret_cast<unsigned char*>(plaintext->data()), &n, in + kSealNonceSize,
+                           static_cast<int>(size)) == 1 &&
+         EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, static_cast<int>(kSealTagSize), tag) == 1 &&
+         EVP_DecryptFinal_ex(ctx, reinterpret_cast<unsigned char*>(plaintext->data()) + n, &n) == 1;
+  if (!ok) plaintext->clear();  // nothing of an unauthenticated record is handed out
+  return ok;
+}
+
+std::string encode_key_store_key(std::uint64_t user_id) {
+  std::string out;
+  put_u64_be(&out, user_id);
+  return out;
+}
+
+std::string key_store_end(std::uint64_t user_id) {
+  std::string out = encode_key_store_key(user_id);
+  out.push_back('\0');  // the next key of any length: below [user_id + 1 BE]
+  return out;
+}
+
+Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
+                                             const rocksdb::Snapshot* snapshot) {
+  if (storage.keys() == nullptr) return std::optional<UserKey>();  // format 3, read-only
+  const std::string key = encode_key_store_key(user);
+  std::string stored;
+  Status s = storage.get(storage.keys(), key, &stored, snapshot);
+  if (s.code() == StatusCode::NotFound) return std::optional<UserKey>();
+  if (!s.ok()) return Status(s.code(), "read of the ledger key of user " + std::to_string(user) + ": " + s.message());
+  std::optional<UserKey> k = UserKey::decode(stored);
+  if (!k) {
+    return Status::Corruption("the ledger key of user " + std::to_string(user) + " (key store key " + hex(key) +
+                              ") in '" + storage.path() + "' does not decode (" + std::to_string(stored.size()) +
+                              "-byte value; expected 33 of version 1)");
+  }
+  return k;
+}
+
+std::optional<std::uint64_t> decode_key_store_key(std::string_view key) {
+  if (key.size() != kKeyStoreKeySize) return std::nullopt;
+  return get_u64_be(key.data());
+}
+
+std::string pseudonym_end(std::string_view pseudonym) {
+  std::string out(pseudonym);
+  out.append(9, '\xff');  // above every 24-byte key with the prefix, below the next prefix
+  return out;
+}
+
+std::optional<std::uint64_t> sealed_ledger_epoch(std::string_view key) {
+  if (key.size() != kSealedLedgerKeySize) return std::nullopt;
+  return get_u64_be(key.data() + kPseudonymSize);
+}
+
+}  // namespace tidal

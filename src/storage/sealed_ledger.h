@@ -1,0 +1,122 @@
+// Format 4's contribution ledger, sealed per user (docs/FORMAT.md, "The
+// sealed ledger"; docs/PURGE.md, "What erased means").
+//
+// Every user who contributes to a shared aggregate has a 256-bit key of
+// their own, drawn from the OS CSPRNG (OpenSSL's RAND_bytes) the first time
+// the state store's writer stores a contribution of theirs, and kept in the
+// state engine's "keys" column family, ingested in the same atomic step as
+// the first records it seals. The user's ledger records are sealed with it
+// (AES-256-GCM) and keyed by a pseudonym derived from it, so that no key of
+// the ledger names the user in clear:
+//
+//   keys CF           key   [user_id: 8 BE]                       (8 bytes)
+//                     value [version: 1 = 0x01][key: 32]          (33 bytes)
+//   sealed_ledger CF  key   [pseudonym: 16][epoch: 8 BE]          (24 bytes)
+//                     value [nonce: 12][ciphertext][tag: 16]
+//
+//   pseudonym  = HMAC-SHA256(key, "tidal ledger pseudonym v1"), first 16 bytes
+//   ciphertext = AES-256-GCM(key, nonce, plaintext, aad = the record's key),
+//                plaintext = the ledger value of format 3: one or more
+//                33-byte entries (storage/state_format.h), one record per
+//                user per batch of the writer; the nonce is random.
+//
+// A purge deletes the user's key, and erases it physically (the key store's
+// files and WAL): from then on the user's records cannot be opened, nor
+// linked to the user, and ordinary compaction drops them (the purge's range
+// deletion covers the pseudonym's records). A user who contributes again
+// gets a new key, so a later purge removes only what came after.
+//
+// The "ledger" column family keeps, unsealed, what a Db wrote before it was
+// upgraded to format 4 (docs/FORMAT.md, "Upgrading to format 4"): it is read
+// beside the sealed ledger and never written again; a purge erases a user's
+// records there physically, as format 3 did.
+#ifndef TIDAL_STORAGE_SEALED_LEDGER_H_
+#define TIDAL_STORAGE_SEALED_LEDGER_H_
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "tidal/status.h"
+
+namespace rocksdb {
+class Snapshot;
+}
+
+namespace tidal {
+
+class Storage;
+
+inline constexpr std::size_t kUserKeySize = 32;
+inline constexpr std::size_t kPseudonymSize = 16;
+inline constexpr std::size_t kKeyStoreKeySize = 8;
+inline constexpr std::size_t kKeyStoreValueSize = 1 + kUserKeySize;
+inline constexpr std::size_t kSealedLedgerKeySize = kPseudonymSize + 8;
+inline constexpr std::size_t kSealNonceSize = 12;
+inline constexpr std::size_t kSealTagSize = 16;
+
+// One user's ledger key and the pseudonym derived from it. The key's bytes
+// are wiped when the object is destroyed; they are never printed (a
+// message names the user, never the key).
+class UserKey {
+ public:
+  // A new key from the OS CSPRNG; IOError when it has none to give.
+  static Result<UserKey> generate();
+  // From a keys-CF value; empty unless 33 bytes of version 1.
+  static std::optional<UserKey> decode(std::string_view stored);
+
+  UserKey(const UserKey& other) = default;
+  UserKey& operator=(const UserKey& other) = default;
+  ~UserKey();
+
+  // The keys-CF value.
+  std::string encode() const;
+  // The 16 bytes every sealed ledger key of the user starts with.
+  std::string_view pseudonym() const {
+    return {reinterpret_cast<const char*>(pseudonym_.data()), pseudonym_.size()};
+  }
+  // The sealed ledger key of the user's record of batch `epoch`.
+  std::string record_key(std::uint64_t epoch) const;
+  // Seals `plaintext` as the value of the record named `record_key`.
+  // IOError when libcrypto fails (it does not, short of memory).
+  Status seal(std::string_view record_key, std::string_view plaintext, std::string* value) const;
+  // Opens a value sealed under `record_key`: false when it is not this
+  // key's (the tag does not authenticate), or the record was changed.
+  bool open(std::string_view record_key, std::string_view value, std::string* plaintext) const;
+
+  // The raw key, for tests that look for it in files (tests/erasure_scan.h).
+  std::string_view bytes_for_testing() const {
+    return {reinterpret_cast<const char*>(key_.data()), key_.size()};
+  }
+
+ private:
+  UserKey() = default;
+  void derive_pseudonym();
+
+  std::array<unsigned char, kUserKeySize> key_{};
+  std::array<unsigned char, kPseudonymSize> pseudonym_{};
+};
+
+// The stored ledger key of `user` (as of `snapshot`, when given); empty
+// when the key store holds none (the user never contributed since the
+// Db's format-4 upgrade, or was purged since). Corruption when the record
+// does not decode.
+Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
+                                             const rocksdb::Snapshot* snapshot = nullptr);
+
+// [user_id BE].
+std::string encode_key_store_key(std::uint64_t user_id);
+// Empty unless 8 bytes.
+std::optional<std::uint64_t> decode_key_store_key(std::string_view key);
+// The first key-store key after `user`'s.
+std::string key_store_end(std::uint64_t user_id);
+// The first key after every sealed ledger key that starts with `pseudonym`.
+std::string pseudonym_end(std::string_view pseudonym);
+// The epoch of a sealed ledger key; empty unless 24 bytes.
+std::optional<std::uint64_t> sealed_ledger_epoch(std::string_view key);
+
+}  // namespace tidal
+
+#endif  // TIDAL_STORAGE_SEALED_LEDGER_H_

@@ -1,0 +1,350 @@
+// Format 4: the ledger sealed per user (storage/sealed_ledger.h,
+// docs/PURGE.md "What erased means"): the sealing itself, what the Db's
+// files hold before and after a purge, a rejoin's new key, and the upgrade
+// of a format-3 Db, whose unsealed ledger is carried and still purged
+// exactly.
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <rocksdb/db.h>
+#include <rocksdb/write_batch.h>
+
+#include "erasure_scan.h"
+#include "raw_db.h"
+#include "storage/format.h"
+#include "storage/sealed_ledger.h"
+#include "storage/state_format.h"
+#include "test_util.h"
+
+namespace tidal {
+namespace {
+
+using testing::open_db;
+using testing::RawDb;
+using testing::scan_files;
+using testing::TempDir;
+using testing::value_of;
+
+Options manual_writes() {
+  Options options;
+  options.aggregate_write_period = std::chrono::hours(1);
+  return options;
+}
+
+UserKey new_key() {
+  Result<UserKey> k = UserKey::generate();
+  EXPECT_TRUE(k.ok()) << k.status().to_string();
+  return *k;
+}
+
+TEST(SealedLedger, ARecordOpensOnlyWithItsKeyUnderItsNameUnchanged) {
+  const UserKey key = new_key();
+  const UserKey other = new_key();
+  std::string plain;
+  put_ledger_entry(&plain, {AggregateKind::Cohort, 7, 9, 1'500'000'000});
+  put_ledger_entry(&plain, {AggregateKind::Community, 3, 9, -2});
+  const std::string name = key.record_key(42);
+  ASSERT_EQ(name.size(), kSealedLedgerKeySize);
+  EXPECT_EQ(name.substr(0, kPseudonymSize), key.pseudonym());
+  EXPECT_EQ(sealed_ledger_epoch(name), 42u);
+  std::string sealed;
+  ASSERT_OK(key.seal(name, plain, &sealed));
+  EXPECT_EQ(sealed.size(), kSealNonceSize + plain.size() + kSealTagSize);
+  EXPECT_EQ(sealed.find(plain), std::string::npos) << "the entries are in clear";
+
+  std::string out;
+  ASSERT_TRUE(key.open(name, sealed, &out));
+  EXPECT_EQ(out, plain);
+  EXPECT_FALSE(other.open(name, sealed, &out)) << "opened with another user's key";
+  EXPECT_TRUE(out.empty()) << "a refused open handed out bytes";
+  EXPECT_FALSE(key.open(key.record_key(43), sealed, &out)) << "opened under another record's name";
+  for (std::size_t i = 0; i < sealed.size(); ++i) {
+    std::string changed = sealed;
+    changed[i] = static_cast<char>(changed[i] ^ 0x01);
+    EXPECT_FALSE(key.open(name, changed, &out)) << "byte " << i << " changed and the record still opened";
+  }
+  EXPECT_FALSE(key.open(name, sealed.substr(0, kSealNonceSize + kSealTagSize - 1), &out));
+  // Two seals of the same entries differ (a fresh nonce each).
+  std::string again;
+  ASSERT_OK(key.seal(name, plain, &again));
+  EXPECT_NE(again, sealed);
+}
+
+TEST(SealedLedger, KeysAreFreshAndStoredKeysDecodeToTheSamePseudonym) {
+  std::set<std::string> pseudonyms;
+  for (int i = 0; i < 1000; ++i) pseudonyms.insert(std::string(new_key().pseudonym()));
+  EXPECT_EQ(pseudonyms.size(), 1000u);
+  const UserKey key = new_key();
+  const std::string stored = key.encode();
+  ASSERT_EQ(stored.size(), kKeyStoreValueSize);
+  const std::optional<UserKey> back = UserKey::decode(stored);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->pseudonym(), key.pseudonym());
+  EXPECT_EQ(back->bytes_for_testing(), key.bytes_for_testing());
+  EXPECT_FALSE(UserKey::decode(stored.substr(1)).has_value());
+  std::string v2 = stored;
+  v2[0] = 2;
+  EXPECT_FALSE(UserKey::decode(v2).has_value()) << "an unknown key version decoded";
+}
+
+// No ledger key names a user in clear: every key of the sealed ledger is a
+// pseudonym and an epoch, and the user's 8-byte id is in none of them.
+TEST(SealedLedger, NoLedgerKeyOrValueHoldsAUsersIdOrEntriesInClear) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const std::uint64_t u = 0xA1B2C3D4E5F60718ULL;
+  {
+    auto db = open_db(path, manual_writes());
+    ASSERT_OK(db->join_community(u, 77));
+    for (std::uint64_t i = 0; i < 50; ++i) {
+      ASSERT_OK(db->signal_with_context({u, i, 1.5}, {{4}}));
+      if (i % 10 == 9) ASSERT_OK(db->flush());
+    }
+    ASSERT_OK(db->close());
+  }
+  std::string id;
+  put_u64_be(&id, u);
+  RawDb raw(path);
+  ASSERT_TRUE(raw.ok());
+  std::size_t records = 0;
+  std::unique_ptr<rocksdb::Iterator> it(
+      raw.db(RawDb::kSealedLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedLedger)));
+  for (it->SeekToFirst(); it->Valid(); it->Next(), ++records) {
+    EXPECT_EQ(it->key().size(), kSealedLedgerKeySize);
+    EXPECT_EQ(it->key().ToString().find(id), std::string::npos) << "the user's id is in a ledger key";
+    EXPECT_EQ(it->value().ToString().find(id), std::string::npos);
+  }
+  EXPECT_EQ(records, 5u);  // one record per user per batch
+  std::unique_ptr<rocksdb::Iterator> legacy(raw.db(RawDb::kLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kLedger)));
+  legacy->SeekToFirst();
+  EXPECT_FALSE(legacy->Valid()) << "format 4 wrote to format 3's ledger";
+}
+
+// docs/CONTRACT.md, P7 in format 4: a rejoined user's new contributions are
+// sealed with a new key, so the later purge erases that key, and the first
+// key is not made again.
+TEST(SealedLedger, ARejoinedUserGetsANewKeyAndEachPurgeErasesItsOwn) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const std::uint64_t u = 0xA1B2C3D4E5F60718ULL;
+  auto db = open_db(path, manual_writes());
+  ASSERT_OK(db->join_community(u, 77));
+  ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
+  ASSERT_OK(db->flush());
+  const testing::ErasureScan first = scan_files(path, u);
+  ASSERT_EQ(first.user_keys.size(), 1u);
+  ASSERT_OK(db->leave_community_layer(u));
+  ASSERT_OK(db->purge_community_contributions(u));
+  for (const std::string& f : scan_files(path, u, first.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+
+  ASSERT_OK(db->rejoin_community_layer(u));
+  ASSERT_OK(db->signal_with_context({u, 1, 0.25}, {{4}}));
+  ASSERT_OK(db->flush());
+  const testing::ErasureScan second = scan_files(path, u);
+  ASSERT_EQ(second.user_keys.size(), 1u);
+  EXPECT_NE(second.user_keys, first.user_keys) << "the rejoined user's key is the purged one";
+  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 0.25);
+  ASSERT_OK(db->leave_community_layer(u));
+  Result<PurgeReceipt> r = db->purge_community_contributions(u);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->entries_removed, 2u);  // cohort 4 and community 77, of the second key only
+  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 0.0);
+  std::vector<std::string> both = first.user_keys;
+  both.insert(both.end(), second.user_keys.begin(), second.user_keys.end());
+  for (const std::string& f : scan_files(path, u, both).found) ADD_FAILURE() << "after the second purge: " << f;
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+}
+
+// Backups carry the key store of their moment: one made after a purge holds
+// no trace of the purged user's key; one made before holds it, and its
+// restore erases it again (the journal's purge, replayed) before it serves.
+TEST(SealedLedger, ABackupAfterAPurgeHoldsNoKeyAndARestoreOfAnEarlierOneErasesIt) {
+  TempDir dir;
+  Options options = manual_writes();
+  options.journal = true;
+  const std::uint64_t u = 0xA1B2C3D4E5F60718ULL, other = 0x1122334455667788ULL;
+  auto db = open_db(dir.sub("db"), options);
+  for (std::uint64_t user : {u, other}) {
+    ASSERT_OK(db->join_community(user, 77));
+    for (std::uint64_t i = 0; i < 5; ++i) ASSERT_OK(db->signal_with_context({user, i, 1.5}, {{4}}));
+  }
+  ASSERT_OK(db->flush());
+  ASSERT_OK(db->backup(dir.sub("before")));
+  const testing::ErasureScan in_backup = scan_files(dir.sub("before"), u);
+  ASSERT_EQ(in_backup.user_keys.size(), 1u) << "the backup lacks the user's key";
+  ASSERT_FALSE(in_backup.found.empty());
+  ASSERT_OK(db->leave_community_layer(u));
+  ASSERT_OK(db->purge_community_contributions(u));
+  ASSERT_OK(db->backup(dir.sub("after")));
+  for (const std::string& f : scan_files(dir.sub("after"), u, in_backup.user_keys).found) {
+    ADD_FAILURE() << "in the backup made after the purge: " << f;
+  }
+  Result<std::vector<JournalEntry>> journal = db->read_journal(0, 1 << 20);
+  ASSERT_OK(journal);
+  ASSERT_OK(db->close());
+
+  auto restored = open_db(dir.sub("before"), options);
+  ASSERT_OK(restored->replay_journal(*journal));
+  ASSERT_OK(restored->finish_recovery());
+  for (const std::string& f : scan_files(dir.sub("before"), u, in_backup.user_keys).found) {
+    ADD_FAILURE() << "in the restored Db: " << f;
+  }
+  EXPECT_EQ(value_of(restored->cohort_score(4, 1)), 1.5);  // the other user's
+  EXPECT_FALSE(scan_files(dir.sub("before"), other).found.empty());
+}
+
+// A sealed record whose key is gone, or that no longer opens, is reported
+// by verify() naming the record, and a purge of its user refuses with
+// nothing purged.
+TEST(SealedLedger, ARecordThatDoesNotOpenIsReportedAndStopsItsUsersPurge) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const std::uint64_t u = 5;
+  {
+    auto db = open_db(path, manual_writes());
+    ASSERT_OK(db->join_community(u, 77));
+    ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
+    ASSERT_OK(db->close());
+  }
+  std::string damaged_key;
+  {
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    std::unique_ptr<rocksdb::Iterator> it(
+        raw.db(RawDb::kSealedLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedLedger)));
+    it->SeekToFirst();
+    ASSERT_TRUE(it->Valid());
+    damaged_key = it->key().ToString();
+    std::string value = it->value().ToString();
+    value[kSealNonceSize] = static_cast<char>(value[kSealNonceSize] ^ 0x40);
+    it.reset();
+    ASSERT_TRUE(raw.db(RawDb::kSealedLedger)
+                    ->Put(rocksdb::WriteOptions(), raw.cf(RawDb::kSealedLedger), damaged_key, value)
+                    .ok());
+  }
+  auto db = open_db(path, manual_writes());
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  ASSERT_FALSE(v->ok());
+  std::string all;
+  for (const std::string& p : v->problems) all += p + "\n";
+  EXPECT_NE(all.find("sealed ledger key " + hex(damaged_key)), std::string::npos) << all;
+  ASSERT_OK(db->leave_community_layer(u));
+  Result<PurgeReceipt> r = db->purge_community_contributions(u);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::Corruption);
+  EXPECT_NE(r.status().message().find("does not open with the user's key"), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("nothing purged"), std::string::npos);
+  EXPECT_TRUE(db->purge_receipts(u)->empty());
+  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 1.5);
+}
+
+// A format-3 Db (its ledger unsealed, keyed [user][0x13][epoch]) opened by
+// this version: upgraded in place to format 4 (the families created, the
+// format written), its ledger carried as it is; verify() and a purge of a
+// format-3 user stay exact, and the purge erases that user's unsealed
+// records physically, as format 3 did. New contributions are sealed.
+TEST(SealedLedger, AFormat3DbIsUpgradedInPlaceItsLedgerCarriedAndPurgedExactly) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const std::uint64_t old_user = 0xA1B2C3D4E5F60718ULL, new_user = 0x1122334455667788ULL;
+  {
+    // Written as tidal 0.3 wrote it: a leave-able member, an unsealed
+    // ledger record and the aggregates it sums to.
+    auto db = open_db(path, manual_writes());
+    ASSERT_OK(db->join_community(old_user, 77));
+    ASSERT_OK(db->close());
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    ASSERT_TRUE(raw.db(RawDb::kMeta)->Put(rocksdb::WriteOptions(), raw.cf(RawDb::kMeta), kDbFormatKey, kDbFormat3).ok());
+    std::string record, units;
+    put_ledger_entry(&record, {AggregateKind::Cohort, 4, 1, 2'000'000'000});
+    put_ledger_entry(&record, {AggregateKind::Community, 77, 1, 2'000'000'000});
+    put_units(&units, 2'000'000'000);
+    rocksdb::WriteBatch batch;
+    ASSERT_TRUE(batch.Put(raw.cf(RawDb::kLedger), encode_ledger_key(old_user, 1), record).ok());
+    ASSERT_TRUE(batch.Merge(raw.cf(RawDb::kAggregates), encode_aggregate_key(AggregateKind::Cohort, 4, 1), units).ok());
+    ASSERT_TRUE(batch.Merge(raw.cf(RawDb::kAggregates), encode_aggregate_key(AggregateKind::Community, 77, 1), units).ok());
+    ASSERT_TRUE(raw.db(RawDb::kLedger)->Write(rocksdb::WriteOptions(), &batch).ok());
+  }
+  {
+    // Format 3 as 0.3 left it: no key store, no sealed ledger.
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    for (RawDb::Cf cf : {RawDb::kKeys, RawDb::kSealedLedger}) {
+      ASSERT_TRUE(raw.db(cf)->DropColumnFamily(raw.cf(cf)).ok());
+    }
+  }
+  {
+    // A read-only open reads it as it is (no families created).
+    Options ro = manual_writes();
+    ro.read_only = true;
+    auto db = open_db(path, ro);
+    EXPECT_EQ(value_of(db->cohort_score(4, 1)), 2.0);
+    Result<VerifyReport> v = db->verify();
+    ASSERT_OK(v);
+    EXPECT_TRUE(v->ok()) << v->problems.front();
+    ASSERT_OK(db->close());
+  }
+  auto db = open_db(path, manual_writes());
+  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 2.0);
+  ASSERT_OK(db->join_community(new_user, 77));
+  ASSERT_OK(db->signal_with_context({new_user, 1, 0.5}, {{4}}));
+  ASSERT_OK(db->signal_with_context({old_user, 1, 0.25}, {{4}}));  // sealed beside the carried record
+  ASSERT_OK(db->flush());
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  EXPECT_FALSE(scan_files(path, old_user).found.empty()) << "the carried record is not where the scan looks";
+  const testing::ErasureScan before = scan_files(path, old_user);
+
+  ASSERT_OK(db->leave_community_layer(old_user));
+  Result<PurgeReceipt> r = db->purge_community_contributions(old_user);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->entries_removed, 4u);  // two carried, two sealed
+  EXPECT_DOUBLE_EQ(r->cohort_weight_removed, 2.25);
+  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 0.5);
+  EXPECT_EQ(value_of(db->community_score(77, 1)), 0.5);
+  for (const std::string& f : scan_files(path, old_user, before.user_keys).found) {
+    ADD_FAILURE() << "after the purge: " << f;
+  }
+  v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  ASSERT_OK(db->close());
+  RawDb raw(path);
+  ASSERT_TRUE(raw.ok());
+  std::string format;
+  ASSERT_TRUE(raw.db(RawDb::kMeta)->Get(rocksdb::ReadOptions(), raw.cf(RawDb::kMeta), kDbFormatKey, &format).ok());
+  EXPECT_EQ(format, kDbFormat);
+}
+
+// A Db in a format this version does not know is refused naming it, as
+// tidal 0.3 refuses format 4 ("it is in format 4; this version reads format
+// 3"), with nothing changed.
+TEST(SealedLedger, AnUnknownFormatIsRefusedNamingIt) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  {
+    auto db = open_db(path, manual_writes());
+    ASSERT_OK(db->close());
+  }
+  {
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    ASSERT_TRUE(raw.db(RawDb::kMeta)->Put(rocksdb::WriteOptions(), raw.cf(RawDb::kMeta), kDbFormatKey, "5").ok());
+  }
+  Result<std::unique_ptr<Db>> db = Db::open(path, manual_writes());
+  ASSERT_FALSE(db.ok());
+  EXPECT_EQ(db.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(db.status().message().find("it is in format 5; this version reads format 4"), std::string::npos)
+      << db.status().message();
+}
+
+}  // namespace
+}  // namespace tidal
