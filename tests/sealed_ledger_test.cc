@@ -44,15 +44,15 @@ TEST(SealedLedger, ARecordOpensOnlyWithItsKeyUnderItsNameUnchanged) {
   const UserKey key = new_key();
   const UserKey other = new_key();
   std::string plain;
-  put_ledger_entry(&plain, {AggregateKind::Cohort, 7, 9, 1'500'000'000});
-  put_ledger_entry(&plain, {AggregateKind::Community, 3, 9, -2});
+  put_sealed_entry(&plain, {AggregateKind::Cohort, 7, 9, 1'500'000'000});
+  put_sealed_entry(&plain, {AggregateKind::Community, 3, 9, -2});
   const std::string name = key.record_key(42);
   ASSERT_EQ(name.size(), kSealedLedgerKeySize);
   EXPECT_EQ(name.substr(0, kPseudonymSize), key.pseudonym());
   EXPECT_EQ(sealed_ledger_epoch(name), 42u);
   std::string sealed;
   ASSERT_OK(key.seal(name, plain, &sealed));
-  EXPECT_EQ(sealed.size(), kSealNonceSize + plain.size() + kSealTagSize);
+  EXPECT_EQ(sealed.size(), kSealVersionSize + kSealNonceSize + plain.size() + kSealTagSize);
   EXPECT_EQ(sealed.find(plain), std::string::npos) << "the entries are in clear";
 
   std::string out;
@@ -66,11 +66,48 @@ TEST(SealedLedger, ARecordOpensOnlyWithItsKeyUnderItsNameUnchanged) {
     changed[i] = static_cast<char>(changed[i] ^ 0x01);
     EXPECT_FALSE(key.open(name, changed, &out)) << "byte " << i << " changed and the record still opened";
   }
-  EXPECT_FALSE(key.open(name, sealed.substr(0, kSealNonceSize + kSealTagSize - 1), &out));
+  EXPECT_FALSE(key.open(name, sealed.substr(0, kSealVersionSize + kSealNonceSize + kSealTagSize - 1), &out));
   // Two seals of the same entries differ (a fresh nonce each).
   std::string again;
   ASSERT_OK(key.seal(name, plain, &again));
   EXPECT_NE(again, sealed);
+}
+
+// The sealed entries' compact encoding reads back exactly, at every
+// extreme (ids of 64 bits, units of 127 bits and either sign), and refuses
+// what is cut short or names another target.
+TEST(SealedLedger, SealedEntriesReadBackExactlyAndRefuseWhatIsMalformed) {
+  const Units max = static_cast<Units>(~UUnits{0} >> 1);
+  const std::vector<LedgerEntry> entries = {
+      {AggregateKind::Cohort, 0, 0, 0},
+      {AggregateKind::Cohort, 7, 9, 1'500'000'000},
+      {AggregateKind::Community, 3, 9, -2},
+      {AggregateKind::Community, ~std::uint64_t{0}, ~std::uint64_t{0}, max},
+      {AggregateKind::Community, 1ULL << 63, 127, -max - 1},
+      {AggregateKind::Cohort, 128, 16384, -1},
+  };
+  std::string plain;
+  for (const LedgerEntry& e : entries) put_sealed_entry(&plain, e);
+  const std::optional<std::vector<LedgerEntry>> back = decode_sealed_entries(plain);
+  ASSERT_TRUE(back.has_value());
+  ASSERT_EQ(back->size(), entries.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    EXPECT_EQ((*back)[i].target, entries[i].target) << i;
+    EXPECT_EQ((*back)[i].target_id, entries[i].target_id) << i;
+    EXPECT_EQ((*back)[i].item, entries[i].item) << i;
+    EXPECT_TRUE((*back)[i].units == entries[i].units) << i << ": " << units_to_string((*back)[i].units);
+  }
+  // The demo's kind of entry (ids below 2^14 and 2^21, ~1e9 units): 11 bytes, not 33.
+  std::string small;
+  put_sealed_entry(&small, {AggregateKind::Community, 999, 1'000'000, 1'000'000'000});
+  EXPECT_EQ(small.size(), 11u);
+  EXPECT_FALSE(decode_sealed_entries("").has_value());
+  for (std::size_t cut = 1; cut < small.size(); ++cut) {
+    EXPECT_FALSE(decode_sealed_entries(small.substr(0, cut)).has_value()) << "cut at " << cut;
+  }
+  std::string other = small;
+  other[0] = 2;
+  EXPECT_FALSE(decode_sealed_entries(other).has_value());
 }
 
 TEST(SealedLedger, KeysAreFreshAndStoredKeysDecodeToTheSamePseudonym) {

@@ -535,7 +535,7 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
       *bytes += key.size() + units_value.size();
       ++*keys;
     } else {
-      put_ledger_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
+      put_sealed_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
       if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
         Result<const UserKey*> user_key = ledger_key(cell.a, &created);
         if (!user_key.ok()) return Status(user_key.status().code(), what + ": " + user_key.status().message());

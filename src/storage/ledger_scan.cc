@@ -604,7 +604,7 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
         continue;
       }
       std::optional<std::vector<LedgerEntry>> entries;
-      if (!owner->open(key, view(sealed->value()), &plain) || !(entries = decode_ledger_value(plain))) {
+      if (!owner->open(key, view(sealed->value()), &plain) || !(entries = decode_sealed_entries(plain))) {
         problem("sealed ledger key " + hex(key) + ": the record (" + std::to_string(sealed->value().size()) +
                 " bytes) does not open with its user's key, or what it holds does not decode");
         continue;

@@ -1,6 +1,7 @@
 #include "storage/sealed_ledger.h"
 
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include <openssl/crypto.h>
@@ -16,6 +17,7 @@ namespace tidal {
 namespace {
 
 constexpr unsigned char kKeyVersion = 1;
+constexpr unsigned char kRecordVersion = 1;
 constexpr char kPseudonymLabel[] = "tidal ledger pseudonym v1";
 
 // The reason of libcrypto's last error, for a message.
@@ -90,8 +92,9 @@ std::string UserKey::record_key(std::uint64_t epoch) const {
 }
 
 Status UserKey::seal(std::string_view record_key, std::string_view plaintext, std::string* value) const {
-  value->resize(kSealNonceSize + plaintext.size() + kSealTagSize);
-  auto* out = reinterpret_cast<unsigned char*>(value->data());
+  value->resize(kSealVersionSize + kSealNonceSize + plaintext.size() + kSealTagSize);
+  (*value)[0] = static_cast<char>(kRecordVersion);
+  auto* out = reinterpret_cast<unsigned char*>(value->data()) + kSealVersionSize;
   if (RAND_bytes(out, static_cast<int>(kSealNonceSize)) != 1) {
     return Status::IOError("the OS random number generator gave no nonce to seal a ledger record (OpenSSL RAND_bytes: " +
                            crypto_error() + ")");
@@ -102,6 +105,7 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
   const bool ok =
       ctx != nullptr && EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr, key_.data(), out) == 1 &&
       EVP_EncryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
+      EVP_EncryptUpdate(ctx, nullptr, &n, &kRecordVersion, 1) == 1 &&
       EVP_EncryptUpdate(ctx, out + kSealNonceSize, &n, bytes(plaintext), static_cast<int>(plaintext.size())) == 1 &&
       (total = n, EVP_EncryptFinal_ex(ctx, out + kSealNonceSize + total, &n) == 1) &&
       EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, static_cast<int>(kSealTagSize),
@@ -111,7 +115,12 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
 }
 
 bool UserKey::open(std::string_view record_key, std::string_view value, std::string* plaintext) const {
-  if (value.size() < kSealNonceSize + kSealTagSize) return false;
+  plaintext->clear();
+  if (value.size() < kSealVersionSize + kSealNonceSize + kSealTagSize ||
+      static_cast<unsigned char>(value[0]) != kRecordVersion) {
+    return false;
+  }
+  value.remove_prefix(kSealVersionSize);
   const std::size_t size = value.size() - kSealNonceSize - kSealTagSize;
   plaintext->resize(size);
   const auto* in = bytes(value);
@@ -123,12 +132,72 @@ bool UserKey::open(std::string_view record_key, std::string_view value, std::str
   std::memcpy(tag, in + kSealNonceSize + size, kSealTagSize);
   const bool ok = ctx != nullptr && EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr, key_.data(), in) == 1 &&
          EVP_DecryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
+         EVP_DecryptUpdate(ctx, nullptr, &n, &kRecordVersion, 1) == 1 &&
          EVP_DecryptUpdate(ctx, reinterpret_cast<unsigned char*>(plaintext->data()), &n, in + kSealNonceSize,
                            static_cast<int>(size)) == 1 &&
          EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, static_cast<int>(kSealTagSize), tag) == 1 &&
          EVP_DecryptFinal_ex(ctx, reinterpret_cast<unsigned char*>(plaintext->data()) + n, &n) == 1;
   if (!ok) plaintext->clear();  // nothing of an unauthenticated record is handed out
   return ok;
+}
+
+namespace {
+
+void put_varint(std::string* out, UUnits v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(static_cast<unsigned char>(v) | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+// False when `in` ends first or the number takes more than `max_bytes`.
+bool get_varint(std::string_view* in, std::size_t max_bytes, UUnits* v) {
+  *v = 0;
+  for (std::size_t i = 0; i < max_bytes && i < in->size(); ++i) {
+    const auto byte = static_cast<unsigned char>((*in)[i]);
+    *v |= static_cast<UUnits>(byte & 0x7f) << (7 * i);
+    if ((byte & 0x80) == 0) {
+      in->remove_prefix(i + 1);
+      return true;
+    }
+  }
+  return false;
+}
+
+constexpr std::size_t kMaxVarint64 = 10;
+constexpr std::size_t kMaxVarint128 = 19;
+
+}  // namespace
+
+void put_sealed_entry(std::string* out, const LedgerEntry& entry) {
+  out->push_back(entry.target == AggregateKind::Cohort ? '\0' : '\1');
+  put_varint(out, entry.target_id);
+  put_varint(out, entry.item);
+  // Zigzag: small magnitudes of either sign take few bytes.
+  const auto u = static_cast<UUnits>(entry.units);
+  put_varint(out, (u << 1) ^ (entry.units < 0 ? ~UUnits{0} : UUnits{0}));
+}
+
+std::optional<std::vector<LedgerEntry>> decode_sealed_entries(std::string_view plaintext) {
+  if (plaintext.empty()) return std::nullopt;
+  std::vector<LedgerEntry> entries;
+  while (!plaintext.empty()) {
+    const char target = plaintext[0];
+    if (target != 0 && target != 1) return std::nullopt;
+    plaintext.remove_prefix(1);
+    UUnits id, item, zigzag;
+    if (!get_varint(&plaintext, kMaxVarint64, &id) || id > std::numeric_limits<std::uint64_t>::max() ||
+        !get_varint(&plaintext, kMaxVarint64, &item) || item > std::numeric_limits<std::uint64_t>::max() ||
+        !get_varint(&plaintext, kMaxVarint128, &zigzag)) {
+      return std::nullopt;
+    }
+    const UUnits magnitude = zigzag >> 1;
+    const Units units = static_cast<Units>((zigzag & 1) != 0 ? ~magnitude : magnitude);
+    entries.push_back({target == 0 ? AggregateKind::Cohort : AggregateKind::Community, static_cast<std::uint64_t>(id),
+                       static_cast<std::uint64_t>(item), units});
+  }
+  return entries;
 }
 
 std::string encode_key_store_key(std::uint64_t user_id) {

@@ -1,4 +1,4 @@
-// The two RocksDB databases behind one Db (format 3, docs/FORMAT.md), each
+// The two RocksDB databases behind one Db (formats 3 and 4, docs/FORMAT.md), each
 // with its own WAL, write queue and write controller, so that a stall of
 // one is never a stall of the other. They share a block cache; their
 // flushes and compactions run on different threads: the state engine's on
@@ -162,6 +162,10 @@ class Storage {
   // `bulk` for long scans: reads ahead and keeps the block cache for point reads.
   std::unique_ptr<rocksdb::Iterator> iterator(rocksdb::ColumnFamilyHandle* cf, bool bulk = false,
                                               const rocksdb::Snapshot* snapshot = nullptr) const;
+  // An iterator of one prefix of the sealed ledger (a pseudonym): Seek to
+  // it, then Next while the key starts with it; the prefix bloom filters
+  // skip the files without it.
+  std::unique_ptr<rocksdb::Iterator> prefix_iterator(rocksdb::ColumnFamilyHandle* cf) const;
   // RocksDB's estimate of the number of keys in `cf` (0 when unknown).
   std::uint64_t estimate_keys(rocksdb::ColumnFamilyHandle* cf) const;
   // A writer of one SST file for `cf`, with the column family's options
