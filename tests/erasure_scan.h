@@ -10,6 +10,7 @@
 #ifndef TIDAL_TESTS_ERASURE_SCAN_H_
 #define TIDAL_TESTS_ERASURE_SCAN_H_
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -59,7 +60,33 @@ struct ErasureScan {
   std::vector<std::string> user_keys;
 };
 
+// The SST files under `path` (names relative to it), sorted.
+inline std::vector<std::string> sst_names(const std::string& path) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (auto walk = std::filesystem::recursive_directory_iterator(path, ec);
+       walk != std::filesystem::recursive_directory_iterator(); walk.increment(ec)) {
+    if (walk->path().extension() == ".sst") out.push_back(std::filesystem::relative(walk->path(), path, ec).string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, std::vector<std::string> keys);
+
+// One scan of a consistent set of files: an open Db's compactions replace
+// files while the scan reads, and a record moved from a file not yet read
+// into one created after the listing would be missed; the scan is made
+// again until no SST file came or went during it (at most 100 times).
 inline ErasureScan scan_files(const std::string& path, std::uint64_t user, std::vector<std::string> keys = {}) {
+  for (int attempt = 0;; ++attempt) {
+    const std::vector<std::string> before = sst_names(path);
+    ErasureScan out = scan_files_once(path, user, keys);
+    if (sst_names(path) == before || attempt == 99) return out;
+  }
+}
+
+inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, std::vector<std::string> keys) {
   ErasureScan out;
   const std::string prefix = encode_key_prefix(EntityId(user), Tag::ContributionLedger);
   const std::string key_store_key = encode_key_store_key(user);
