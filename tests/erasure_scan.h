@@ -74,16 +74,30 @@ inline std::vector<std::string> sst_names(const std::string& path) {
 
 inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, std::vector<std::string> keys);
 
-// One scan of a consistent set of files: an open Db's compactions replace
-// files while the scan reads, and a record moved from a file not yet read
-// into one created after the listing would be missed; the scan is made
-// again until no SST file came or went during it (at most 100 times).
+// An open Db's compactions replace files while the scan reads, and a record
+// moved from a file not yet read into one created after the listing would
+// be missed: while SST files came or went during a scan, it is made again
+// (at most 3 times in all, as under steady writers they always do), and
+// what any of them found is reported (each found it after the call that
+// erased, so each finding is one).
 inline ErasureScan scan_files(const std::string& path, std::uint64_t user, std::vector<std::string> keys = {}) {
-  for (int attempt = 0;; ++attempt) {
+  ErasureScan all;
+  for (int attempt = 0; attempt < 3; ++attempt) {
     const std::vector<std::string> before = sst_names(path);
     ErasureScan out = scan_files_once(path, user, keys);
-    if (sst_names(path) == before || attempt == 99) return out;
+    all.ssts = std::max(all.ssts, out.ssts);
+    all.wals = std::max(all.wals, out.wals);
+    all.sst_keys = std::max(all.sst_keys, out.sst_keys);
+    all.sealed_records = std::max(all.sealed_records, out.sealed_records);
+    for (std::string& f : out.found) {
+      if (std::find(all.found.begin(), all.found.end(), f) == all.found.end()) all.found.push_back(std::move(f));
+    }
+    for (std::string& k : out.user_keys) {
+      if (std::find(all.user_keys.begin(), all.user_keys.end(), k) == all.user_keys.end()) all.user_keys.push_back(std::move(k));
+    }
+    if (sst_names(path) == before) break;
   }
+  return all;
 }
 
 inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, std::vector<std::string> keys) {
