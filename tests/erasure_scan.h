@@ -73,6 +73,9 @@ inline std::vector<std::string> sst_names(const std::string& path) {
 }
 
 inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, std::vector<std::string> keys);
+inline ErasureScan scan_files(const std::string& path, std::uint64_t user, std::vector<std::string> keys = {}) {
+  return scan_files_once(path, user, std::move(keys));
+}
 
 // An open Db's compactions replace files while the scan reads, and a record
 // moved from a file not yet read into one created after the listing would
@@ -80,7 +83,9 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
 // (at most 3 times in all, as under steady writers they always do), and
 // what any of them found is reported (each found it after the call that
 // erased, so each finding is one).
-inline ErasureScan scan_files(const std::string& path, std::uint64_t user, std::vector<std::string> keys = {}) {
+// For a count of what a scan finds before a purge; scan_files reads once
+// (under steady writers every pass would be repeated).
+inline ErasureScan scan_files_settled(const std::string& path, std::uint64_t user, std::vector<std::string> keys = {}) {
   ErasureScan all;
   for (int attempt = 0; attempt < 3; ++attempt) {
     const std::vector<std::string> before = sst_names(path);

@@ -286,7 +286,7 @@ TEST(Purge, NoSstOrWalFileHoldsAKeyOfThePurgedLedgerOnReturn) {
   db = open_db(path, manual_writes());
   for (std::uint64_t i = 0; i < 20; ++i) ASSERT_OK(db->signal_with_context({u, 1000 + i, 1.0}, {{4}}));
   ASSERT_OK(db->flush());  // one more, after the reopen
-  ErasureScan before = scan_files(path, u);
+  ErasureScan before = testing::scan_files_settled(path, u);
   ASSERT_GE(before.found.size(), 5u) << "the test found too few ledger records of the user to erase";
   ASSERT_EQ(before.user_keys.size(), 1u) << "the user's ledger key is not in the key store's files";
   ASSERT_GE(before.sealed_records, 5u);
