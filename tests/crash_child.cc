@@ -62,6 +62,10 @@
 //     flushes, leaves <user>, prints "R", and purges it with a hook
 //     (Db::Impl::after_purge_intent_for_testing) that prints "I" and SIGKILLs
 //     the process once the purge's intent is durable, before its batch.
+//   tidal_crash_child purge-keys <db-path> <user>
+//     As journal-purge, but prints "K" and SIGKILLs the process once the
+//     purge's batch is ingested, before its ledger keys are deleted
+//     (Storage::step_for_testing "purge" 1).
 //   tidal_crash_child backup <db-path> <backup-dir> <step>
 //     Opens the Db, joins users 40 and 41 to community 40, signals each on
 //     item 1 (weight 1.5) with cohort 40, flushes, prints "R", and backs up
@@ -342,7 +346,8 @@ int run_purges(const std::string& path, std::uint64_t first) {
   }
 }
 
-int run_journal_purge(const std::string& path, std::uint64_t user) {
+// journal-purge and purge-keys: `where` is "intent" or "keys".
+int run_killed_purge(const std::string& path, std::uint64_t user, const std::string& where) {
   tidal::Options options;
   options.journal = true;
   options.shard_id = 3;
@@ -359,10 +364,19 @@ int run_journal_purge(const std::string& path, std::uint64_t user) {
   if (tidal::Status s = (*db)->flush(); !s.ok()) fail("flush", s);
   if (tidal::Status s = (*db)->leave_community_layer(user); !s.ok()) fail("leave", s);
   say("R");
-  tidal::Db::Impl::after_purge_intent_for_testing = [] {
-    say("I");
-    ::raise(SIGKILL);
-  };
+  if (where == "intent") {
+    tidal::Db::Impl::after_purge_intent_for_testing = [] {
+      say("I");
+      ::raise(SIGKILL);
+    };
+  } else {
+    tidal::Storage::step_for_testing = [](std::string_view task, int step) {
+      if (task == "purge" && step == 1) {
+        say("K");
+        ::raise(SIGKILL);
+      }
+    };
+  }
   auto receipt = (*db)->purge_community_contributions(user);
   say(receipt.ok() ? "E the purge returned without running the hook" : "E purge: " + receipt.status().to_string());
   return 3;
@@ -410,7 +424,8 @@ int main(int argc, char** argv) {
   if (mode == "backup" && argc == 5) return run_backup(argv[2], argv[3], std::atoi(argv[4]));
   if (mode == "open" && (argc == 3 || argc == 4)) return run_open(argv[2], argc == 4 ? std::atoi(argv[3]) : 0);
   if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
-  if (mode == "journal-purge" && argc == 4) return run_journal_purge(argv[2], std::strtoull(argv[3], nullptr, 10));
+  if (mode == "journal-purge" && argc == 4) return run_killed_purge(argv[2], std::strtoull(argv[3], nullptr, 10), "intent");
+  if (mode == "purge-keys" && argc == 4) return run_killed_purge(argv[2], std::strtoull(argv[3], nullptr, 10), "keys");
   if (mode == "signals" && (argc == 4 || (argc == 5 && std::string(argv[4]) == "scans"))) {
     return run_signals(argv[2], std::strtoull(argv[3], nullptr, 10), argc == 5);
   }
@@ -424,6 +439,6 @@ int main(int argc, char** argv) {
   if (mode == "feed" && argc == 5) {
     return run_feed(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | journal-purge <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step> | reseed|finish <db> <shard> <task> <step>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | journal-purge|purge-keys <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step> | reseed|finish <db> <shard> <task> <step>");
   return 2;
 }

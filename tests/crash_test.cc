@@ -884,6 +884,68 @@ TEST(CrashTest, APurgeKilledBetweenItsJournaledIntentAndItsBatchIsFinishedByTheN
   ASSERT_OK((*db)->close());
 }
 
+// Format 4: a process killed once a purge's batch is ingested and before
+// the user's ledger key is deleted (a step in another engine): the next
+// open deletes the key its erasure mark names and erases it from every
+// file; the purge itself was whole. A rejoined user's next key is new.
+TEST(CrashTest, APurgeKilledBeforeItsKeyIsDeletedHasItErasedByTheNextOpen) {
+  TempDir dir;
+  const std::string path = dir.path() + "/db";
+  const std::uint64_t user = 40;
+  bool killed = false;
+  {
+    Child child({"purge-keys", path, std::to_string(user)});
+    std::vector<std::string> lines;
+    while (child.read_lines(std::chrono::milliseconds(100), &lines)) {
+    }
+    for (const std::string& line : lines) {
+      if (line == "K") killed = true;
+      else if (line != "R") ADD_FAILURE() << "child said: " << line;
+    }
+    const int status = child.wait();
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  }
+  ASSERT_TRUE(killed) << "the child never reached the purge's key deletion";
+  const testing::ErasureScan before = testing::scan_files(path, user);
+  ASSERT_EQ(before.user_keys.size(), 1u) << "the killed purge left no key to erase";
+  ASSERT_FALSE(before.found.empty());
+  Options options;
+  options.journal = true;
+  options.shard_id = 3;
+  auto db = Db::open(path, options);
+  ASSERT_TRUE(db.ok()) << db.status().to_string();
+  Result<std::vector<PurgeReceipt>> receipts = (*db)->purge_receipts(user);
+  ASSERT_OK(receipts);
+  ASSERT_EQ(receipts->size(), 1u);
+  EXPECT_EQ((*receipts)[0].entries_removed, 4u);
+  EXPECT_TRUE((*receipts)[0].erasure_complete);
+  for (const std::string& f : testing::scan_files(path, user, before.user_keys).found) {
+    ADD_FAILURE() << "after the reopen: " << f;
+  }
+  EXPECT_EQ(testing::value_of((*db)->cohort_score(user, 1)), 0.5);
+  EXPECT_EQ(testing::value_of((*db)->cohort_score(user, 2)), 0.0);
+  // The user comes back: a new key, which the next purge erases in turn.
+  ASSERT_OK((*db)->rejoin_community_layer(user));
+  Result<SignalOutcome> signalled = (*db)->signal_with_context({user, 2, 2.0}, SignalContext{{user}});
+  ASSERT_OK(signalled.status());
+  ASSERT_OK((*db)->flush());
+  const testing::ErasureScan rejoined = testing::scan_files(path, user);
+  ASSERT_EQ(rejoined.user_keys.size(), 1u);
+  EXPECT_NE(rejoined.user_keys, before.user_keys);
+  Result<VerifyReport> v = (*db)->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  ASSERT_OK((*db)->leave_community_layer(user));
+  Result<PurgeReceipt> again = (*db)->purge_community_contributions(user);
+  ASSERT_OK(again);
+  EXPECT_EQ(again->entries_removed, 2u);
+  for (const std::string& f : testing::scan_files(path, user, rejoined.user_keys).found) {
+    ADD_FAILURE() << "after the second purge: " << f;
+  }
+  EXPECT_EQ(testing::value_of((*db)->cohort_score(user, 2)), 0.0);
+  ASSERT_OK((*db)->close());
+}
+
 // A backup SIGKILLed at each of its steps: once the Db is opened again,
 // nothing of it is left beside the backup directory (no staging copy
 // holding ledger records that later purges erase from the Db, no

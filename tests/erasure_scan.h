@@ -2,8 +2,9 @@
 // docs/PURGE.md, "What erased means"), of every file of a Db's two engines:
 //   - format 3's ledger prefix [user_id BE][0x13] in every SST's point keys
 //     and range tombstones and in every WAL's raw bytes;
-//   - the user's ledger key (format 4, storage/sealed_ledger.h): its 32
-//     bytes in any file's raw bytes or any SST's values;
+//   - the user's ledger key (format 4, storage/sealed_ledger.h), as the key
+//     store's SST files and WAL name it: its 32 bytes in any file's raw
+//     bytes or any SST's values;
 //   - the user's sealed ledger records (named by the key's pseudonym) that
 //     open with a key the Db's files still hold.
 // Before a purge each of these finds the user's records; after it, none.
@@ -173,6 +174,16 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
       if (name.ends_with(".log")) {
         ++out.wals;
         if (wal_holds_prefix(bytes, prefix)) out.found.push_back(name + ": WAL bytes hold the prefix");
+        // The key store's puts (users engine): [key length 8][user BE]
+        // [value length 33][0x01][key 32]. (A record split across two WAL
+        // blocks is missed; a match that is no put only adds a key to try.)
+        for (std::size_t at = bytes.find("\x21\x01"); at != std::string::npos; at = bytes.find("\x21\x01", at + 1)) {
+          if (at < 9 || bytes[at - 9] != '\x08' || at + 34 > bytes.size()) continue;
+          if (std::optional<UserKey> k = UserKey::decode(std::string_view(bytes).substr(at + 1, 33))) {
+            held.push_back(*k);
+            if (std::string_view(bytes).substr(at - 8, 8) == key_store_key) keys.push_back(bytes.substr(at + 1, 33));
+          }
+        }
       }
       raw.emplace_back(name, std::move(bytes));
     }

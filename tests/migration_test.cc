@@ -199,7 +199,7 @@ void expect_all_values(const std::string& path, const std::vector<std::string>& 
     }
     ASSERT_OK((*db)->close());
   }
-  EXPECT_EQ(families(path), (std::vector<std::string>{"by_tag", "default", "users"})) << when;
+  EXPECT_EQ(families(path), (std::vector<std::string>{"by_tag", "default", "keys", "users"})) << when;
 }
 
 TEST(MigrationTest, AReadOnlyOpenOfFormat2IsRefusedNamingTheCommand) {

@@ -23,8 +23,9 @@
 namespace tidal::testing {
 
 struct RawDb {
-  // tidal's column families. In format 2 the state ones are in the users
-  // engine, and there is no kStateMeta, kReceipts, kKeys or kSealedLedger.
+  // tidal's column families. kKeys (format 4's key store) is in the users
+  // engine. In format 2 the state ones are in the users engine too, and
+  // there is no kStateMeta, kReceipts, kKeys or kSealedLedger.
   // kLedger is format 3's unsealed ledger (read by format 4, never written).
   enum Cf { kMeta, kUsers, kByTag, kStateMeta, kAggregates, kLedger, kReceipts, kKeys, kSealedLedger };
   enum class Layout { Format3, Format2 };
@@ -35,11 +36,11 @@ struct RawDb {
       return;
     }
     const bool fresh = !std::filesystem::exists(path + "/CURRENT");
-    if (!open(path, {"default", "users", "by_tag"}, &users_)) return;
+    if (!open(path, {"default", "users", "by_tag", "keys"}, &users_)) return;
     if (fresh) {
       EXPECT_TRUE(users_.db->Put(rocksdb::WriteOptions(), users_.handles[0], kDbFormatKey, kDbFormat).ok());
     }
-    open(state_engine_dir(path), {"default", "aggregates", "ledger", "receipts", "keys", "sealed_ledger"}, &state_);
+    open(state_engine_dir(path), {"default", "aggregates", "ledger", "receipts", "sealed_ledger"}, &state_);
   }
   ~RawDb() {
     close(&state_);
@@ -53,7 +54,7 @@ struct RawDb {
   rocksdb::DB* db(Cf which) const { return engine(which).db.get(); }
   rocksdb::ColumnFamilyHandle* cf(Cf which) const {
     static constexpr std::size_t kNone = ~std::size_t{0};
-    static constexpr std::size_t kFormat3[] = {0, 1, 2, 0, 1, 2, 3, 4, 5};
+    static constexpr std::size_t kFormat3[] = {0, 1, 2, 0, 1, 2, 3, 3, 4};
     static constexpr std::size_t kFormat2[] = {0, 1, 2, kNone, 3, 4, kNone, kNone, kNone};
     const std::size_t i = (layout_ == Layout::Format2 ? kFormat2 : kFormat3)[which];
     return i == kNone ? nullptr : engine(which).handles[i];
@@ -65,7 +66,7 @@ struct RawDb {
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
   };
   const Engine& engine(Cf which) const {
-    return layout_ == Layout::Format3 && which >= kStateMeta ? state_ : users_;
+    return layout_ == Layout::Format3 && which >= kStateMeta && which != kKeys ? state_ : users_;
   }
   // Opens `path` with `names` first, then any other column family it has
   // (the change feed's), which a read-write open must name.

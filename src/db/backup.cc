@@ -4,7 +4,9 @@
 //
 // The copy is made state engine first, users engine second (RocksDB
 // checkpoints: memtables flushed, SST files hard-linked where the file
-// system allows). The users engine's copy is the newer one, so every purge
+// system allows), with no purge deleting ledger keys in between (the key
+// store is in the users copy, the sealed ledger in the state copy). The
+// users engine's copy is the newer one, so every purge
 // receipt in the state copy cites a leave that is in the users copy, as
 // after a crash (E2); the state copy may lack signals the users copy's
 // later leaves did not gate, never part of one. With the journal, no purge
@@ -201,8 +203,13 @@ Status Db::Impl::backup(const std::string& dir) const {
     // replay after a restore skips it) without its mark (so the open does
     // not finish it) while the older state copy lacks the purge itself.
     std::unique_lock<std::shared_mutex> no_purge(backup_mu_);
+    // From the state engine's copy to the users engine's, no purge deletes
+    // keys (format 4): every sealed record in the state copy has its key in
+    // the users copy. Taken after the drain lock, as a purge takes it.
+    std::shared_lock<std::shared_mutex> keys_kept(storage_->key_store_mu(), std::defer_lock);
     // The state engine's copy and the feed's position at one batch boundary.
     Status s = state_->between_batches([&]() -> Status {
+      keys_kept.lock();
       if (Status c = checkpoint(storage_->db(Storage::Engine::State), state_copy, what + ": the state engine");
           !c.ok()) {
         return c;
@@ -223,6 +230,7 @@ Status Db::Impl::backup(const std::string& dir) const {
     // last_journal_seq() is exact).
     if (s.ok() && journal_) manifest << "journal_last_seq " << journal_->last_seq() << "\n";
     if (s.ok()) s = checkpoint(storage_->db(Storage::Engine::Users), users_copy, what + ": the users engine");
+    if (keys_kept.owns_lock()) keys_kept.unlock();
     no_purge.unlock();
     if (!s.ok()) return remove_staging(s);
     Storage::test_step("backup", 3);

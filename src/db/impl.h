@@ -278,23 +278,30 @@ class Db::Impl {
   // (`records`, same order), the stripes' clock floors and the erasure
   // marks (`marks`: the mark value of each user).
   // `keys`: each user's ledger key, when the key store holds one (same
-  // order); the batch deletes it with the user's sealed records.
+  // order); the batch deletes the user's sealed records, and once it is
+  // ingested the keys are deleted from the key store (users engine). The
+  // writer forgets them (or, where the deletion failed, revokes them).
   Status write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<std::optional<UserKey>>& keys,
                            const std::vector<ReceiptRecord>& records, const std::vector<std::uint64_t>& marks,
                            const std::string& what);
   // The purged_at_ns of the user's earliest receipt whose erasure has not
   // finished, if any (the erasure mark).
   Result<std::optional<std::uint64_t>> erasure_pending_since(std::uint64_t user) const;
+  Result<std::optional<ErasureMark>> erasure_mark(std::uint64_t user) const;
+  // Deletes the stored key of each of `users` whose erasure mark names it
+  // (a purge's deletion that failed, or that a crash lost), unless a live
+  // sealed record still uses it: those users are `in_use`, their marks kept.
+  Status delete_marked_keys(const std::vector<std::uint64_t>& users, std::vector<std::uint64_t>* in_use);
   // Physical erasure of the users' purged ledgers (sorted), then their marks.
   Status erase_purged(const std::vector<std::uint64_t>& users);
   // At a writable open: finishes every erasure still marked.
   Status complete_pending_erasures();
-  // Makes sure no SST or WAL file holds a record in the ranges (of the key
-  // store and of format 3's ledger): flushes, force-compacts them, and waits
-  // until the files that held them are deleted.
-  Status erase_ranges(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::vector<KeyRange>>>& ranges);
-  // The Db directory's SST files that are not live (sorted names).
-  Result<std::vector<std::string>> obsolete_files() const;
+  // Makes sure no SST or WAL file holds a record in the ranges of `cf` (the
+  // key store, or format 3's ledger): flushes its engine, force-compacts
+  // them, and waits until the files that held them are deleted.
+  Status erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector<KeyRange>& ranges);
+  // The engine's SST files that are not live (sorted names).
+  Result<std::vector<std::string>> obsolete_files(Storage::Engine engine) const;
 
   const Options options_;
   std::unique_ptr<Storage> storage_;

@@ -451,9 +451,11 @@ Status StateStore::write_frozen_locked(int frozen) {
 Result<const UserKey*> StateStore::ledger_key(std::uint64_t user, std::unordered_map<std::uint64_t, UserKey>* created) {
   if (auto it = ledger_keys_.find(user); it != ledger_keys_.end()) return &it->second;
   if (auto it = created->find(user); it != created->end()) return &it->second;
-  Result<std::optional<UserKey>> stored = read_user_key(*storage_, user);
-  if (!stored.ok()) return stored.status();
-  if (*stored) return &ledger_keys_.emplace(user, std::move(**stored)).first->second;
+  if (!revoked_keys_.contains(user)) {
+    Result<std::optional<UserKey>> stored = read_user_key(*storage_, user);
+    if (!stored.ok()) return stored.status();
+    if (*stored) return &ledger_keys_.emplace(user, std::move(**stored)).first->second;
+  }
   Result<UserKey> fresh = UserKey::generate();
   if (!fresh.ok()) return fresh.status();
   return &created->emplace(user, std::move(*fresh)).first->second;
@@ -517,8 +519,8 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   // The ledger's records, sealed with their users' keys and named by their
   // pseudonyms (storage/sealed_ledger.h): in the pseudonyms' order, once
   // all are sealed. The keys made for users new to the ledger go into the
-  // key store in the same ingestion, so no record is ever stored without
-  // its key.
+  // key store (synced) before the ingestion, so no record is ever stored
+  // without its key.
   std::vector<std::pair<std::string, std::string>> sealed;
   std::unordered_map<std::uint64_t, UserKey> created;
   *keys = 0;
@@ -555,15 +557,17 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     if (rocksdb::Status s = files.put(storage_->sealed_ledger(), k, v); !s.ok()) return from_rocksdb(s, what);
   }
   if (!created.empty()) {
-    std::vector<std::uint64_t> users;
-    for (const auto& [user, k] : created) users.push_back(user);
-    std::sort(users.begin(), users.end());
-    for (std::uint64_t user : users) {
-      if (rocksdb::Status s = files.put(storage_->keys(), encode_key_store_key(user), created.at(user).encode());
-          !s.ok()) {
-        return from_rocksdb(s, what);
-      }
+    // A key stored without the batch (which then failed) is found and used
+    // by the next one.
+    rocksdb::WriteBatch new_keys;
+    for (const auto& [user, k] : created) new_keys.Put(storage_->keys(), encode_key_store_key(user), k.encode());
+    if (Status s = storage_->write(Storage::Engine::Users, &new_keys, Storage::WriteMode::Sync,
+                                   what + ": the ledger keys of " + std::to_string(created.size()) +
+                                       " users new to the ledger");
+        !s.ok()) {
+      return s;
     }
+    for (const auto& [user, k] : created) revoked_keys_.erase(user);
   }
   ChangeFeed::Appended appended;
   if (feed_done.valid()) {

@@ -74,6 +74,7 @@
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "db/cuckoo.h"
@@ -219,10 +220,19 @@ class StateStore {
   // the buffers hold is in neither, and lands after fn). A re-seed's snapshot.
   Status between_batches(const std::function<Status()>& fn);
 
-  // Forgets the writer's copy of `user`'s ledger key (a purge deletes the
-  // stored one): the user's next contribution gets a new key. Only inside
-  // exclusive(), whose drain lock keeps the writer out.
+  // Forgets the writer's copy of `user`'s ledger key, once a purge deleted
+  // the stored one: the user's next contribution gets a new key. Only
+  // inside exclusive(), whose drain lock keeps the writer out.
   void forget_ledger_key(std::uint64_t user) { ledger_keys_.erase(user); }
+  // As forget_ledger_key, when the purge could not delete the stored key
+  // (or cannot tell whether its batch was written): the writer does not
+  // read it again, and the user's next contribution gets a new key that
+  // replaces it in the key store. The erasure deletes the old key only
+  // while it is still the stored one (Db::Impl::erase_purged).
+  void revoke_ledger_key(std::uint64_t user) {
+    ledger_keys_.erase(user);
+    revoked_keys_.insert(user);
+  }
 
  private:
   // kind 1-3: an aggregate (a = owner, b = item). kind 4-5 (cohort or
@@ -303,6 +313,9 @@ class StateStore {
   // made as they first contribute (storage/sealed_ledger.h); guarded by
   // drain_mu_. ~100 bytes a user.
   std::unordered_map<std::uint64_t, UserKey> ledger_keys_;
+  // Users whose stored key the writer must not use (revoke_ledger_key);
+  // guarded by drain_mu_.
+  std::unordered_set<std::uint64_t> revoked_keys_;
 
   // Writer thread control and backpressure.
   std::mutex writer_mu_;

@@ -114,6 +114,17 @@ std::string erasure_pending_key(std::uint64_t user_id) {
   return key;
 }
 
+std::string encode_erasure_mark(const ErasureMark& mark) {
+  std::string value;
+  put_u64_be(&value, mark.since);
+  return value + mark.pseudonym;
+}
+
+std::optional<ErasureMark> decode_erasure_mark(std::string_view value) {
+  if (value.size() != 8 && value.size() != 24) return std::nullopt;
+  return ErasureMark{get_u64_be(value.data()), std::string(value.substr(8))};
+}
+
 std::string clock_floor_stripe_key(std::uint64_t stripe) {
   std::string key = kClockFloorPrefix;
   put_u64_be(&key, stripe);

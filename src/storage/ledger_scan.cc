@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <rocksdb/env.h>
+#include <rocksdb/iterator.h>
 #include <rocksdb/snapshot.h>
 
 #include "storage/sealed_ledger.h"
@@ -482,7 +483,7 @@ class Hold {
       : storage_(storage),
         let_go_(let_go),
         generation_(storage.scan_generation()),
-        snapshot_(storage.db(Storage::Engine::State)) {
+        snapshots_(storage) {
     if (!let_go_) storage_.scans_holding().fetch_add(1, std::memory_order_seq_cst);
   }
   ~Hold() {
@@ -492,7 +493,10 @@ class Hold {
   Hold(const Hold&) = delete;
   Hold& operator=(const Hold&) = delete;
 
-  const rocksdb::Snapshot* snapshot() { return snapshot_.snapshot(); }
+  // The state engine's snapshot, and the users engine's (its key store),
+  // taken together (Storage::key_store_mu).
+  const rocksdb::Snapshot* snapshot() { return snapshots_.state.snapshot(); }
+  const rocksdb::Snapshot* keys_snapshot() { return snapshots_.users.snapshot(); }
   // Once per record read: false once the attempt must let go.
   bool step() {
     if (++read_ % kStep == 0) {
@@ -508,8 +512,18 @@ class Hold {
  private:
   const Storage& storage_;
   const bool let_go_;
+  struct Snapshots {
+    explicit Snapshots(const Storage& storage)
+        : lock(storage.key_store_mu()),
+          state(storage.db(Storage::Engine::State)),
+          users(storage.db(Storage::Engine::Users)) {
+      lock.unlock();
+    }
+    std::shared_lock<std::shared_mutex> lock;
+    rocksdb::ManagedSnapshot state, users;
+  };
   const std::uint64_t generation_;
-  rocksdb::ManagedSnapshot snapshot_;
+  Snapshots snapshots_;
   std::uint64_t read_ = 0;
   std::uint64_t counted_ = 0;
   bool lost_ = false;
@@ -576,7 +590,10 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
   // The sealed records, each opened with the key its pseudonym names.
   if (storage.sealed_ledger() != nullptr) {
     std::vector<UserKey> keys;
-    auto k = storage.iterator(storage.keys(), /*bulk=*/true, hold->snapshot());
+    // (No key store: a read-only open of a Db whose users engine lacks it;
+    // every sealed record is then a problem.)
+    auto k = storage.keys() == nullptr ? std::unique_ptr<rocksdb::Iterator>(rocksdb::NewEmptyIterator())
+                                       : storage.iterator(storage.keys(), /*bulk=*/true, hold->keys_snapshot());
     for (k->SeekToFirst(); k->Valid(); k->Next()) {
       if (!hold->step()) return Status::OK();
       std::optional<UserKey> key = UserKey::decode(view(k->value()));

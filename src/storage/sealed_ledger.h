@@ -4,8 +4,9 @@
 // Every user who contributes to a shared aggregate has a 256-bit key of
 // their own, drawn from the OS CSPRNG (OpenSSL's RAND_bytes) the first time
 // the state store's writer stores a contribution of theirs, and kept in the
-// state engine's "keys" column family, ingested in the same atomic step as
-// the first records it seals. The user's ledger records are sealed with it
+// users engine's "keys" column family (the key store), written (synced)
+// before the first batch it seals is ingested into the state engine's
+// "sealed_ledger". The user's ledger records are sealed with it
 // (AES-256-GCM) and keyed by a pseudonym derived from it, so that no key of
 // the ledger names the user in clear:
 //
@@ -26,8 +27,11 @@
 //                small before they are sealed: ~11 bytes an entry of the
 //                demo's instead of format 3's 33 (which RocksDB compressed).
 //
-// A purge deletes the user's key, and erases it physically (the key store's
-// files and WAL): from then on the user's records cannot be opened, nor
+// A purge deletes the user's key once its batch is ingested, and erases it
+// physically (the key store's files and WAL, in the users engine, whose
+// compactions are few and short: in the state engine, RocksDB's deletion of
+// the replaced files waited for the ledger's and aggregates' compactions
+// under way): from then on the user's records cannot be opened, nor
 // linked to the user, and ordinary compaction drops them (the purge's range
 // deletion covers the pseudonym's records). A user who contributes again
 // gets a new key, so a later purge removes only what came after.

@@ -31,6 +31,7 @@ namespace tidal {
 namespace {
 
 constexpr char kFeedColumnFamily[] = "feed";
+constexpr char kKeyStoreFamily[] = "keys";
 
 bool is_lock_error(const rocksdb::Status& s) {
   const std::string text = s.ToString();
@@ -244,16 +245,14 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   // (and the purge's latency) small. 1 MiB instead of RocksDB's 64 MiB: on
   // a 10M-entry ledger the compaction step of a purge took ~95 ms with 4 MiB
   // files and ~35 ms with 1 MiB (bench/README.md, "Purge").
-  // A purge force-compacts the purged users' range of the key store (the
-  // erasure of their keys): the same small files keep that rewrite small.
-  if (name == "ledger" || name == "keys") options->target_file_size_base = 1 << 20;
+  if (name == "ledger") options->target_file_size_base = 1 << 20;
   // A purge seeks each purged user's records by pseudonym: prefix bloom
   // filters let the seek skip every file without the pseudonym. Without
   // them each seek read a block of every level-0 file, and at 1M users, with
   // ~100 of them behind, a bulk purge of 5,000 users took 11.8 s
   // (bench/README.md, "Format 4").
   if (name == "sealed_ledger") options->prefix_extractor.reset(rocksdb::NewFixedPrefixTransform(kPseudonymSize));
-  if (name == "aggregates" || name == "ledger" || name == "sealed_ledger" || name == "keys") {
+  if (name == "aggregates" || name == "ledger" || name == "sealed_ledger") {
     // The state store ingests one file per batch into each (Storage::ingest).
     // RocksDB puts an ingested file in the deepest level its keys do not
     // overlap, so a young Db's first batches landed one per level (L6, L5,
@@ -274,6 +273,24 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   options->level0_stop_writes_trigger = 1 << 16;
   options->soft_pending_compaction_bytes_limit = 0;
   options->hard_pending_compaction_bytes_limit = 0;
+}
+
+// The key store (format 4), in the users engine: a purge erases its purged
+// users' keys by compacting their range, so small files keep that rewrite
+// small (1 MiB instead of RocksDB's 64 MiB), and with dynamic level sizes a
+// young Db's files settle into few levels. It sits in the users engine, not
+// beside the ledger in the state engine, because RocksDB deletes a file
+// replaced by a compaction only once every compaction of the engine that
+// began before the file was written has ended: in the state engine the
+// erasure of a bulk purge waited 9.7 s for the aggregates' and the sealed
+// ledger's compactions (bench/README.md, "Format 4").
+void set_key_store_options(rocksdb::ColumnFamilyOptions* options) {
+  options->target_file_size_base = 1 << 20;
+  // Keys arrive as users first contribute (~1M in the demo's first minutes,
+  // 33 bytes each): small memtables flush them soon instead of holding up to
+  // 64 MiB of them in memory (RocksDB's default).
+  options->write_buffer_size = 4 << 20;
+  options->level_compaction_dynamic_level_bytes = true;
 }
 
 // The users engine's Env: its files go through the base Env's file system,
@@ -327,7 +344,7 @@ class UsersEngineEnv : public rocksdb::EnvWrapper {
 
 // The column families of each engine, in the order of Storage's accessors.
 const char* const kUsersFamilies[] = {"default", "users", "by_tag"};
-const char* const kStateFamilies[] = {"default", "aggregates", "ledger", "receipts", "keys", "sealed_ledger"};
+const char* const kStateFamilies[] = {"default", "aggregates", "ledger", "receipts", "sealed_ledger"};
 // Format 2 kept these in the users engine (storage/migrate.cc moves them).
 const char* const kLegacyFamilies[] = {"aggregates", "ledger", "feed"};
 
@@ -424,13 +441,21 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   }
   std::vector<rocksdb::ColumnFamilyDescriptor> descriptors;
   for (const char* name : kUsersFamilies) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
+  // Format 4's key store, when there is one: a writable open creates it
+  // once the Db's checks passed (create_key_store); a read-only open of a
+  // format-3 Db opens it without one.
+  const bool has_keys = listed && contains(existing, kKeyStoreFamily);
+  if (has_keys) descriptors.emplace_back(kKeyStoreFamily, rocksdb::ColumnFamilyOptions(options));
   // Format 2's state store, still in the users engine: opened to be moved.
   for (const char* name : kLegacyFamilies) {
     if (listed && contains(existing, name)) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
   }
   for (auto& d : descriptors) {
     set_table_options(storage->block_cache_, &d.options);
-    if (d.name != "users" && d.name != "by_tag" && d.name != "default") set_state_cf_options(d.name, &d.options);
+    if (d.name != "users" && d.name != "by_tag" && d.name != "default" && d.name != kKeyStoreFamily) {
+      set_state_cf_options(d.name, &d.options);
+    }
+    if (d.name == kKeyStoreFamily) set_key_store_options(&d.options);
   }
 
   rocksdb::DB* raw = nullptr;
@@ -460,8 +485,11 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   }
   storage->users_.db.reset(raw);
   // Destroyed (not dropped) by the end of the open or of the upgrade, or by close().
-  storage->legacy_.assign(storage->users_.handles.begin() + std::size(kUsersFamilies), storage->users_.handles.end());
-  storage->users_.handles.resize(std::size(kUsersFamilies));
+  const std::size_t opened = std::size(kUsersFamilies) + (has_keys ? 1 : 0);
+  storage->legacy_.assign(storage->users_.handles.begin() + static_cast<std::ptrdiff_t>(opened),
+                          storage->users_.handles.end());
+  storage->users_.handles.resize(opened);
+  if (!has_keys) storage->users_.handles.push_back(nullptr);
 
   std::string format;
   Status f = storage->get(storage->meta(), kDbFormatKey, &format);
@@ -508,7 +536,9 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     storage->release_legacy();
 
     if (Status o = storage->open_state(options, /*create=*/false); !o.ok()) return o;
-    // Format 3 to 4: open_state created the key store and the sealed ledger;
+    if (Status k = storage->create_key_store(); !k.ok()) return k;
+    // Format 3 to 4: open_state and create_key_store created the sealed
+    // ledger and the key store;
     // the ledger format 3 wrote stays where it is, read and never written
     // again (storage/sealed_ledger.h). Written synced, after the families
     // (RocksDB's MANIFEST): a crash before it leaves a format-3 Db whose next
@@ -606,7 +636,24 @@ Status Storage::finish_upgrade() {
   upgrade_pending_ = false;  // from here on the accessors name the state engine's column families
   Status s = migrate_to_format3(options_, legacy_);
   release_legacy();
+  if (s.ok()) s = create_key_store();
   return s;
+}
+
+Status Storage::create_key_store() {
+  if (users_.handles[3] != nullptr) return Status::OK();
+  rocksdb::ColumnFamilyOptions options(users_.db->GetOptions(users()));
+  set_table_options(block_cache_, &options);
+  set_key_store_options(&options);
+  rocksdb::ColumnFamilyHandle* handle = nullptr;
+  // Durable (RocksDB's MANIFEST) when it returns.
+  if (Status s = from_rocksdb(users_.db->CreateColumnFamily(options, kKeyStoreFamily, &handle),
+                              "creating the key store of '" + path_ + "'");
+      !s.ok()) {
+    return s;
+  }
+  users_.handles[3] = handle;
+  return Status::OK();
 }
 
 rocksdb::ColumnFamilyHandle* Storage::legacy(std::string_view name) const {
@@ -824,7 +871,11 @@ Status Storage::flush(Engine engine) {
   // i.e. for compactions of L0, which at 1M users ran for 34 s: close()
   // waited 35.8 s, and a purge as long.
   fo.allow_write_stall = true;
-  return from_rocksdb(instance.db->Flush(fo, instance.handles),
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  for (auto* h : instance.handles) {
+    if (h != nullptr) handles.push_back(h);
+  }
+  return from_rocksdb(instance.db->Flush(fo, handles),
                       "flush of '" + (engine == Engine::Users ? path_ : state_path()) + "'");
 }
 

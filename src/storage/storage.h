@@ -10,18 +10,21 @@
 //   users       the users partition (docs/FORMAT.md)
 //   by_tag      the index: a copy of the users records of the indexed tags,
 //               keyed tag-first, written in the same WriteBatch
+//   keys        format 4: each contributing user's ledger key (storage/sealed_ledger.h)
 // The state engine, in <path>/state:
 //   default     meta records of the state store (format, epoch, clock floor
 //               of purges, erasure marks, the change feed's shard and trim)
 //   aggregates  personal/cohort/community sums (merge operands of an integer add)
 //   ledger      the contribution ledger: what each user gave to which aggregate
 //   receipts    purge receipts, keyed as users records (tag 0x10)
-//   keys        format 4: each contributing user's ledger key (storage/sealed_ledger.h)
 //   sealed_ledger  format 4: the ledger, sealed per user; "ledger" keeps
 //               what format 3 wrote before the upgrade, unsealed
 //   feed        the change feed (only in a Db opened with Options::change_feed)
 // Everything a purge or a batch of the writer writes is in the state engine,
-// so each stays one atomic step; a leave touches only the users engine.
+// so each stays one atomic step, except the ledger keys: the writer stores a
+// user's new key (synced) before the first batch it seals, and a purge
+// deletes the keys after its batch (storage/sealed_ledger.h). A leave
+// touches only the users engine.
 #ifndef TIDAL_STORAGE_STORAGE_H_
 #define TIDAL_STORAGE_STORAGE_H_
 
@@ -35,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -119,10 +123,18 @@ class Storage {
   // version (storage/sealed_ledger.h).
   rocksdb::ColumnFamilyHandle* ledger() const { return upgrade_pending_ ? legacy("ledger") : state_.handles[2]; }
   rocksdb::ColumnFamilyHandle* receipts() const { return upgrade_pending_ ? users() : state_.handles[3]; }
-  // Format 4's key store and sealed ledger (storage/sealed_ledger.h); null
-  // while upgrade_pending(), and in a read-only open of a format-3 Db.
-  rocksdb::ColumnFamilyHandle* keys() const { return upgrade_pending_ ? nullptr : state_.handles[4]; }
-  rocksdb::ColumnFamilyHandle* sealed_ledger() const { return upgrade_pending_ ? nullptr : state_.handles[5]; }
+  // Format 4's key store (in the users engine) and sealed ledger (in the
+  // state engine) (storage/sealed_ledger.h); null while upgrade_pending(),
+  // and in a read-only open of a format-3 Db.
+  rocksdb::ColumnFamilyHandle* keys() const { return upgrade_pending_ ? nullptr : users_.handles[3]; }
+  rocksdb::ColumnFamilyHandle* sealed_ledger() const { return upgrade_pending_ ? nullptr : state_.handles[4]; }
+  // What keeps the key store in step with the sealed ledger for a reader of
+  // both engines: a purge holds it exclusively from its batch's ingestion
+  // until its keys are deleted; a reader that takes a snapshot of each
+  // engine (a ledger check) or copies each (a backup) holds it shared
+  // meanwhile, and so sees a purged user's records and key both or
+  // neither. Taken after StateStore's drain lock, never before.
+  std::shared_mutex& key_store_mu() const { return key_store_mu_; }
   // The change feed (docs/FORMAT.md); null until create_feed().
   rocksdb::ColumnFamilyHandle* feed() const {
     if (upgrade_pending_) return legacy("feed");
@@ -131,6 +143,10 @@ class Storage {
   // Creates the feed's column family (durable: RocksDB's MANIFEST). No-op
   // when it exists.
   Status create_feed();
+  // Creates format 4's key store in the users engine (durable, as
+  // create_feed). No-op when it exists. Part of every writable open once
+  // the Db's checks have passed.
+  Status create_key_store();
   bool read_only() const { return read_only_; }
   const std::string& path() const { return path_; }
   // The state engine's directory.
@@ -265,6 +281,8 @@ class Storage {
   //   "reseed"          1: after a re-seed read the aggregates, before its
   //                     snapshot is written; 2: after its one ingestion
   //                     (feed/change_feed.cc)
+  //   "purge"           1: a purge batch ingested, its ledger keys not
+  //                     yet deleted (db/purge.cc)
   //   "finish recovery" 1: the backup's manifest removed, before the
   //                     directory's fsync (db/backup.cc)
   //   "backup"          1: its pending marker written; 2: the state engine
@@ -280,7 +298,7 @@ class Storage {
  private:
   // The index of the feed's handle in the state engine's (after the
   // families every format-4 state engine has).
-  static constexpr std::size_t kFeedHandle = 6;
+  static constexpr std::size_t kFeedHandle = 5;
   struct Instance {
     std::unique_ptr<rocksdb::DB> db;
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
@@ -320,6 +338,7 @@ class Storage {
   void run_wal_syncer(std::chrono::milliseconds period);
 
   std::string path_;
+  mutable std::shared_mutex key_store_mu_;
   // The directory's (st_dev, st_ino) in the registry of Dbs open for
   // writing, while this handle holds it.
   std::optional<std::pair<dev_t, ino_t>> registry_id_;
