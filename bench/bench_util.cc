@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -61,6 +62,26 @@ std::unique_ptr<Db> must_open(const std::string& path, const Options& options) {
   auto db = Db::open(path, options);
   check(db.status());
   return std::move(*db);
+}
+
+rocksdb::DB* open_raw_state(const std::string& path, std::vector<rocksdb::ColumnFamilyHandle*>* handles) {
+  rocksdb::Options options;
+  std::vector<std::string> names = {"default", "aggregates", "ledger", "receipts"}, existing;
+  if (rocksdb::DB::ListColumnFamilies(options, state_engine_dir(path), &existing).ok()) {
+    for (const std::string& n : existing) {
+      if (std::find(names.begin(), names.end(), n) == names.end()) names.push_back(n);
+    }
+  }
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+  for (const std::string& n : names) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+  cfs[1].options.merge_operator = new_units_add_operator();
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(options, state_engine_dir(path), cfs, handles, &raw);
+  if (!s.ok()) {
+    std::fprintf(stderr, "open of the state engine of %s: %s\n", path.c_str(), s.ToString().c_str());
+    std::abort();
+  }
+  return raw;
 }
 
 void bulk_load(const std::string& path, std::uint64_t leavers, std::uint64_t others) {

@@ -5,10 +5,13 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "tidal/db.h"
 
 namespace rocksdb {
+class ColumnFamilyHandle;
+class DB;
 class WriteBatch;
 }
 
@@ -27,6 +30,13 @@ double peak_rss_mib();
 
 // Opens a Db or aborts with the Status.
 std::unique_ptr<Db> must_open(const std::string& path, const Options& options = {});
+
+// Opens the state engine of the tidal Db at `path` as plain RocksDB, to
+// build a ledger fast (as format 3 wrote it: format 4 reads it, carried):
+// handles[0..3] are default, aggregates (with the units merge operator),
+// ledger and receipts; the families it has besides (the sealed ledger, the
+// feed) follow, since a writable open must name every one.
+rocksdb::DB* open_raw_state(const std::string& path, std::vector<rocksdb::ColumnFamilyHandle*>* handles);
 
 // Writes `leavers` Left 0x11 records (users 0..leavers-1, with their history
 // entry and index copy, exactly as leave_community_layer does) and `others`

@@ -96,13 +96,9 @@ Fixture& fixture() {
     out->path = scratch_dir("purge_bench") + "/db";
     const auto t0 = std::chrono::steady_clock::now();
     if (!must_open(out->path)->close().ok()) std::abort();  // column families and the format mark
-    rocksdb::Options options;
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* n : {"default", "aggregates", "ledger", "receipts"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
-    cfs[1].options.merge_operator = new_units_add_operator();
+    rocksdb::Options options;  // the SST writers'
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
-    rocksdb::DB* raw = nullptr;
-    check(rocksdb::DB::Open(options, state_engine_dir(out->path), cfs, &handles, &raw), "open");
+    rocksdb::DB* raw = open_raw_state(out->path, &handles);
     std::map<std::string, Units> totals;
     std::uint64_t entries = 0;
     {
@@ -243,13 +239,9 @@ void BM_PurgeOneUserOfAMillionCells(benchmark::State& state) {
   const std::string path = scratch_dir("purge_million") + "/db";
   if (!must_open(path)->close().ok()) std::abort();
   {
-    rocksdb::Options options;
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* n : {"default", "aggregates", "ledger", "receipts"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
-    cfs[1].options.merge_operator = new_units_add_operator();
+    rocksdb::Options options;  // the SST writers'
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
-    rocksdb::DB* raw = nullptr;
-    check(rocksdb::DB::Open(options, state_engine_dir(path), cfs, &handles, &raw), "open");
+    rocksdb::DB* raw = open_raw_state(path, &handles);
     rocksdb::SstFileWriter ledger(rocksdb::EnvOptions(), options, handles[2]);
     rocksdb::SstFileWriter aggregates(rocksdb::EnvOptions(), options, handles[1]);
     check(ledger.Open(path + "/../ledger.sst"), "sst open");

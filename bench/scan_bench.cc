@@ -63,13 +63,9 @@ LedgerEntry cell(std::uint64_t n, std::uint64_t total) {
 // users) and the aggregates that equal their sums, as ingested SST files.
 void build(const std::string& path, std::uint64_t total) {
   if (!must_open(path)->close().ok()) std::abort();  // column families and the format mark
-  rocksdb::Options options;
-  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-  for (const char* n : {"default", "aggregates", "ledger", "receipts"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
-  cfs[1].options.merge_operator = new_units_add_operator();
+  rocksdb::Options options;  // the SST writers'
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
-  rocksdb::DB* raw = nullptr;
-  check(rocksdb::DB::Open(options, state_engine_dir(path), cfs, &handles, &raw), "open");
+  rocksdb::DB* raw = open_raw_state(path, &handles);
   {
     rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options, handles[2]);
     const std::string file = path + "/../ledger.sst";

@@ -2,7 +2,10 @@
 //
 // Users join 1-3 communities; signal threads stream signals with 0-4 cohort
 // ids while a third thread makes 1% of the users leave the community layer
-// (and a quarter of those rejoin later). A ContributionSink watches every
+// (and a quarter of those rejoin later), and a fourth purges every 10th
+// (--single-purges) of the users the demo purges at the end, alone, right
+// after their leave,
+// timing each purge and the leaves beside it. A ContributionSink watches every
 // fan-out, so the report can check the leave guarantees: nothing of a user
 // reached a shared aggregate after their leave returned, and every boundary
 // is exact (forwarded_at_ns < left_at_ns). The Db is then closed and reopened
@@ -13,6 +16,8 @@
 #include <tidal/db.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
 #include <cmath>
 #include <cstring>
 #include <set>
@@ -39,7 +44,7 @@ namespace {
 constexpr std::uint64_t kItems = 1000;   // item ids 1..kItems
 constexpr std::uint64_t kCohorts = 500;  // cohort ids 1..kCohorts
 
-constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--dir PATH] [--keep]
+constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--single-purges N] [--dir PATH] [--keep]
 
 Runs a workload on an embedded tidal Db and checks the leave guarantees.
   --users N        users (ids 1..N), each joins 1-3 communities   (default 100000)
@@ -48,6 +53,9 @@ Runs a workload on an embedded tidal Db and checks the leave guarantees.
   --threads N      signal threads; one more thread makes 1% of the
                    users leave while signals flow, and a quarter
                    of those rejoin later                          (default 2)
+  --single-purges N  purge every Nth of the users purged at the end
+                   alone, right after its leave, on a thread of its
+                   own while signals flow; 0: none                (default 10)
   --dir PATH       Db directory, wiped and recreated at start     (default ./tidal-demo-data)
   --keep           do not wipe --dir first (reuse what is there)
 Exit code: 0 all checks PASS, 1 a check FAILED or the Db failed, 2 bad usage.
@@ -58,6 +66,7 @@ struct Config {
   std::uint64_t communities = 1'000;
   std::uint64_t signals = 2'000'000;
   std::uint64_t threads = 2;
+  std::uint64_t single_purges = 10;  // every Nth purged user, purged alone while signals flow; 0: none
   std::string dir = "./tidal-demo-data";
   bool keep = false;
 };
@@ -259,6 +268,8 @@ std::optional<Config> parse_args(int argc, char** argv, int* exit_code) {
       ok = number(&cfg.signals);
     } else if (arg == "--threads") {
       ok = number(&cfg.threads);
+    } else if (arg == "--single-purges") {
+      ok = number(&cfg.single_purges);
     } else if (arg == "--keep") {
       cfg.keep = true;
     } else if (arg == "--dir" && i + 1 < argc) {
@@ -378,6 +389,19 @@ struct Workload {
   enum Phase : int { kLeaving, kRejoining, kDone };
   std::atomic<int> phase{kLeaving};
   std::vector<double> leave_ms;             // latency of each leave, written by the leaver only
+  std::vector<double> leave_during_purge_ms;  // those of leaves while a single purge ran
+  // Single purges while signals flow (purger_thread): every 10th user the
+  // demo purges at the end is purged alone right after its leave, on a
+  // thread of its own, so leaves run beside purges.
+  std::mutex purge_mu;
+  std::condition_variable purge_cv;
+  std::deque<std::uint64_t> to_purge;  // guarded by purge_mu
+  bool leaves_over = false;            // guarded by purge_mu
+  std::atomic<std::uint64_t> purges_started{0}, purges_ended{0};
+  std::vector<double> purge_ms;        // written by the purger only
+  std::uint64_t purges_while_flowing = 0, purged_entries = 0;
+  std::string purger_error;            // written by the purger before purger_failed
+  std::atomic<bool> purger_failed{false};
   std::atomic<std::uint64_t> waited_us{0};  // time signal threads spent waiting for the leaver
   // The longest signal_with_context call of any thread, and the time it
   // spent in the demo's sink (set together under longest_mu).
@@ -469,15 +493,39 @@ void leaver_thread(Workload& w) {
     w.leaver_error = s.to_string();
     w.leaver_failed = true;
   };
+  const auto close_purges = [&] {
+    {
+      std::lock_guard<std::mutex> lock(w.purge_mu);
+      w.leaves_over = true;
+    }
+    w.purge_cv.notify_all();
+  };
   for (std::size_t i = 0; i < w.leavers.size(); ++i) {
     wait_for(0.2 + 0.4 * static_cast<double>(i) / static_cast<double>(w.leavers.size()));
+    const std::uint64_t ended = w.purges_ended.load(), started = w.purges_started.load();
     const auto start = SteadyClock::now();
     tidal::Status s = w.db.leave_community_layer(w.leavers[i]);
-    w.leave_ms.push_back(seconds_since(start) * 1000.0);
-    if (!s.ok()) return give_up(s);
+    const double ms = seconds_since(start) * 1000.0;
+    w.leave_ms.push_back(ms);
+    if (started != ended || w.purges_started.load() != started) w.leave_during_purge_ms.push_back(ms);
+    if (!s.ok()) {
+      close_purges();
+      return give_up(s);
+    }
     w.sink.set_left_returned(w.leavers[i], true);
     if (w.signals_done.load(std::memory_order_relaxed) < w.cfg.signals) w.leaves_while_flowing.fetch_add(1, std::memory_order_relaxed);
+    // Every 10th of the users purged at the end (pick_purged): purged now too.
+    const std::size_t first = w.leavers.size() / 4;
+    if (w.cfg.single_purges != 0 && i >= first && i < first + w.leavers.size() / 2 &&
+        (i - first) % w.cfg.single_purges == 0) {
+      {
+        std::lock_guard<std::mutex> lock(w.purge_mu);
+        w.to_purge.push_back(w.leavers[i]);
+      }
+      w.purge_cv.notify_all();
+    }
   }
+  close_purges();
   w.phase.store(Workload::kRejoining, std::memory_order_release);
   for (std::size_t i = 0; i < w.rejoiners; ++i) {
     wait_for(0.65 + 0.2 * static_cast<double>(i) / static_cast<double>(w.rejoiners));
@@ -487,13 +535,42 @@ void leaver_thread(Workload& w) {
   w.phase.store(Workload::kDone, std::memory_order_release);
 }
 
-// Runs the signal threads and the leaver with a progress bar; false when a
-// leave or rejoin failed.
+// The purger: purges each user the leaver hands it, alone, as soon as it
+// can, timing each call.
+void purger_thread(Workload& w) {
+  for (;;) {
+    std::uint64_t user;
+    {
+      std::unique_lock<std::mutex> lock(w.purge_mu);
+      w.purge_cv.wait(lock, [&] { return !w.to_purge.empty() || w.leaves_over; });
+      if (w.to_purge.empty()) return;
+      user = w.to_purge.front();
+      w.to_purge.pop_front();
+    }
+    w.purges_started.fetch_add(1);
+    const auto start = SteadyClock::now();
+    tidal::Result<tidal::PurgeReceipt> r = w.db.purge_community_contributions(user);
+    const double ms = seconds_since(start) * 1000.0;
+    w.purges_ended.fetch_add(1);
+    if (!r.ok()) {
+      w.purger_error = r.status().to_string();
+      w.purger_failed = true;
+      return;
+    }
+    w.purge_ms.push_back(ms);
+    w.purged_entries += r->entries_removed;
+    if (w.signals_done.load(std::memory_order_relaxed) < w.cfg.signals) ++w.purges_while_flowing;
+  }
+}
+
+// Runs the signal threads, the leaver and the purger with a progress bar;
+// false when a leave, rejoin or purge failed.
 bool run_workload(Workload& w) {
   const auto start = SteadyClock::now();
   std::vector<std::thread> threads;
   for (std::uint64_t t = 0; t < w.cfg.threads; ++t) threads.emplace_back([&w, t] { signal_thread(w, t); });
   threads.emplace_back([&w] { leaver_thread(w); });
+  threads.emplace_back([&w] { purger_thread(w); });
   {
     tidal::cli::ProgressBar progress("signals", w.cfg.signals, /*lines_when_not_tty=*/true);
     while (w.signals_done.load(std::memory_order_relaxed) < w.cfg.signals && w.signal_errors.load() == 0) {
@@ -514,7 +591,8 @@ bool run_workload(Workload& w) {
   w.signal_secs = seconds_since(start);
   for (std::thread& t : threads) t.join();
   if (w.leaver_failed) std::fprintf(stderr, "tidal-demo: leave/rejoin failed: %s\n", w.leaver_error.c_str());
-  return !w.leaver_failed;
+  if (w.purger_failed) std::fprintf(stderr, "tidal-demo: single purge failed: %s\n", w.purger_error.c_str());
+  return !w.leaver_failed && !w.purger_failed;
 }
 
 // ---- step 3: the report and the checks ----
@@ -534,6 +612,21 @@ void print_report(Workload& w, const tidal::Stats& st) {
     std::vector<double>& ms = w.leave_ms;
     std::sort(ms.begin(), ms.end());
     std::printf("  leave latency (durable + effective on return): p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
+                ms[ms.size() / 2], ms[ms.size() * 99 / 100], ms.back());
+  }
+  if (!w.purge_ms.empty()) {
+    std::vector<double>& ms = w.purge_ms;
+    std::sort(ms.begin(), ms.end());
+    std::printf("  single purges (one user a call, on their own thread): %zu (%llu while signals flowed), %llu ledger "
+                "entries removed; latency p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
+                ms.size(), static_cast<unsigned long long>(w.purges_while_flowing),
+                static_cast<unsigned long long>(w.purged_entries), ms[ms.size() / 2], ms[ms.size() * 99 / 100],
+                ms.back());
+  }
+  if (!w.leave_during_purge_ms.empty()) {
+    std::vector<double>& ms = w.leave_during_purge_ms;
+    std::sort(ms.begin(), ms.end());
+    std::printf("  leaves while a single purge ran: %zu, latency p50 %.2f ms, p99 %.2f ms, max %.2f ms\n", ms.size(),
                 ms[ms.size() / 2], ms[ms.size() * 99 / 100], ms.back());
   }
   // What a long call can wait for, each the longest of its kind in this
