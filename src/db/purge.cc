@@ -15,7 +15,7 @@
 //      merge operand per cell the user touched (the exact sum of its entries
 //      for that cell), a range deletion of the ledger prefix [user BE][0x13],
 //      the receipt (0x10), the stripe's clock floor and an erasure mark
-//      (naming the user's ledger key by its pseudonym). The files are built
+//      (naming the user's ledger key by a tag derived from it). The files are built
 //      in passes of at most purge_pass_cells cells, so the memory does not
 //      grow with the ledger. Format 4: the batch range-deletes the user's
 //      sealed records; once it is ingested the user's ledger key is deleted
@@ -467,7 +467,7 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
         // and goes too.
         if (totals.entries == 0) {
           if (key->has_value()) {
-            orphans.DeleteRange(storage_->keys(), encode_key_store_key(u), key_store_end(u));
+            orphans.Delete(storage_->keys(), encode_key_store_key(u));
             orphaned.push_back(u);
           }
           if (*marked || key->has_value()) erase.push_back(u);
@@ -601,7 +601,7 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   }
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
     w = batch.put(storage_->state_meta(), erasure_pending_key(users[i]),
-                  encode_erasure_mark({marks[i], keys[i] ? std::string(keys[i]->pseudonym()) : std::string()}));
+                  encode_erasure_mark({marks[i], keys[i] ? keys[i]->erasure_tag() : std::string()}));
   }
   if (!w.ok()) return from_rocksdb(w, what);
   ChangeFeed::Appended appended;
@@ -612,7 +612,7 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   }
   // The keys, in the users engine, once the batch is durable: a crash in
   // between leaves each key and its user's erasure mark, which names the
-  // key (its pseudonym), and the next open deletes it (erase_purged). A
+  // key (UserKey::erasure_tag), and the next open deletes it (erase_purged). A
   // reader of both engines sees the two steps as one (key_store_mu).
   std::unique_lock<std::shared_mutex> key_store(storage_->key_store_mu());
   if (Status s = batch.ingest(what); !s.ok()) {
@@ -628,7 +628,7 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   Storage::test_step("purge", 1);
   rocksdb::WriteBatch deletes;
   for (std::size_t i = 0; i < users.size(); ++i) {
-    if (keys[i]) deletes.DeleteRange(storage_->keys(), encode_key_store_key(users[i]), key_store_end(users[i]));
+    if (keys[i]) deletes.Delete(storage_->keys(), encode_key_store_key(users[i]));
   }
   // Not synced: the erasure flushes the key store, and until then the
   // marks stay.
@@ -681,10 +681,10 @@ Status Db::Impl::delete_marked_keys(const std::vector<std::uint64_t>& users, std
     for (std::uint64_t u : users) {
       Result<std::optional<ErasureMark>> mark = erasure_mark(u);
       if (!mark.ok()) return mark.status();
-      if (!*mark || (*mark)->pseudonym.empty()) continue;
+      if (!*mark || (*mark)->key_tag.empty()) continue;
       Result<std::optional<UserKey>> key = read_user_key(*storage_, u);
       if (!key.ok()) return key.status();
-      if (!*key || (*key)->pseudonym() != (*mark)->pseudonym) continue;
+      if (!*key || (*key)->erasure_tag() != (*mark)->key_tag) continue;
       const rocksdb::Slice pseudonym((*key)->pseudonym().data(), (*key)->pseudonym().size());
       auto it = storage_->prefix_iterator(storage_->sealed_ledger());
       it->Seek(pseudonym);
@@ -699,7 +699,7 @@ Status Db::Impl::delete_marked_keys(const std::vector<std::uint64_t>& users, std
   return state_->exclusive([&]() -> Status {
     if (Status s = marked_keys(&found); !s.ok() || found.empty()) return s;
     rocksdb::WriteBatch deletes;
-    for (std::uint64_t u : found) deletes.DeleteRange(storage_->keys(), encode_key_store_key(u), key_store_end(u));
+    for (std::uint64_t u : found) deletes.Delete(storage_->keys(), encode_key_store_key(u));
     Status s = storage_->write(Storage::Engine::Users, &deletes, Storage::WriteMode::Async,
                                "deleting the ledger keys of " + std::to_string(found.size()) + " purged users");
     for (std::uint64_t u : found) {

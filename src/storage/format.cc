@@ -117,7 +117,7 @@ std::string erasure_pending_key(std::uint64_t user_id) {
 std::string encode_erasure_mark(const ErasureMark& mark) {
   std::string value;
   put_u64_be(&value, mark.since);
-  return value + mark.pseudonym;
+  return value + mark.key_tag;
 }
 
 std::optional<ErasureMark> decode_erasure_mark(std::string_view value) {

@@ -123,7 +123,9 @@ inline constexpr std::size_t kClockFloorValueSize = 8;
 // Purges whose physical erasure has not finished: "erasure_pending/" +
 // [user_id: 8 bytes BE] -> [purged_at_ns: 8 bytes BE] of the user's earliest
 // receipt not yet erased, then (format 4, when the purge deleted a ledger
-// key) the 16-byte pseudonym of the last key purged. Written in the purge's
+// key) the 16-byte erasure tag of the last key purged (UserKey::erasure_tag:
+// a derivation of the key other than its pseudonym, so that the mark does
+// not name the user's sealed records). Written in the purge's
 // batch, deleted once no SST or WAL file holds the purged key or format-3
 // ledger; a writable open finishes every erasure still marked
 // (docs/PURGE.md).
@@ -131,7 +133,7 @@ inline constexpr char kErasurePendingPrefix[] = "erasure_pending/";
 std::string erasure_pending_key(std::uint64_t user_id);
 struct ErasureMark {
   std::uint64_t since = 0;  // purged_at_ns
-  std::string pseudonym;    // empty, or the purged key's (16 bytes)
+  std::string key_tag;      // empty, or the purged key's erasure tag (16 bytes)
 };
 std::string encode_erasure_mark(const ErasureMark& mark);
 // Null unless 8 or 24 bytes.

@@ -19,6 +19,7 @@ namespace {
 constexpr unsigned char kKeyVersion = 1;
 constexpr unsigned char kRecordVersion = 1;
 constexpr char kPseudonymLabel[] = "tidal ledger pseudonym v1";
+constexpr char kErasureTagLabel[] = "tidal erasure mark v1";
 
 // The reason of libcrypto's last error, for a message.
 std::string crypto_error() {
@@ -66,17 +67,33 @@ UserKey::~UserKey() {
   OPENSSL_cleanse(pseudonym_.data(), pseudonym_.size());
 }
 
-void UserKey::derive_pseudonym() {
+namespace {
+
+// HMAC-SHA256(key, label), its first `out.size()` bytes. HMAC cannot fail
+// with a valid digest and key; a null result leaves `out` zero.
+template <std::size_t N>
+void derive(const std::array<unsigned char, kUserKeySize>& key, std::string_view label,
+            std::array<unsigned char, N>* out) {
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int size = 0;
-  // HMAC cannot fail with a valid digest and key; a null result would leave
-  // the pseudonym zero, which every open then refuses to authenticate.
-  if (HMAC(EVP_sha256(), key_.data(), static_cast<int>(key_.size()), reinterpret_cast<const unsigned char*>(kPseudonymLabel),
-           sizeof kPseudonymLabel - 1, mac, &size) != nullptr &&
-      size >= kPseudonymSize) {
-    std::memcpy(pseudonym_.data(), mac, kPseudonymSize);
+  if (HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(label.data()),
+           label.size(), mac, &size) != nullptr &&
+      size >= N) {
+    std::memcpy(out->data(), mac, N);
   }
   OPENSSL_cleanse(mac, sizeof mac);
+}
+
+}  // namespace
+
+// (A zero pseudonym, were HMAC to fail, is one every open refuses to
+// authenticate.)
+void UserKey::derive_pseudonym() { derive(key_, kPseudonymLabel, &pseudonym_); }
+
+std::string UserKey::erasure_tag() const {
+  std::array<unsigned char, kErasureTagSize> tag{};
+  derive(key_, kErasureTagLabel, &tag);
+  return {reinterpret_cast<const char*>(tag.data()), tag.size()};
 }
 
 std::string UserKey::encode() const {

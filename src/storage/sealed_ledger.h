@@ -67,6 +67,7 @@ inline constexpr std::size_t kKeyStoreKeySize = 8;
 inline constexpr std::size_t kKeyStoreValueSize = 1 + kUserKeySize;
 inline constexpr std::size_t kSealedLedgerKeySize = kPseudonymSize + 8;
 inline constexpr std::size_t kSealVersionSize = 1;
+inline constexpr std::size_t kErasureTagSize = 16;
 inline constexpr std::size_t kSealNonceSize = 12;
 inline constexpr std::size_t kSealTagSize = 16;
 
@@ -90,6 +91,11 @@ class UserKey {
   std::string_view pseudonym() const {
     return {reinterpret_cast<const char*>(pseudonym_.data()), pseudonym_.size()};
   }
+  // What a purge's erasure mark holds to name this key (16 bytes, another
+  // derivation of it: HMAC-SHA256(key, "tidal erasure mark v1")), so that
+  // the mark, which names the user, does not name the user's sealed records
+  // too, as the pseudonym would.
+  std::string erasure_tag() const;
   // The sealed ledger key of the user's record of batch `epoch`.
   std::string record_key(std::uint64_t epoch) const;
   // Seals `plaintext` as the value of the record named `record_key`.
