@@ -833,6 +833,25 @@ TEST(CrashTest, PurgesAreAllOrNothingAndAcknowledgedOnesSurviveSigkill) {
   EXPECT_GT(acked, 0u);
 }
 
+// Runs `tidal_crash_child <mode> <path> <user>` (journal-purge, purge-keys)
+// to its SIGKILL; true when it printed `marker` (the step it was killed at)
+// before. Any other line but "R", or another end, is a failure.
+bool purge_child_killed_at(const std::string& mode, const std::string& path, std::uint64_t user,
+                           const std::string& marker) {
+  Child child({mode, path, std::to_string(user)});
+  std::vector<std::string> lines;
+  while (child.read_lines(std::chrono::milliseconds(100), &lines)) {
+  }
+  bool reached = false;
+  for (const std::string& line : lines) {
+    if (line == marker) reached = true;
+    else if (line != "R") ADD_FAILURE() << "child said: " << line;
+  }
+  const int status = child.wait();
+  EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
+  return reached && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+}
+
 // J6: a process killed once a purge's intent is journaled (durable) and
 // before the purge's batch: the next open finishes the purge, with the
 // receipt the intent names, and erases the ledger.
@@ -840,20 +859,7 @@ TEST(CrashTest, APurgeKilledBetweenItsJournaledIntentAndItsBatchIsFinishedByTheN
   TempDir dir;
   const std::string path = dir.path() + "/db";
   const std::uint64_t user = 40;
-  bool intent = false;
-  {
-    Child child({"journal-purge", path, std::to_string(user)});
-    std::vector<std::string> lines;
-    while (child.read_lines(std::chrono::milliseconds(100), &lines)) {
-    }
-    for (const std::string& line : lines) {
-      if (line == "I") intent = true;
-      else if (line != "R") ADD_FAILURE() << "child said: " << line;
-    }
-    const int status = child.wait();
-    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
-  }
-  ASSERT_TRUE(intent) << "the child never reached the purge's intent";
+  ASSERT_TRUE(purge_child_killed_at("journal-purge", path, user, "I")) << "the child never reached the purge's intent";
   Options options;
   options.journal = true;
   options.shard_id = 3;
@@ -892,20 +898,7 @@ TEST(CrashTest, APurgeKilledBeforeItsKeyIsDeletedHasItErasedByTheNextOpen) {
   TempDir dir;
   const std::string path = dir.path() + "/db";
   const std::uint64_t user = 40;
-  bool killed = false;
-  {
-    Child child({"purge-keys", path, std::to_string(user)});
-    std::vector<std::string> lines;
-    while (child.read_lines(std::chrono::milliseconds(100), &lines)) {
-    }
-    for (const std::string& line : lines) {
-      if (line == "K") killed = true;
-      else if (line != "R") ADD_FAILURE() << "child said: " << line;
-    }
-    const int status = child.wait();
-    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) << "status " << status;
-  }
-  ASSERT_TRUE(killed) << "the child never reached the purge's key deletion";
+  ASSERT_TRUE(purge_child_killed_at("purge-keys", path, user, "K")) << "the child never reached the purge's key deletion";
   const testing::ErasureScan before = testing::scan_files(path, user);
   ASSERT_EQ(before.user_keys.size(), 1u) << "the killed purge left no key to erase";
   ASSERT_FALSE(before.found.empty());
