@@ -3,12 +3,14 @@
 # missing first: scripts/deps.sh). Three tiers:
 #   scripts/test.sh           what CI runs (.ci/run): every test of the main build, the
 #                             soak tests at a size that fits the budget; ASan+UBSan on
-#                             every test (the soaks at a smoke size); TSan on the
-#                             concurrency tests; the fuzzers. ~30 min on 2 cores with
-#                             warm caches.
+#                             every test but the soaks (fault sweeps at a 3x stride);
+#                             TSan on the concurrency tests; the fuzzers. <= 30 min on
+#                             2 cores with warm caches.
 #   scripts/test.sh --quick   the main build's suite only (for development), ~10 min warm
 #   scripts/test.sh --soak    the default tier with every soak test at full size
-#                             (TIDAL_SOAK=1: SIGKILL rounds, drills, NATS kill rounds)
+#                             (TIDAL_SOAK=1: SIGKILL rounds, drills, NATS kill rounds,
+#                             every file operation of each sweep), and the soaks under
+#                             ASan+UBSan too, at a smoke size
 # tests/RELIABILITY.md ("Test tiers") lists the soak tests and their sizes.
 #
 # Caches (never a different result, only a faster one): tidal's RocksDB is
@@ -112,14 +114,22 @@ end_stage
 
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 # The package tests (label package) build tidal again as a host would, which
-# the main build did.
-# The SIGKILL rounds and the drill run at a smoke size here (every process of
-# theirs instrumented: 20 crash rounds, 4 drill rounds, enough for each
-# test's own checks that the rounds did something); their full rounds are
-# the main build's.
-begin_stage "ASan+UBSan suite (every test; the soaks at a smoke size)"
-ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" TIDAL_CRASH_ROUNDS=20 TIDAL_DRILL_ROUNDS=4 \
-  run_ctest build/test-asan -LE package
+# the main build did. The soak tests (label soak: SIGKILL rounds, power cuts,
+# the drill) ran in the main build; here they run only in the soak tier, at
+# a smoke size (every process of theirs instrumented: 20 crash rounds, 4
+# drill rounds, enough for each test's own checks that the rounds did
+# something). The fault sweeps step over 3x as many file operations as the
+# main build's (TIDAL_SWEEP_SCALE; every operation under --soak).
+if [ "$tier" = soak ]; then
+  asan_stage="ASan+UBSan suite (every test; the soaks at a smoke size)"
+  asan_exclude=package
+else
+  asan_stage="ASan+UBSan suite (every test but the soaks; sweeps at 3x stride)"
+  asan_exclude='package|soak'
+fi
+begin_stage "$asan_stage"
+ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" TIDAL_CRASH_ROUNDS=20 TIDAL_DRILL_ROUNDS=4 TIDAL_SWEEP_SCALE=3 \
+  run_ctest build/test-asan -LE "$asan_exclude"
 end_stage
 
 # tests/tsan.supp lists what TSan may report inside RocksDB's own

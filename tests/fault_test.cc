@@ -722,7 +722,9 @@ SweepFigures sweep(SweepOp op, bool persistent) {
   const std::vector<std::uint64_t> users = user_range(1, 10);
   SweepFigures fig;
   FaultEnv fault = FaultEnv::make();
-  for (std::uint64_t n = 1; n < 5000 && !::testing::Test::HasFailure(); ++n) {
+  // Every operation in the default tier (testing::sweep_stride).
+  const std::uint64_t stride = testing::sweep_stride(1);
+  for (std::uint64_t n = 1; n < 5000 && !::testing::Test::HasFailure(); n += stride) {
     fs::remove_all(work);
     fs::copy(base, work, fs::copy_options::recursive);
     AckModel model = base_model;
@@ -891,7 +893,8 @@ TEST(FaultSweepTest, FlushWithTheChangeFeed) {
   }
   FaultEnv fault = FaultEnv::make();
   std::uint64_t failed = 0, runs = 0;
-  for (std::uint64_t n = 1; n < 2000 && !::testing::Test::HasFailure(); ++n) {
+  const std::uint64_t stride = testing::sweep_stride(1);
+  for (std::uint64_t n = 1; n < 2000 && !::testing::Test::HasFailure(); n += stride) {
     fs::remove_all(work);
     fs::copy(base, work, fs::copy_options::recursive);
     std::unique_ptr<Db> db = open_on(work, options, fault.env.get());

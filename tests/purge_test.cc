@@ -503,11 +503,10 @@ TEST(PurgeFaultSweep, APurgeIsDoneOrNotDoneWhateverFileOperationFails) {
   auto fault = reliability::FaultEnv::make();
   std::size_t done = 0, failed = 0, failed_but_durable = 0, runs = 0, erasure_failed = 0, finished_by_retry = 0;
   // Every n up to 16 (the purge batch and its sync come early), then every
-  // stride-th (default 6; TIDAL_SWEEP_STRIDE=1 sweeps every operation): a
-  // failed flush costs RocksDB a 1 s wait at close, and the erasure phase
-  // alone has ~60 file operations.
-  const char* stride_env = std::getenv("TIDAL_SWEEP_STRIDE");
-  const auto stride = static_cast<std::uint64_t>(stride_env != nullptr ? std::max(1, std::atoi(stride_env)) : 6);
+  // stride-th (6 in the default tier, every one under --soak;
+  // testing::sweep_stride): a failed flush costs RocksDB a 1 s wait at
+  // close, and the erasure phase alone has ~60 file operations.
+  const std::uint64_t stride = testing::sweep_stride(6);
   for (std::uint64_t n = 1; n < 3000 && !::testing::Test::HasFailure(); n += n < 16 ? 1 : stride) {
     fs::remove_all(work);
     fs::copy(base, work, fs::copy_options::recursive);

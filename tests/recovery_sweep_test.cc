@@ -173,9 +173,8 @@ TEST(RecoverySweep, AReplayFailingAtAnyFileOperationForgetsNoPurgeOnceRetried) {
   FaultEnv fault = FaultEnv::make();
   int failed_replays = 0, reopened = 0, refused_finishes = 0;
   // Every 4th operation in the default tier (each costs two opens of both
-  // engines, ~0.2 s), every one under --soak; TIDAL_RECOVERY_SWEEP_STRIDE
-  // sets it.
-  const auto stride = static_cast<std::uint64_t>(testing::soak_rounds("TIDAL_RECOVERY_SWEEP_STRIDE", 4, 1));
+  // engines, ~0.2 s), every one under --soak (testing::sweep_stride).
+  const std::uint64_t stride = testing::sweep_stride(4);
   std::uint64_t n = 1, runs = 0;
   for (; n < 2000 && !::testing::Test::HasFailure(); n += stride, ++runs) {
     fs::remove_all(work);
@@ -335,8 +334,9 @@ FeedBase make_feed_base(const TempDir& dir, std::uint64_t applied_fraction_perce
   return base;
 }
 
-// Runs `op` on a copy of `base` whose file operation n fails (every
-// `stride`-th n until op completes without reaching it); the operator then
+// Runs `op` on a copy of `base` whose file operation n fails (every n up to
+// 16, then every `stride`-th n until op completes without reaching it: a
+// trim has ~13 operations in all); the operator then
 // retries on the same handle and, when the handle refuses, reopens and
 // retries. After each n: the Db's shared scores are the base's, and a view
 // that carries the feed from where it stopped equals them, bit for bit,
@@ -345,10 +345,10 @@ int sweep_feed_step(const TempDir& dir, const FeedBase& base, const char* name,
                     const std::function<Status(Db&)>& op) {
   const std::string work = dir.sub("work"), view_dir = dir.sub("work-view");
   FaultEnv fault = FaultEnv::make();
-  const auto stride = static_cast<std::uint64_t>(testing::soak_rounds("TIDAL_RECOVERY_SWEEP_STRIDE", 2, 1));
+  const std::uint64_t stride = testing::sweep_stride(2);
   int failed = 0, reopened = 0;
   std::uint64_t n = 1, runs = 0;
-  for (; n < 2000 && !::testing::Test::HasFailure(); n += stride, ++runs) {
+  for (; n < 2000 && !::testing::Test::HasFailure(); n += n < 16 ? 1 : stride, ++runs) {
     copy_fresh({{base.db, work}, {base.view, view_dir}});
     Result<std::unique_ptr<Db>> opened = Db::Impl::open(work, feed_options(), fault.env.get());
     EXPECT_OK(opened);
@@ -392,7 +392,7 @@ int sweep_feed_step(const TempDir& dir, const FeedBase& base, const char* name,
     if (db) EXPECT_OK(db->close());
     if (first.ok() && ops < n) break;  // the step completed without reaching op n
   }
-  std::printf("[ figures ] %s sweep: every %llu of %llu operations (%llu runs): %d failed, %d reopened\n", name,
+  std::printf("[ figures ] %s sweep: every one to 16, then every %llu of %llu operations (%llu runs): %d failed, %d reopened\n", name,
               static_cast<unsigned long long>(stride), static_cast<unsigned long long>(n),
               static_cast<unsigned long long>(runs + 1), failed, reopened);
   return failed;
@@ -462,7 +462,7 @@ TEST(RecoverySweep, AFinishRecoveryFailingAtAnyFileOperationServesOnlyOnceWholeA
   ASSERT_FALSE(::testing::Test::HasFailure());
   const std::string work = dir.sub("work"), view_dir = dir.sub("work-view");
   FaultEnv fault = FaultEnv::make();
-  const auto stride = static_cast<std::uint64_t>(testing::soak_rounds("TIDAL_RECOVERY_SWEEP_STRIDE", 2, 1));
+  const std::uint64_t stride = testing::sweep_stride(2);
   int failed = 0, reopened = 0;
   std::uint64_t n = 1, runs = 0;
   for (; n < 2000 && !::testing::Test::HasFailure(); n += stride, ++runs) {

@@ -4,6 +4,7 @@
 
 #include <stdlib.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
@@ -48,6 +49,17 @@ inline int soak_rounds(const char* env, int tier, int soak) {
   }
   const char* all = std::getenv("TIDAL_SOAK");
   return all != nullptr && std::string(all) == "1" ? soak : tier;
+}
+
+// The step of a fault sweep (a call run once per file operation n, failing
+// at n): every `tier`-th n in the default tier, every n under --soak. Two
+// variables change it: TIDAL_SWEEP_STRIDE sets the step of every sweep
+// (1: every operation), and TIDAL_SWEEP_SCALE multiplies the default tier's
+// (scripts/test.sh sets 3 for the sanitizer builds, whose every operation
+// costs ~2.5x the main build's). Garbage in either is refused.
+inline std::uint64_t sweep_stride(int tier) {
+  const int scale = soak_rounds("TIDAL_SWEEP_SCALE", 1, 1);
+  return static_cast<std::uint64_t>(soak_rounds("TIDAL_SWEEP_STRIDE", tier * scale, 1));
 }
 
 inline std::string describe(const Status& s) { return s.to_string(); }
