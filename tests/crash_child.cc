@@ -55,6 +55,11 @@
 //     Opens the Db (a format-2 one, with the change feed of shard 7), and
 //     SIGKILLs itself when the upgrade to format 3 reaches <step>
 //     (Storage::step_for_testing); exits 0 if it never does.
+//   tidal_crash_child upgrade4 <db-path> <step>
+//     Opens the Db (a format-3 one) and SIGKILLs itself when the upgrade to
+//     format 4 reaches <step> (Storage::step_for_testing "upgrade4": 1 once
+//     the sealed ledger's family exists, 2 once the key store's does, 3 once
+//     the format is written); exits 0 if it never does.
 //   tidal_crash_child journal-purge <db-path> <user>
 //     Opens the Db with the privacy journal on (shard 3), joins <user> and
 //     <user> + 1 to community <user>, signals <user> on items 1 (weight 1.5)
@@ -240,11 +245,14 @@ void kill_at_step(std::string task, int step) {
   };
 }
 
-int run_migrate(const std::string& path, int step) {
-  kill_at_step("migrate", step);
+// Opens the Db at `path`, SIGKILLed when `task` (an upgrade) reaches `step`.
+int run_upgrade(const std::string& path, const char* task, int step) {
+  kill_at_step(task, step);
   tidal::Options options;
-  options.change_feed = true;
-  options.shard_id = 7;
+  if (std::string_view(task) == "migrate") {  // the format-2 fixture's change feed
+    options.change_feed = true;
+    options.shard_id = 7;
+  }
   auto db = tidal::Db::open(path, options);
   if (!db.ok()) fail("open", db.status());
   if (tidal::Status s = (*db)->close(); !s.ok()) fail("close", s);
@@ -435,10 +443,10 @@ int main(int argc, char** argv) {
   if ((mode == "reseed" || mode == "finish") && argc == 6) {
     return run_recovery_step(mode, argv[2], std::strtoull(argv[3], nullptr, 10), argv[4], std::atoi(argv[5]));
   }
-  if (mode == "migrate" && argc == 4) return run_migrate(argv[2], std::atoi(argv[3]));
+  if ((mode == "migrate" || mode == "upgrade4") && argc == 4) return run_upgrade(argv[2], argv[1], std::atoi(argv[3]));
   if (mode == "feed" && argc == 5) {
     return run_feed(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | journal-purge|purge-keys <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate <db> <step> | reseed|finish <db> <shard> <task> <step>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | journal-purge|purge-keys <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate|upgrade4 <db> <step> | reseed|finish <db> <shard> <task> <step>");
   return 2;
 }

@@ -12,6 +12,7 @@
 #include <rocksdb/db.h>
 #include <rocksdb/write_batch.h>
 
+#include "crash_child.h"
 #include "erasure_scan.h"
 #include "raw_db.h"
 #include "storage/format.h"
@@ -281,20 +282,14 @@ TEST(SealedLedger, ARecordThatDoesNotOpenIsReportedAndStopsItsUsersPurge) {
   EXPECT_EQ(value_of(db->cohort_score(4, 1)), 1.5);
 }
 
-// A format-3 Db (its ledger unsealed, keyed [user][0x13][epoch]) opened by
-// this version: upgraded in place to format 4 (the families created, the
-// format written), its ledger carried as it is; verify() and a purge of a
-// format-3 user stay exact, and the purge erases that user's unsealed
-// records physically, as format 3 did. New contributions are sealed.
-TEST(SealedLedger, AFormat3DbIsUpgradedInPlaceItsLedgerCarriedAndPurgedExactly) {
-  TempDir dir;
-  const std::string path = dir.sub("db");
-  const std::uint64_t old_user = 0xA1B2C3D4E5F60718ULL, new_user = 0x1122334455667788ULL;
+// Writes at `path` a format-3 Db as tidal 0.3 left it: `user` a member of
+// community 77, one unsealed ledger record of theirs (cohort 4 and
+// community 77, item 1, weight 2 each) and the aggregates it sums to; no
+// key store, no sealed ledger.
+void write_format3_db(const std::string& path, std::uint64_t user) {
   {
-    // Written as tidal 0.3 wrote it: a leave-able member, an unsealed
-    // ledger record and the aggregates it sums to.
     auto db = open_db(path, manual_writes());
-    ASSERT_OK(db->join_community(old_user, 77));
+    ASSERT_OK(db->join_community(user, 77));
     ASSERT_OK(db->close());
     RawDb raw(path);
     ASSERT_TRUE(raw.ok());
@@ -304,19 +299,29 @@ TEST(SealedLedger, AFormat3DbIsUpgradedInPlaceItsLedgerCarriedAndPurgedExactly) 
     put_ledger_entry(&record, {AggregateKind::Community, 77, 1, 2'000'000'000});
     put_units(&units, 2'000'000'000);
     rocksdb::WriteBatch batch;
-    ASSERT_TRUE(batch.Put(raw.cf(RawDb::kLedger), encode_ledger_key(old_user, 1), record).ok());
+    ASSERT_TRUE(batch.Put(raw.cf(RawDb::kLedger), encode_ledger_key(user, 1), record).ok());
     ASSERT_TRUE(batch.Merge(raw.cf(RawDb::kAggregates), encode_aggregate_key(AggregateKind::Cohort, 4, 1), units).ok());
     ASSERT_TRUE(batch.Merge(raw.cf(RawDb::kAggregates), encode_aggregate_key(AggregateKind::Community, 77, 1), units).ok());
     ASSERT_TRUE(raw.db(RawDb::kLedger)->Write(rocksdb::WriteOptions(), &batch).ok());
   }
-  {
-    // Format 3 as 0.3 left it: no key store, no sealed ledger.
-    RawDb raw(path);
-    ASSERT_TRUE(raw.ok());
-    for (RawDb::Cf cf : {RawDb::kKeys, RawDb::kSealedLedger}) {
-      ASSERT_TRUE(raw.db(cf)->DropColumnFamily(raw.cf(cf)).ok());
-    }
+  RawDb raw(path);
+  ASSERT_TRUE(raw.ok());
+  for (RawDb::Cf cf : {RawDb::kKeys, RawDb::kSealedLedger}) {
+    ASSERT_TRUE(raw.db(cf)->DropColumnFamily(raw.cf(cf)).ok());
   }
+}
+
+// A format-3 Db (its ledger unsealed, keyed [user][0x13][epoch]) opened by
+// this version: upgraded in place to format 4 (the families created, the
+// format written), its ledger carried as it is; verify() and a purge of a
+// format-3 user stay exact, and the purge erases that user's unsealed
+// records physically, as format 3 did. New contributions are sealed.
+TEST(SealedLedger, AFormat3DbIsUpgradedInPlaceItsLedgerCarriedAndPurgedExactly) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const std::uint64_t old_user = 0xA1B2C3D4E5F60718ULL, new_user = 0x1122334455667788ULL;
+  write_format3_db(path, old_user);
+  ASSERT_FALSE(::testing::Test::HasFailure());
   {
     // A read-only open reads it as it is (no families created).
     Options ro = manual_writes();
@@ -359,6 +364,73 @@ TEST(SealedLedger, AFormat3DbIsUpgradedInPlaceItsLedgerCarriedAndPurgedExactly) 
   std::string format;
   ASSERT_TRUE(raw.db(RawDb::kMeta)->Get(rocksdb::ReadOptions(), raw.cf(RawDb::kMeta), kDbFormatKey, &format).ok());
   EXPECT_EQ(format, kDbFormat);
+}
+
+// The format a Db directory's users engine holds (read-only, every family
+// it has: RawDb would create format 4's).
+std::string stored_format(const std::string& path) {
+  std::vector<std::string> names;
+  rocksdb::Status s = rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &names);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+  for (const std::string& name : names) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  s = rocksdb::DB::OpenForReadOnly(rocksdb::Options(), path, cfs, &handles, &raw);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  if (!s.ok()) return {};
+  std::unique_ptr<rocksdb::DB> db(raw);
+  std::string format;
+  s = db->Get(rocksdb::ReadOptions(), handles[0], kDbFormatKey, &format);  // "default": the meta family
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
+  return format;
+}
+
+// The upgrade from format 3 resumes after a SIGKILL: a real process opening
+// a format-3 Db is killed at each step of the upgrade (1: the sealed
+// ledger's family created; 2: the key store's; 3: the format written). Until
+// step 3 the Db is still format 3; the next open finishes the upgrade, and
+// the carried record sums, verifies and purges exactly beside new sealed
+// contributions.
+TEST(SealedLedger, AnUpgradeFromFormat3KilledAtEveryStepIsFinishedByTheNextOpen) {
+  const std::uint64_t old_user = 0xA1B2C3D4E5F60718ULL, new_user = 0x1122334455667788ULL;
+  for (int step = 1; step <= 3; ++step) {
+    SCOPED_TRACE("killed at step " + std::to_string(step));
+    TempDir dir;
+    const std::string path = dir.sub("db");
+    write_format3_db(path, old_user);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    {
+      reliability::Child child({"upgrade4", path, std::to_string(step)});
+      const int status = reliability::wait_for_kill(child);
+      ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+          << "the upgrade never reached step " << step << " (wait status " << status << ")";
+    }
+    EXPECT_EQ(stored_format(path), step < 3 ? kDbFormat3 : kDbFormat);
+    auto db = open_db(path, manual_writes());
+    ASSERT_NE(db, nullptr);
+    EXPECT_EQ(value_of(db->cohort_score(4, 1)), 2.0);
+    ASSERT_OK(db->join_community(new_user, 77));
+    ASSERT_OK(db->signal_with_context({new_user, 1, 0.5}, {{4}}));
+    ASSERT_OK(db->flush());
+    Result<VerifyReport> v = db->verify();
+    ASSERT_OK(v);
+    EXPECT_TRUE(v->ok()) << v->problems.front();
+    const testing::ErasureScan before = scan_files(path, old_user);
+    EXPECT_FALSE(before.found.empty()) << "the carried record is not where the scan looks";
+    ASSERT_OK(db->leave_community_layer(old_user));
+    Result<PurgeReceipt> r = db->purge_community_contributions(old_user);
+    ASSERT_OK(r);
+    EXPECT_EQ(r->entries_removed, 2u);
+    EXPECT_EQ(value_of(db->cohort_score(4, 1)), 0.5);
+    EXPECT_EQ(value_of(db->community_score(77, 1)), 0.5);
+    for (const std::string& f : scan_files(path, old_user, before.user_keys).found) {
+      ADD_FAILURE() << "after the purge: " << f;
+    }
+    ASSERT_OK(db->close());
+    EXPECT_EQ(stored_format(path), kDbFormat);
+  }
 }
 
 // A Db in a format this version does not know is refused naming it, as

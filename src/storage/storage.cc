@@ -535,8 +535,11 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     if (Status d = storage->drop_legacy(storage->legacy_); !d.ok()) return d;
     storage->release_legacy();
 
+    const bool upgrade4 = format == kDbFormat3;
     if (Status o = storage->open_state(options, /*create=*/false); !o.ok()) return o;
+    if (upgrade4) test_step("upgrade4", 1);
     if (Status k = storage->create_key_store(); !k.ok()) return k;
+    if (upgrade4) test_step("upgrade4", 2);
     // Format 3 to 4: open_state and create_key_store created the sealed
     // ledger and the key store;
     // the ledger format 3 wrote stays where it is, read and never written
@@ -544,13 +547,14 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     // (RocksDB's MANIFEST): a crash before it leaves a format-3 Db whose next
     // open finds them there, and tidal 0.3 refuses the Db from then on
     // ("it is in format 4; this version reads format 3").
-    if (format == kDbFormat3) {
+    if (upgrade4) {
       rocksdb::WriteBatch batch;
       batch.Put(storage->meta(), kDbFormatKey, kDbFormat);
       if (Status w = storage->write(Engine::Users, &batch, WriteMode::Sync, "upgrade of '" + path + "' to format 4");
           !w.ok()) {
         return w;
       }
+      test_step("upgrade4", 3);
     }
     // A format-3 Db upgraded or created before the users engine carried the
     // mark that tidal 0.2 refuses (format.h, kUsersStateFormatMark).
