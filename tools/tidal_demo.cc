@@ -1,7 +1,7 @@
 // tidal-demo: a realistic workload against an embedded Db, then a report.
 //
 // Users join 1-3 communities; signal threads stream signals with 0-4 cohort
-// ids while a third thread makes 1% of the users leave the community layer
+// ids (--light: 2 communities, 1 cohort id) while a third thread makes 1% of the users leave the community layer
 // (and a quarter of those rejoin later), and a fourth purges every 10th
 // (--single-purges) of the users the demo purges at the end, alone, right
 // after their leave,
@@ -44,7 +44,7 @@ namespace {
 constexpr std::uint64_t kItems = 1000;   // item ids 1..kItems
 constexpr std::uint64_t kCohorts = 500;  // cohort ids 1..kCohorts
 
-constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--single-purges N] [--dir PATH] [--keep]
+constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--single-purges N] [--light] [--dir PATH] [--keep]
 
 Runs a workload on an embedded tidal Db and checks the leave guarantees.
   --users N        users (ids 1..N), each joins 1-3 communities   (default 100000)
@@ -56,6 +56,8 @@ Runs a workload on an embedded tidal Db and checks the leave guarantees.
   --single-purges N  purge every Nth of the users purged at the end
                    alone, right after its leave, on a thread of its
                    own while signals flow; 0: none                (default 10)
+  --light          a light fan-out: each user joins 2 communities,
+                   each signal names 1 cohort
   --dir PATH       Db directory, wiped and recreated at start     (default ./tidal-demo-data)
   --keep           do not wipe --dir first (reuse what is there)
 Exit code: 0 all checks PASS, 1 a check FAILED or the Db failed, 2 bad usage.
@@ -67,6 +69,7 @@ struct Config {
   std::uint64_t signals = 2'000'000;
   std::uint64_t threads = 2;
   std::uint64_t single_purges = 10;  // every Nth purged user, purged alone while signals flow; 0: none
+  bool light = false;                // 2 communities per user, 1 cohort per signal (else 1-3 and 0-4)
   std::string dir = "./tidal-demo-data";
   bool keep = false;
 };
@@ -272,6 +275,8 @@ std::optional<Config> parse_args(int argc, char** argv, int* exit_code) {
       ok = number(&cfg.single_purges);
     } else if (arg == "--keep") {
       cfg.keep = true;
+    } else if (arg == "--light") {
+      cfg.light = true;
     } else if (arg == "--dir" && i + 1 < argc) {
       cfg.dir = argv[++i];
     } else {
@@ -323,9 +328,14 @@ bool load_memberships(const Config& cfg) {
   Rng rng{42};
   tidal::cli::ProgressBar progress("setup", cfg.users, /*lines_when_not_tty=*/false);
   for (std::uint64_t u = 1; u <= cfg.users; ++u) {
-    const std::uint64_t joins = 1 + rng.below(3);
+    const std::uint64_t joins = cfg.light ? 2 : 1 + rng.below(3);
+    std::uint64_t first = 0;
     for (std::uint64_t j = 0; j < joins; ++j) {
-      if (tidal::Status s = (*db)->join_community(u, 1 + rng.below(cfg.communities)); !s.ok()) {
+      std::uint64_t c = 1 + rng.below(cfg.communities);
+      // --light: two different communities (where there are two).
+      if (cfg.light && j == 1 && cfg.communities > 1) c = 1 + (first + rng.below(cfg.communities - 1)) % cfg.communities;
+      if (j == 0) first = c;
+      if (tidal::Status s = (*db)->join_community(u, c); !s.ok()) {
         return fail_db("join_community", s);
       }
     }
@@ -431,7 +441,7 @@ void wait_for_leaver(Workload& w) {
   }
 }
 
-// Signal thread `t`: its share of the signals, 0-4 cohort ids each.
+// Signal thread `t`: its share of the signals, 0-4 cohort ids each (--light: 1).
 void signal_thread(Workload& w, std::uint64_t t) {
   const Config& cfg = w.cfg;
   Rng rng{1000 + t};
@@ -443,7 +453,7 @@ void signal_thread(Workload& w, std::uint64_t t) {
     if (unreported == 0) wait_for_leaver(w);
     const tidal::Signal signal{1 + rng.below(cfg.users), 1 + rng.below(kItems),
                                0.5 + static_cast<double>(rng.below(100)) / 100.0};
-    context.cohort_ids.resize(rng.below(5));
+    context.cohort_ids.resize(cfg.light ? 1 : rng.below(5));
     for (std::uint64_t& c : context.cohort_ids) c = 1 + rng.below(kCohorts);
     for (;;) {
       // Each call is timed alone: the demo's own sleeps between Busy
@@ -886,9 +896,11 @@ std::optional<bool> check_reopen(const Config& cfg, std::unique_ptr<tidal::Db>& 
 
 // The demo, step by step; 0 when every check passed.
 int run(const Config& cfg) {
-  std::printf("tidal-demo: %llu users, %llu communities, %llu signals from %llu threads, Db in '%s'\n",
+  std::printf("tidal-demo: %llu users, %llu communities, %llu signals from %llu threads, %s fan-out, Db in '%s'\n",
               static_cast<unsigned long long>(cfg.users), static_cast<unsigned long long>(cfg.communities),
               static_cast<unsigned long long>(cfg.signals), static_cast<unsigned long long>(cfg.threads),
+              cfg.light ? "light (2 communities per user, 1 cohort per signal)"
+                        : "the demo's (1-3 communities per user, 0-4 cohorts per signal)",
               cfg.dir.c_str());
   if (!load_memberships(cfg)) return 1;
   const std::vector<std::uint64_t> leavers = pick_leavers(cfg);
