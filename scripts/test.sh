@@ -70,9 +70,40 @@ cmake -S . -B build/test -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-
   -DTIDAL_WERROR=ON -DTIDAL_BUILD_BENCHMARKS=ON >/dev/null
 cmake --build build/test -j "$jobs"
 end_stage
+fuzz_seconds=${TIDAL_FUZZ_SECONDS:-30}
+# fuzz_one <target>: runs it for $fuzz_seconds from the committed corpus
+# (only read; new inputs go to a scratch directory) and prints its line.
+fuzz_one() {
+  local target=$1 scratch log=build/test-fuzz/fuzz_$1.log
+  scratch=$(mktemp -d)
+  if ! ASAN_OPTIONS="detect_leaks=1" build/test-fuzz/fuzz/fuzz_$target -max_total_time="$fuzz_seconds" \
+      -print_final_stats=1 -artifact_prefix=build/test-fuzz/ "$scratch" "fuzz/corpus/$target" >"$log" 2>&1; then
+    tail -n 60 "$log"
+    echo "tidal: fuzz_$target failed (crash input saved in build/test-fuzz/, log $log)" >&2
+    rm -rf "$scratch"
+    return 1
+  fi
+  rm -rf "$scratch"
+  echo "fuzz_$target: $(grep -m1 -o 'Done [0-9]* runs in [0-9]* second(s)' "$log")"
+}
+# run_fuzzers: every target for $fuzz_seconds, $jobs at a time.
+run_fuzzers() {
+  local targets=(membership_codec history_codec keys open_records receipt_codec) pids=() failed=0 i pid
+  for i in "${!targets[@]}"; do
+    fuzz_one "${targets[$i]}" &
+    pids+=($!)
+    if [ ${#pids[@]} -ge "$jobs" ] || [ "$i" -eq $(( ${#targets[@]} - 1 )) ]; then
+      for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+      pids=()
+    fi
+  done
+  [ "$failed" -eq 0 ]
+}
+
 # The sanitizer and fuzz builds compile beside the main suite, at the lowest
-# priority: the suite leaves a core idle much of the time (tests that wait for
-# a child, a cluster or an fsync), and its tests hold on a busy machine.
+# priority, and the fuzzers run there once built: the suite leaves a core
+# idle much of the time (tests that wait for a child, a cluster or an
+# fsync), and its tests hold on a busy machine.
 # tidal's RocksDB build is not instrumented; tidal and its tests are. At -O1:
 # GCC's ASan+UBSan build of the tests takes ~1.6x as long at -O2, and the
 # sanitizers see the same code.
@@ -86,6 +117,8 @@ other_builds() {
   cmake -S . -B build/test-fuzz "${san_flags[@]}" -DCMAKE_CXX_COMPILER=clang++ -DTIDAL_BUILD_FUZZERS=ON -DTIDAL_BUILD_NATS=OFF \
     -DTIDAL_SANITIZE=address,undefined -DTIDAL_BUILD_TESTS=OFF -DTIDAL_BUILD_TOOLS=OFF >/dev/null
   cmake --build build/test-fuzz -j "$jobs"
+  echo "== libFuzzer, $fuzz_seconds s per target, $jobs at a time =="
+  run_fuzzers
 }
 builds_pid=
 if [ "$tier" != quick ]; then
@@ -102,14 +135,15 @@ end_stage
 
 if [ "$tier" = quick ]; then summary; exit 0; fi
 
-begin_stage "ASan+UBSan, TSan and fuzz builds (the rest of them, begun beside the main suite)"
+begin_stage "ASan+UBSan, TSan and fuzz builds, and the fuzzers (the rest of them, begun beside the main suite)"
 if ! wait "$builds_pid"; then
   builds_pid=
   tail -n 60 "$other_builds_log"
-  echo "tidal: a sanitizer or fuzz build failed (log: $other_builds_log)" >&2
+  echo "tidal: a sanitizer or fuzz build, or a fuzzer, failed (log: $other_builds_log)" >&2
   exit 1
 fi
 builds_pid=
+grep '^fuzz_' "$other_builds_log" || true
 end_stage
 
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
@@ -138,37 +172,6 @@ begin_stage "TSan suite (names containing Concurrent or Stress)"
 TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp" \
   run_ctest build/test-tsan -LE package -R 'Concurrent|Stress' --no-tests=error \
     -E 'BulkConcurrentTest'  # a bulk leave holds all 64 user-lock stripes: past TSan's 64-lock deadlock detector
-end_stage
-
-fuzz_seconds=${TIDAL_FUZZ_SECONDS:-30}
-# fuzz_one <target>: runs it for $fuzz_seconds from the committed corpus
-# (only read; new inputs go to a scratch directory) and prints its line.
-fuzz_one() {
-  local target=$1 scratch log=build/test-fuzz/fuzz_$1.log
-  scratch=$(mktemp -d)
-  if ! ASAN_OPTIONS="detect_leaks=1" build/test-fuzz/fuzz/fuzz_$target -max_total_time="$fuzz_seconds" \
-      -print_final_stats=1 -artifact_prefix=build/test-fuzz/ "$scratch" "fuzz/corpus/$target" >"$log" 2>&1; then
-    tail -n 60 "$log"
-    echo "tidal: fuzz_$target failed (crash input saved in build/test-fuzz/, log $log)" >&2
-    rm -rf "$scratch"
-    return 1
-  fi
-  rm -rf "$scratch"
-  echo "fuzz_$target: $(grep -m1 -o 'Done [0-9]* runs in [0-9]* second(s)' "$log")"
-}
-begin_stage "libFuzzer, $fuzz_seconds s per target, $jobs at a time"
-targets=(membership_codec history_codec keys open_records receipt_codec)
-pids=()
-failed=0
-for i in "${!targets[@]}"; do
-  fuzz_one "${targets[$i]}" &
-  pids+=($!)
-  if [ ${#pids[@]} -ge "$jobs" ] || [ "$i" -eq $(( ${#targets[@]} - 1 )) ]; then
-    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
-    pids=()
-  fi
-done
-[ "$failed" -eq 0 ] || exit 1
 end_stage
 
 summary
