@@ -1731,8 +1731,16 @@ void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::
   if (!incarnation.empty()) {
     ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation", incarnation.c_str()), NATS_OK);
   }
-  ASSERT_EQ(js_PublishMsg(nullptr, js, m, nullptr, nullptr), NATS_OK);
+  // NATS_NO_RESPONDERS while the stream's leader is still being elected
+  // (seen once under ASan in ci24): retried for up to 10 s, as a repair
+  // tool would.
+  natsStatus ns = NATS_NO_RESPONDERS;
+  for (int i = 0; i < 100 && ns == NATS_NO_RESPONDERS; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ns = js_PublishMsg(nullptr, js, m, nullptr, nullptr);
+  }
   natsMsg_Destroy(m);
+  ASSERT_EQ(ns, NATS_OK) << natsStatus_GetText(ns);
 }
 
 // Batches 1..5 (or more) of `db`: five users joined to community 1, each
