@@ -64,9 +64,12 @@ run_ctest() {
 }
 
 # The main build is also the Release warning check: -O3 as a Release build,
-# where GCC warns about things -O2 does not see (e.g. -Wrestrict), plus -g.
-begin_stage "main build (Release -O3 -g, -Werror; tests, tools, benches)"
-cmake -S . -B build/test -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O3 -g -DNDEBUG" \
+# where GCC warns about things -O2 does not see (e.g. -Wrestrict).
+# Every build here is -g1: line tables, so that a backtrace, a sanitizer's
+# report and gdb's `bt` name files and lines, without the variables and types
+# of -g, which cost a third of each compile (tests/RELIABILITY.md, "Test tiers").
+begin_stage "main build (Release -O3 -g1, -Werror; tests, tools, benches)"
+cmake -S . -B build/test -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O3 -g1 -DNDEBUG" \
   -DTIDAL_WERROR=ON -DTIDAL_BUILD_BENCHMARKS=ON >/dev/null
 cmake --build build/test -j "$jobs"
 end_stage
@@ -107,7 +110,7 @@ run_fuzzers() {
 # tidal's RocksDB build is not instrumented; tidal and its tests are. At -O1:
 # GCC's ASan+UBSan build of the tests takes ~1.6x as long at -O2, and the
 # sanitizers see the same code.
-san_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" -DTIDAL_WERROR=ON
+san_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" -DTIDAL_WERROR=ON
   -DTIDAL_INSTALL=OFF)
 other_builds() {
   cmake -S . -B build/test-asan "${san_flags[@]}" -DTIDAL_SANITIZE=address,undefined >/dev/null

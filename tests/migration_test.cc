@@ -42,6 +42,7 @@ extern char** environ;
 namespace tidal {
 namespace {
 
+using testing::RawReader;
 using testing::TempDir;
 
 // Extracts the format-2 fixture into `dir` and returns the Db's path.
@@ -274,54 +275,6 @@ TEST(MigrationTest, ASigkillAtEveryStepOfTheUpgradeLosesNothing) {
 }
 
 // ---- every format-2 layout tidal 0.2 wrote, and the epochs of its ledger ----
-
-// A RocksDB database (a Db directory's, or its state engine's) opened
-// read-only with every column family it has.
-class RawReader {
- public:
-  explicit RawReader(const std::string& path) {
-    std::vector<std::string> names;
-    rocksdb::Status s = rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &names);
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const std::string& name : names) {
-      cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
-      if (name == "aggregates") cfs.back().options.merge_operator = new_units_add_operator();
-    }
-    rocksdb::DB* raw = nullptr;
-    if (s.ok()) s = rocksdb::DB::OpenForReadOnly(rocksdb::Options(), path, cfs, &handles_, &raw);
-    EXPECT_TRUE(s.ok()) << "read-only open of " << path << ": " << s.ToString();
-    db_.reset(raw);
-  }
-  ~RawReader() {
-    for (auto* h : handles_) (void)db_->DestroyColumnFamilyHandle(h);
-  }
-  RawReader(const RawReader&) = delete;
-  RawReader& operator=(const RawReader&) = delete;
-
-  rocksdb::DB* db() const { return db_.get(); }
-  // Null when the database has no such column family.
-  rocksdb::ColumnFamilyHandle* cf(const std::string& name) const {
-    for (auto* h : handles_) {
-      if (h->GetName() == name) return h;
-    }
-    return nullptr;
-  }
-  // Every key and value of every column family, by name.
-  std::map<std::string, std::vector<std::pair<std::string, std::string>>> contents() const {
-    std::map<std::string, std::vector<std::pair<std::string, std::string>>> out;
-    for (auto* h : handles_) {
-      std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), h));
-      auto& rows = out[h->GetName()];
-      for (it->SeekToFirst(); it->Valid(); it->Next()) rows.emplace_back(it->key().ToString(), it->value().ToString());
-      EXPECT_TRUE(it->status().ok()) << it->status().ToString();
-    }
-    return out;
-  }
-
- private:
-  std::unique_ptr<rocksdb::DB> db_;
-  std::vector<rocksdb::ColumnFamilyHandle*> handles_;
-};
 
 // The layouts of format 2 that tidal 0.2 wrote. The fixture was written at
 // 9dd4519 (the last format-2 commit): a state_epoch record (from cbd41e6

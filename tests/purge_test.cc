@@ -767,15 +767,24 @@ TEST(PurgeConcurrentTest, NoFileHoldsThePurgedLedgerOnReturnUnderConcurrentWrite
   // verify() that began before a purge holds its snapshot, which the
   // erasure waits for. Paced at 64 a millisecond, the ledger grew with each
   // slower purge, and the test took 6 s in the main build, 133 s under ASan
-  // and 170 s under TSan.
+  // and 170 s under TSan. Both threads also wait while this thread reads
+  // every file after a purge: under TSan those reads took ~9 s each by the
+  // last purge, the signaller kept writing, and each read was longer than
+  // the last (114 s for the test, of which the purges ~4 s).
+  std::atomic<bool> checking{false};
+  const auto wait_for_check = [&] {
+    while (checking.load() && !stop.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
   std::thread signaler([&] {
     for (std::uint64_t i = 0; !stop.load(); ++i) {
+      wait_for_check();
       if (db->signal_with_context({1 + i % 500, i % 97, 1.0}, {{4}}).ok()) writes.fetch_add(1);
       if (i % 64 == 63) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   });
   std::thread reader([&] {
     for (std::uint64_t i = 0; !stop.load(); ++i) {
+      wait_for_check();
       (void)db->cohort_score(4, i % 97);
       if (i % 200 == 0) (void)db->verify();
       reads.fetch_add(1);
@@ -788,7 +797,9 @@ TEST(PurgeConcurrentTest, NoFileHoldsThePurgedLedgerOnReturnUnderConcurrentWrite
     EXPECT_OK(r);
     if (!r.ok()) continue;
     EXPECT_EQ(r->entries_removed, 120u);
+    checking.store(true);
     const ErasureScan scan = scan_files(path, leaver(k));
+    checking.store(false);
     for (const std::string& f : scan.found) ADD_FAILURE() << "purge " << k << " returned, yet " << f;
     clean += scan.found.empty() ? 1u : 0u;
   }

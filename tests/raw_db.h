@@ -4,14 +4,17 @@
 // and the state engine in <path>/state; a new directory is created as a
 // format-3 Db. Format 2: one database with every column family, as tidal
 // wrote before format 3 (for the upgrade tests). Creates missing column
-// families; flushes its memtables on close.
+// families; flushes its memtables on close. RawReader: one RocksDB database
+// opened read-only, as it is (the upgrade tests' view before an open).
 #ifndef TIDAL_TESTS_RAW_DB_H_
 #define TIDAL_TESTS_RAW_DB_H_
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -106,6 +109,65 @@ struct RawDb {
   Engine users_;
   Engine state_;
 };
+
+// A RocksDB database (a Db directory's, or its state engine's) opened
+// read-only with every column family it has.
+class RawReader {
+ public:
+  explicit RawReader(const std::string& path) {
+    std::vector<std::string> names;
+    rocksdb::Status s = rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &names);
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    for (const std::string& name : names) {
+      cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
+      if (name == "aggregates") cfs.back().options.merge_operator = new_units_add_operator();
+    }
+    rocksdb::DB* raw = nullptr;
+    if (s.ok()) s = rocksdb::DB::OpenForReadOnly(rocksdb::Options(), path, cfs, &handles_, &raw);
+    EXPECT_TRUE(s.ok()) << "read-only open of " << path << ": " << s.ToString();
+    db_.reset(raw);
+  }
+  ~RawReader() {
+    for (auto* h : handles_) (void)db_->DestroyColumnFamilyHandle(h);
+  }
+  RawReader(const RawReader&) = delete;
+  RawReader& operator=(const RawReader&) = delete;
+
+  rocksdb::DB* db() const { return db_.get(); }
+  // Null when the database has no such column family.
+  rocksdb::ColumnFamilyHandle* cf(const std::string& name) const {
+    for (auto* h : handles_) {
+      if (h->GetName() == name) return h;
+    }
+    return nullptr;
+  }
+  // Every key and value of every column family, by name.
+  std::map<std::string, std::vector<std::pair<std::string, std::string>>> contents() const {
+    std::map<std::string, std::vector<std::pair<std::string, std::string>>> out;
+    for (auto* h : handles_) {
+      std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), h));
+      auto& rows = out[h->GetName()];
+      for (it->SeekToFirst(); it->Valid(); it->Next()) rows.emplace_back(it->key().ToString(), it->value().ToString());
+      EXPECT_TRUE(it->status().ok()) << it->status().ToString();
+    }
+    return out;
+  }
+
+ private:
+  std::unique_ptr<rocksdb::DB> db_;
+  std::vector<rocksdb::ColumnFamilyHandle*> handles_;
+};
+
+// The format a Db directory's users engine holds ("" when it has none).
+inline std::string stored_format(const std::string& path) {
+  RawReader raw(path);
+  std::string format;
+  if (raw.db() == nullptr) return format;
+  // "default": the meta family.
+  const rocksdb::Status s = raw.db()->Get(rocksdb::ReadOptions(), raw.cf("default"), kDbFormatKey, &format);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  return format;
+}
 
 }  // namespace tidal::testing
 

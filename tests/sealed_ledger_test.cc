@@ -26,6 +26,7 @@ namespace {
 using testing::open_db;
 using testing::RawDb;
 using testing::scan_files;
+using testing::stored_format;
 using testing::TempDir;
 using testing::value_of;
 
@@ -364,27 +365,6 @@ TEST(SealedLedger, AFormat3DbIsUpgradedInPlaceItsLedgerCarriedAndPurgedExactly) 
   std::string format;
   ASSERT_TRUE(raw.db(RawDb::kMeta)->Get(rocksdb::ReadOptions(), raw.cf(RawDb::kMeta), kDbFormatKey, &format).ok());
   EXPECT_EQ(format, kDbFormat);
-}
-
-// The format a Db directory's users engine holds (read-only, every family
-// it has: RawDb would create format 4's).
-std::string stored_format(const std::string& path) {
-  std::vector<std::string> names;
-  rocksdb::Status s = rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path, &names);
-  EXPECT_TRUE(s.ok()) << s.ToString();
-  std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-  for (const std::string& name : names) cfs.emplace_back(name, rocksdb::ColumnFamilyOptions());
-  std::vector<rocksdb::ColumnFamilyHandle*> handles;
-  rocksdb::DB* raw = nullptr;
-  s = rocksdb::DB::OpenForReadOnly(rocksdb::Options(), path, cfs, &handles, &raw);
-  EXPECT_TRUE(s.ok()) << s.ToString();
-  if (!s.ok()) return {};
-  std::unique_ptr<rocksdb::DB> db(raw);
-  std::string format;
-  s = db->Get(rocksdb::ReadOptions(), handles[0], kDbFormatKey, &format);  // "default": the meta family
-  EXPECT_TRUE(s.ok()) << s.ToString();
-  for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
-  return format;
 }
 
 // The upgrade from format 3 resumes after a SIGKILL: a real process opening
