@@ -901,7 +901,7 @@ TEST(CrashTest, APurgeKilledBeforeItsKeyIsDeletedHasItErasedByTheNextOpen) {
   ASSERT_TRUE(purge_child_killed_at("purge-keys", path, user, "K")) << "the child never reached the purge's key deletion";
   const testing::ErasureScan before = testing::scan_files(path, user);
   ASSERT_EQ(before.user_keys.size(), 1u) << "the killed purge left no key to erase";
-  ASSERT_FALSE(before.found.empty());
+  ASSERT_FALSE(before.found.empty()) << before.summary();
   Options options;
   options.journal = true;
   options.shard_id = 3;

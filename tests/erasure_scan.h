@@ -18,6 +18,7 @@
 #include <iterator>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,6 +60,17 @@ struct ErasureScan {
   std::size_t sealed_records = 0;  // the user's sealed records on disk, readable or not
   std::vector<std::string> found;
   std::vector<std::string> user_keys;
+  std::vector<std::string> files;  // "name (bytes)" of every file read
+  std::string walk_error;          // why the directory walk ended early, if it did
+
+  // For a failure message: what the scan read.
+  std::string summary() const {
+    std::ostringstream out;
+    out << ssts << " SST files (" << sst_keys << " keys), " << wals << " WALs, " << sealed_records
+        << " sealed records of the user, " << user_keys.size() << " of the user's keys; files:";
+    for (const std::string& f : files) out << "\n  " << f;
+    return out.str();
+  }
 };
 
 // The SST files under `path` (names relative to it), sorted.
@@ -74,8 +86,19 @@ inline std::vector<std::string> sst_names(const std::string& path) {
 }
 
 inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, std::vector<std::string> keys);
+
+// A walk of the directory that ends early on an error (a directory removed
+// under it) would leave files unread and a clean scan proving nothing: the
+// walk is made again (up to 3 times), and one that never completes fails
+// the test naming why.
 inline ErasureScan scan_files(const std::string& path, std::uint64_t user, std::vector<std::string> keys = {}) {
-  return scan_files_once(path, user, std::move(keys));
+  ErasureScan out;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    out = scan_files_once(path, user, keys);
+    if (out.walk_error.empty()) return out;
+  }
+  ADD_FAILURE() << "the scan of " << path << " never read the whole directory: " << out.walk_error;
+  return out;
 }
 
 // An open Db's compactions replace files while the scan reads, and a record
@@ -90,11 +113,12 @@ inline ErasureScan scan_files_settled(const std::string& path, std::uint64_t use
   ErasureScan all;
   for (int attempt = 0; attempt < 3; ++attempt) {
     const std::vector<std::string> before = sst_names(path);
-    ErasureScan out = scan_files_once(path, user, keys);
+    ErasureScan out = scan_files(path, user, keys);
     all.ssts = std::max(all.ssts, out.ssts);
     all.wals = std::max(all.wals, out.wals);
     all.sst_keys = std::max(all.sst_keys, out.sst_keys);
     all.sealed_records = std::max(all.sealed_records, out.sealed_records);
+    all.files = std::move(out.files);
     for (std::string& f : out.found) {
       if (std::find(all.found.begin(), all.found.end(), f) == all.found.end()) all.found.push_back(std::move(f));
     }
@@ -116,9 +140,12 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
   std::vector<Record> sealed;  // every sealed ledger record on disk
   std::vector<UserKey> held;   // every key the key store's files hold
   std::vector<std::pair<std::string, std::string>> raw;  // (name, bytes) of every file but the SSTs' values
-  std::error_code ec;
-  for (auto walk = std::filesystem::recursive_directory_iterator(path, ec);
-       walk != std::filesystem::recursive_directory_iterator(); walk.increment(ec)) {
+  std::error_code ec, walk_ec;
+  auto walk = std::filesystem::recursive_directory_iterator(path, walk_ec);
+  // A directory that is not there holds nothing (a backup's staging
+  // directory the backup removed, say).
+  if (walk_ec == std::errc::no_such_file_or_directory) return out;
+  for (; !walk_ec && walk != std::filesystem::recursive_directory_iterator(); walk.increment(walk_ec)) {
     const auto& entry = *walk;
     // Relative to the Db directory: "state/000012.sst".
     const std::string name = std::filesystem::relative(entry.path(), path, ec).string();
@@ -130,6 +157,7 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
       continue;
     }
     if (!entry.is_regular_file(ec)) continue;
+    out.files.push_back(name + " (" + std::to_string(entry.file_size(ec)) + " bytes)");
     if (name.ends_with(".sst")) {
       ++out.ssts;
       rocksdb::Options options;
@@ -188,6 +216,7 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
       raw.emplace_back(name, std::move(bytes));
     }
   }
+  if (walk_ec) out.walk_error = walk_ec.message();
   std::sort(keys.begin(), keys.end());
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
   out.user_keys = keys;

@@ -216,7 +216,7 @@ TEST(SealedLedger, ABackupAfterAPurgeHoldsNoKeyAndARestoreOfAnEarlierOneErasesIt
   ASSERT_OK(db->backup(dir.sub("before")));
   const testing::ErasureScan in_backup = scan_files(dir.sub("before"), u);
   ASSERT_EQ(in_backup.user_keys.size(), 1u) << "the backup lacks the user's key";
-  ASSERT_FALSE(in_backup.found.empty());
+  ASSERT_FALSE(in_backup.found.empty()) << in_backup.summary();
   ASSERT_OK(db->leave_community_layer(u));
   ASSERT_OK(db->purge_community_contributions(u));
   ASSERT_OK(db->backup(dir.sub("after")));
@@ -347,7 +347,7 @@ TEST(SealedLedger, AFormat3DbIsUpgradedInPlaceItsLedgerCarriedAndPurgedExactly) 
   // file made after a single scan listed the directory (seen under ASan on a
   // busy machine: the record was found nowhere).
   const testing::ErasureScan before = testing::scan_files_settled(path, old_user);
-  EXPECT_FALSE(before.found.empty()) << "the carried record is not where the scan looks";
+  EXPECT_FALSE(before.found.empty()) << "the carried record is not where the scan looks: " << before.summary();
 
   ASSERT_OK(db->leave_community_layer(old_user));
   Result<PurgeReceipt> r = db->purge_community_contributions(old_user);
@@ -401,7 +401,7 @@ TEST(SealedLedger, AnUpgradeFromFormat3KilledAtEveryStepIsFinishedByTheNextOpen)
     ASSERT_OK(v);
     EXPECT_TRUE(v->ok()) << v->problems.front();
     const testing::ErasureScan before = testing::scan_files_settled(path, old_user);  // as above
-    EXPECT_FALSE(before.found.empty()) << "the carried record is not where the scan looks";
+    EXPECT_FALSE(before.found.empty()) << "the carried record is not where the scan looks: " << before.summary();
     ASSERT_OK(db->leave_community_layer(old_user));
     Result<PurgeReceipt> r = db->purge_community_contributions(old_user);
     ASSERT_OK(r);
