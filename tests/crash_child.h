@@ -20,9 +20,7 @@
 
 #include <gtest/gtest.h>
 
-#ifndef TIDAL_CRASH_CHILD
-#error "TIDAL_CRASH_CHILD must name the tidal_crash_child executable"
-#endif
+#include "test_paths.h"
 
 extern char** environ;
 
@@ -38,17 +36,17 @@ class Child {
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
     std::vector<std::string> argv_store;
-    argv_store.push_back(TIDAL_CRASH_CHILD);
+    argv_store.push_back(testing::paths::kCrashChild);
     argv_store.insert(argv_store.end(), args.begin(), args.end());
     std::vector<char*> argv;
     for (auto& a : argv_store) argv.push_back(a.data());
     argv.push_back(nullptr);
-    const int rc = ::posix_spawn(&pid_, TIDAL_CRASH_CHILD, &actions, nullptr, argv.data(), environ);
+    const int rc = ::posix_spawn(&pid_, testing::paths::kCrashChild, &actions, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&actions);
     ::close(fds[1]);
     fd_ = fds[0];
     if (rc != 0) {
-      std::cerr << "posix_spawn " << TIDAL_CRASH_CHILD << " failed: " << rc << "\n";
+      std::cerr << "posix_spawn " << testing::paths::kCrashChild << " failed: " << rc << "\n";
       std::abort();
     }
   }

@@ -27,7 +27,7 @@ using testing::value_of;
 
 // Runs the open_probe program with `args`; returns its exit code and output.
 std::pair<int, std::string> run_probe(const std::string& args) {
-  std::string cmd = std::string(TIDAL_OPEN_PROBE) + " " + args + " 2>&1";
+  std::string cmd = std::string(testing::paths::kOpenProbe) + " " + args + " 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   std::string out;
   char buf[512];
@@ -142,7 +142,7 @@ TEST(DbErrors, SecondOpenFromAnotherProcessIsBusyAndNamesThePath) {
   ASSERT_OK(db->close());
 
   // A child holds it; we try.
-  std::string cmd = std::string(TIDAL_OPEN_PROBE) + " " + dir.path() + " --hold 3000";
+  std::string cmd = std::string(testing::paths::kOpenProbe) + " " + dir.path() + " --hold 3000";
   FILE* child = ::popen(cmd.c_str(), "r");
   ASSERT_NE(child, nullptr);
   char line[512] = {};

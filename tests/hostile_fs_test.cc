@@ -30,13 +30,6 @@
 #include "storage/ledger_scan.h"
 #include "test_util.h"
 
-#ifndef TIDAL_HOSTILE_CHILD
-#error "TIDAL_HOSTILE_CHILD must name the tidal_hostile_child executable"
-#endif
-#ifndef TIDAL_OPEN_PROBE
-#error "TIDAL_OPEN_PROBE must name the tidal_open_probe executable"
-#endif
-
 extern char** environ;
 
 namespace tidal {
@@ -80,13 +73,13 @@ class DbProcess {
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, fds[1], STDIN_FILENO);
     posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    char* argv[] = {const_cast<char*>(TIDAL_HOSTILE_CHILD), nullptr};
-    const int rc = ::posix_spawn(&pid_, TIDAL_HOSTILE_CHILD, &actions, nullptr, argv, environ);
+    char* argv[] = {const_cast<char*>(testing::paths::kHostileChild), nullptr};
+    const int rc = ::posix_spawn(&pid_, testing::paths::kHostileChild, &actions, nullptr, argv, environ);
     posix_spawn_file_actions_destroy(&actions);
     ::close(fds[1]);
     fd_ = fds[0];
     if (rc != 0) {
-      ADD_FAILURE() << "posix_spawn " << TIDAL_HOSTILE_CHILD << ": " << std::strerror(rc);
+      ADD_FAILURE() << "posix_spawn " << testing::paths::kHostileChild << ": " << std::strerror(rc);
       pid_ = -1;
     }
   }
@@ -273,7 +266,7 @@ class Mount {
 // Runs the open_probe program (another process) on `path`; returns its exit
 // code and output.
 std::pair<int, std::string> probe_from_another_process(const std::string& path) {
-  const std::string cmd = std::string(TIDAL_OPEN_PROBE) + " '" + path + "' 2>&1";
+  const std::string cmd = std::string(testing::paths::kOpenProbe) + " '" + path + "' 2>&1";
   FILE* p = ::popen(cmd.c_str(), "r");
   std::string out;
   char buf[512];
@@ -618,10 +611,6 @@ TEST(HostileFsTest, AReadOnlyOpensChecksWriteNothingInTheDbsDirectory) {
 
 // ---- The upgrade of a format-2 Db onto a disk without room (issue 41, item 9) ----
 
-#ifndef TIDAL_TEST_DATA
-#error "TIDAL_TEST_DATA must name tests/data"
-#endif
-
 // The upgrade checks the room it needs first. With too little free it is
 // refused before anything is written, naming the bytes it needs and the
 // bytes free, and the Db stays format 2 (no state/ engine); the first open
@@ -632,7 +621,7 @@ TEST(HostileFsTest, AnUpgradeWithoutRoomIsRefusedFirstNamingTheBytesNeededAndFre
   auto disk = Mount::tmpfs(8 << 20);
   ASSERT_NE(disk, nullptr);
   const std::string extract =
-      "tar -xzf '" + std::string(TIDAL_TEST_DATA) + "/format2_db.tar.gz' -C '" + disk->dir() + "'";
+      "tar -xzf '" + std::string(testing::paths::kTestData) + "/format2_db.tar.gz' -C '" + disk->dir() + "'";
   ASSERT_EQ(std::system(extract.c_str()), 0) << extract;
   const std::string path = disk->dir() + "/db";
   Options options;

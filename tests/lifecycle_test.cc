@@ -388,7 +388,7 @@ void run_exit_child(const std::string& mode) {
   const pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
-    execl(TIDAL_EXIT_CHILD, TIDAL_EXIT_CHILD, mode.c_str(), path.c_str(), static_cast<char*>(nullptr));
+    execl(testing::paths::kExitChild, testing::paths::kExitChild, mode.c_str(), path.c_str(), static_cast<char*>(nullptr));
     _exit(127);
   }
   int status = 0;

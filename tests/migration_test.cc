@@ -32,13 +32,6 @@
 
 extern char** environ;
 
-#ifndef TIDAL_TEST_DATA
-#error "TIDAL_TEST_DATA must name tests/data"
-#endif
-#ifndef TIDAL_CRASH_CHILD
-#error "TIDAL_CRASH_CHILD must name the tidal_crash_child executable"
-#endif
-
 namespace tidal {
 namespace {
 
@@ -48,14 +41,14 @@ using testing::TempDir;
 // Extracts the format-2 fixture into `dir` and returns the Db's path.
 std::string extract_fixture(const std::string& dir) {
   const std::string command =
-      "tar -xzf '" + std::string(TIDAL_TEST_DATA) + "/format2_db.tar.gz' -C '" + dir + "'";
+      "tar -xzf '" + std::string(testing::paths::kTestData) + "/format2_db.tar.gz' -C '" + dir + "'";
   EXPECT_EQ(std::system(command.c_str()), 0) << command;
   return dir + "/db";
 }
 
 std::vector<std::string> expected_lines() {
-  std::ifstream in(std::string(TIDAL_TEST_DATA) + "/format2_expected.txt");
-  EXPECT_TRUE(in.good()) << "cannot read " << TIDAL_TEST_DATA << "/format2_expected.txt";
+  std::ifstream in(std::string(testing::paths::kTestData) + "/format2_expected.txt");
+  EXPECT_TRUE(in.good()) << "cannot read " << testing::paths::kTestData << "/format2_expected.txt";
   std::vector<std::string> out;
   for (std::string line; std::getline(in, line);) {
     if (!line.empty() && line[0] != '#') out.push_back(line);
@@ -239,10 +232,10 @@ TEST(MigrationTest, AFormat2DbWrittenByTidal02ReadsBackBitForBit) {
 // Runs `tidal_crash_child migrate <path> <step>`; true when it was SIGKILLed.
 bool killed_at_step(const std::string& path, int step) {
   const std::string step_text = std::to_string(step);
-  std::vector<char*> argv = {const_cast<char*>(TIDAL_CRASH_CHILD), const_cast<char*>("migrate"),
+  std::vector<char*> argv = {const_cast<char*>(testing::paths::kCrashChild), const_cast<char*>("migrate"),
                              const_cast<char*>(path.c_str()), const_cast<char*>(step_text.c_str()), nullptr};
   pid_t pid = 0;
-  EXPECT_EQ(::posix_spawn(&pid, TIDAL_CRASH_CHILD, nullptr, nullptr, argv.data(), environ), 0);
+  EXPECT_EQ(::posix_spawn(&pid, testing::paths::kCrashChild, nullptr, nullptr, argv.data(), environ), 0);
   int status = 0;
   EXPECT_EQ(::waitpid(pid, &status, 0), pid);
   EXPECT_TRUE(WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) == 0)) << "status " << status;

@@ -18,6 +18,7 @@
 
 #include <gtest/gtest.h>
 
+#include "test_paths.h"
 #include "tidal/db.h"
 
 #define ASSERT_OK(expr)                                              \

@@ -228,7 +228,7 @@ class Drill {
   // when its directory is a restored backup).
   ::testing::AssertionResult start(std::uint64_t s, std::uint64_t seed) {
     children_[s] = std::make_unique<testing::Child>(
-        TIDAL_NATS_CHILD, std::vector<std::string>{"drill", db_dir(s), std::to_string(s), config_.servers, config_.stream,
+        tidal::testing::paths::kNatsChild, std::vector<std::string>{"drill", db_dir(s), std::to_string(s), config_.servers, config_.stream,
                                                    std::to_string(seed), backups(s), ack_log(s),
                                                    mode_ == drill::Mode::kNoWait ? "no-wait" : "normal"});
     if (children_[s]->ready(120s)) return ::testing::AssertionSuccess();

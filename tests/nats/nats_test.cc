@@ -145,7 +145,7 @@ std::uint64_t stream_bytes(const NatsCluster& cluster, const std::string& stream
 // A child process of tests/nats/nats_child.cc.
 class Child : public testing::Child {
  public:
-  explicit Child(const std::vector<std::string>& args) : testing::Child(TIDAL_NATS_CHILD, args) {}
+  explicit Child(const std::vector<std::string>& args) : testing::Child(tidal::testing::paths::kNatsChild, args) {}
 };
 
 // ---- Bad input: clear errors, no cluster needed ----
@@ -225,12 +225,11 @@ TEST(NatsStream, AStreamWhoseSubjectsDoNotMatchIsInvalidArgumentNamingServerAndS
   TempDir dir;
   auto db = open_shard(dir.sub("db"), 1);
   Config c = test_config(cluster, "MISMATCH", 1);
-  auto p = Publisher::start(db.get(), c);
-  ASSERT_FALSE(p.ok());
-  EXPECT_EQ(p.status().code(), StatusCode::InvalidArgument);
-  EXPECT_NE(p.status().message().find("stream MISMATCH"), std::string::npos) << p.status().to_string();
-  EXPECT_NE(p.status().message().find(cluster.url(0)), std::string::npos) << p.status().to_string();
-  EXPECT_NE(p.status().message().find("orders.*"), std::string::npos) << p.status().to_string();
+  const Status p = testing::refusal(Publisher::start(db.get(), c));
+  EXPECT_EQ(p.code(), StatusCode::InvalidArgument) << p.to_string();
+  EXPECT_NE(p.message().find("stream MISMATCH"), std::string::npos) << p.to_string();
+  EXPECT_NE(p.message().find(cluster.url(0)), std::string::npos) << p.to_string();
+  EXPECT_NE(p.message().find("orders.*"), std::string::npos) << p.to_string();
 
   // A matching stream name is created, with its subjects, and works.
   Config ok = test_config(cluster, "FRESH", 1);
@@ -330,14 +329,13 @@ TEST(NatsStream, AStreamThatCouldDropAnAcknowledgedBatchIsRefusedNamingServerStr
   };
   for (const Case& k : cases) {
     ASSERT_EQ(js.add_stream(k.stream, k.edit), "") << k.stream;
-    auto p = Publisher::start(db.get(), test_config(cluster, k.stream, 3));
+    const Status p = testing::refusal(Publisher::start(db.get(), test_config(cluster, k.stream, 3)));
     if (p.ok()) {
       ADD_FAILURE() << k.stream << " was accepted";
-      (void)(*p)->stop();
       continue;
     }
-    const std::string m = p.status().message();
-    EXPECT_EQ(p.status().code(), StatusCode::InvalidArgument) << m;
+    const std::string m = p.message();
+    EXPECT_EQ(p.code(), StatusCode::InvalidArgument) << m;
     EXPECT_NE(m.find("stream " + k.stream), std::string::npos) << m;
     EXPECT_NE(m.find("NATS server nats://127.0.0.1:"), std::string::npos) << m;
     EXPECT_NE(m.find(k.setting), std::string::npos) << m;
@@ -399,7 +397,7 @@ TEST(NatsFence, AMessageIdStoredWithOtherContentIsCorruptionAndNothingIsTrimmed)
   jsPubOptions po;
   jsPubOptions_Init(&po);
   po.MsgId = id.c_str();
-  ASSERT_EQ(js_PublishMsg(nullptr, js.js(), m, &po, nullptr), NATS_OK);
+  ASSERT_EQ(testing::publish_retrying(js.js(), m, &po), NATS_OK);
   natsMsg_Destroy(m);
 
   ASSERT_TRUE(db->signal_with_context({1, 1, 2.5}, {{3}}).ok());
@@ -532,11 +530,10 @@ TEST(NatsFence, ARestoredDbStopsWhereTheStreamIsNoLongerAheadAndNeverTrims) {
   ASSERT_NE(restored, nullptr);
   const std::uint64_t trimmed = restored->stats().change_feed_trimmed_seq;
   ASSERT_LT(*restored->last_change_seq(), stream_last);
-  auto refused = Publisher::start(restored.get(), config);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), StatusCode::InvalidArgument) << refused.status().to_string();
-  EXPECT_NE(refused.status().message().find("up to seq " + std::to_string(stream_last)), std::string::npos)
-      << refused.status().to_string();
+  const Status refused = testing::refusal(Publisher::start(restored.get(), config));
+  EXPECT_EQ(refused.code(), StatusCode::InvalidArgument) << refused.to_string();
+  EXPECT_NE(refused.message().find("up to seq " + std::to_string(stream_last)), std::string::npos)
+      << refused.to_string();
 
   // A Publisher started while the cluster is down, so that its refusal
   // comes at a later attempt: meanwhile the restored Db takes new writes,
@@ -569,9 +566,8 @@ TEST(NatsFence, ARestoredDbStopsWhereTheStreamIsNoLongerAheadAndNeverTrims) {
   EXPECT_EQ(restored->stats().change_feed_trimmed_seq, trimmed);
   EXPECT_EQ(feed_after(restored.get(), trimmed), feed);
   // Started again later: the same refusal at once, still nothing trimmed.
-  auto again = Publisher::start(restored.get(), config);
-  ASSERT_FALSE(again.ok());
-  EXPECT_EQ(again.status().code(), StatusCode::Corruption) << again.status().to_string();
+  const Status again = testing::refusal(Publisher::start(restored.get(), config));
+  EXPECT_EQ(again.code(), StatusCode::Corruption) << again.to_string();
   EXPECT_EQ(restored->stats().change_feed_trimmed_seq, trimmed);
   // The stream still holds the original shard's batches only.
   EXPECT_EQ(stream_messages(cluster, config.stream), stream_last);
@@ -620,9 +616,9 @@ TEST(NatsReseed, ARestoredDbReseededMakesEveryViewEqualItsCurrentAggregates) {
   // Restored from the backup: refused until re-seeded.
   auto restored = open_shard(dir.sub("backup"), 3);
   ASSERT_NE(restored, nullptr);
-  auto refused = Publisher::start(restored.get(), config);
+  const Status refused = testing::refusal(Publisher::start(restored.get(), config));
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("re-seed"), std::string::npos) << refused.status().to_string();
+  EXPECT_NE(refused.message().find("re-seed"), std::string::npos) << refused.to_string();
   ASSERT_OK(restored->reseed_change_feed());
   Workload w2(72, 40);
   for (int i = 0; i < 300; ++i) ASSERT_EQ(w2.step({restored.get()}, nullptr), "");
@@ -706,10 +702,9 @@ TEST(NatsFence, ABatchOfAnotherIncarnationIsRefusedByTheViewAndStopsThePublisher
   ASSERT_TRUE(db->signal_with_context({1, 4, 1.0}, {{2}}).ok());
   ASSERT_OK(db->flush());
   const std::uint64_t trimmed = db->stats().change_feed_trimmed_seq;
-  auto p = Publisher::start(db.get(), config);
-  ASSERT_FALSE(p.ok());
-  EXPECT_EQ(p.status().code(), StatusCode::Corruption) << p.status().to_string();
-  EXPECT_NE(p.status().message().find("incarnation " + theirs), std::string::npos) << p.status().to_string();
+  const Status p = testing::refusal(Publisher::start(db.get(), config));
+  EXPECT_EQ(p.code(), StatusCode::Corruption) << p.to_string();
+  EXPECT_NE(p.message().find("incarnation " + theirs), std::string::npos) << p.to_string();
   EXPECT_EQ(db->stats().change_feed_trimmed_seq, trimmed);
   EXPECT_OK(f->stop());
 }
@@ -766,9 +761,11 @@ TEST(NatsCluster, ViewsConvergeBitForBitThroughServerKillAndPublisherRestart) {
     // publisher counts it published once the stream's ack reaches it, which
     // can come after (ci27: published 32 of 33 when the views had 33).
     const std::uint64_t last = *shards[static_cast<std::size_t>(s)]->last_change_seq();
-    EXPECT_TRUE(eventually([&] { return pubs[static_cast<std::size_t>(s)]->stats().published_seq == last; }, 5s))
+    EXPECT_TRUE(eventually([&] { return pubs[static_cast<std::size_t>(s)]->stats().published_seq == last; },
+                           testing::ack_bound(config)))
         << "shard " << s << ": published " << pubs[static_cast<std::size_t>(s)]->stats().published_seq << " of " << last;
-    EXPECT_TRUE(eventually([&] { return pubs[static_cast<std::size_t>(s)]->stats().lag_batches == 0; }, 5s));
+    EXPECT_TRUE(eventually([&] { return pubs[static_cast<std::size_t>(s)]->stats().lag_batches == 0; },
+                           testing::ack_bound(config)));
   }
   EXPECT_EQ(fa->stats().stalled_on_gap, false);
   EXPECT_OK(fa->stop());
@@ -1005,7 +1002,11 @@ TEST(NatsRunbook, AFullStreamRefusesPublishesUntilItsMaxBytesIsRaisedAndLosesNot
   }
   ASSERT_TRUE(converge(raw(shards), *view, *f, 90s));
   EXPECT_EQ(compare(*view, *reference), "");
-  EXPECT_EQ(pub->stats().published_seq, *shards[0]->last_change_seq());
+  // The view read the last batch from the stream; the publisher counts it
+  // once the ack reaches it, which can come after (as in the test above).
+  const std::uint64_t last = *shards[0]->last_change_seq();
+  EXPECT_TRUE(eventually([&] { return pub->stats().published_seq == last; }, testing::ack_bound(config)))
+      << "published " << pub->stats().published_seq << " of " << last;
   EXPECT_OK(pub->stop());
   EXPECT_OK(f->stop());
 }
@@ -1741,14 +1742,7 @@ void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::
   if (!incarnation.empty()) {
     ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation", incarnation.c_str()), NATS_OK);
   }
-  // NATS_NO_RESPONDERS while the stream's leader is still being elected
-  // (seen once under ASan in ci24): retried for up to 10 s, as a repair
-  // tool would.
-  natsStatus ns = NATS_NO_RESPONDERS;
-  for (int i = 0; i < 100 && ns == NATS_NO_RESPONDERS; ++i) {
-    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    ns = js_PublishMsg(nullptr, js, m, nullptr, nullptr);
-  }
+  const natsStatus ns = testing::publish_retrying(js, m, nullptr);
   natsMsg_Destroy(m);
   ASSERT_EQ(ns, NATS_OK) << natsStatus_GetText(ns);
 }
@@ -2223,10 +2217,12 @@ TEST(NatsGap, LagCountsWhatTheServerHoldsBackWhenAFetchIsEmpty) {
   auto view = open_view(dir.sub("view"));
   auto f = start_follower(view.get(), config, "view");
   ASSERT_TRUE(view && f);
-  std::this_thread::sleep_for(1500ms);  // empty fetches meanwhile
-  FollowerStats st = f->stats();
+  // Its fetches come back empty; after one, at most every half second, it
+  // reads the consumer's pending count into lag_messages.
+  const std::uint64_t unheld = kBatches - static_cast<std::uint64_t>(config.max_ack_pending);
+  EXPECT_TRUE(eventually([&] { return f->stats().lag_messages >= unheld; }, 10s))
+      << "lag_messages " << f->stats().lag_messages << ", expected at least " << unheld;
   EXPECT_EQ(*view->applied_seq(3), 0u);
-  EXPECT_GE(st.lag_messages, kBatches - static_cast<std::uint64_t>(config.max_ack_pending));
   // The other client hands its messages back: everything is applied, lag 0.
   for (int i = 0; i < held.Count; ++i) EXPECT_EQ(natsMsg_Nak(held.Msgs[i], nullptr), NATS_OK);
   natsMsgList_Destroy(&held);

@@ -217,6 +217,46 @@ inline Config test_config(const NatsCluster& cluster, const std::string& stream,
   return c;
 }
 
+// How long a publisher may take to count a batch the stream already holds
+// (its published_seq, then its lag): a lost ack costs request_timeout, then a
+// backoff of up to max_backoff, then the reconnect's request and the
+// resend's (up to request_timeout each); a second more for a busy machine.
+inline std::chrono::milliseconds ack_bound(const Config& c) {
+  return 3 * c.request_timeout + c.max_backoff + std::chrono::milliseconds(1000);
+}
+
+// js_PublishMsg retried while the stream's leader is still being elected
+// (NATS_NO_RESPONDERS, seen under ASan in ci24), for up to 10 s, as a repair
+// tool would; the last status.
+inline natsStatus publish_retrying(jsCtx* js, natsMsg* m, jsPubOptions* po) {
+  natsStatus ns = NATS_NO_RESPONDERS;
+  for (int i = 0; i < 100 && ns == NATS_NO_RESPONDERS; ++i) {
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    ns = js_PublishMsg(nullptr, js, m, po, nullptr);
+  }
+  return ns;
+}
+
+// The refusal a test expects of Publisher::start or JournalPublisher::start:
+// start()'s own error when its first attempt reached the stream. A first
+// attempt that met a cluster not ready yet (no JetStream leader, no
+// responders) is no error (start returns OK, nats.h) and the thread tries
+// again: the refusal is then what it halts on or keeps failing with once
+// that is no longer the cluster's (an InvalidArgument or a Corruption),
+// within `bound`, which stop() returns. OK when there was none.
+template <class P>
+Status refusal(Result<std::unique_ptr<P>> p, std::chrono::milliseconds bound = std::chrono::seconds(20)) {
+  if (!p.ok()) return p.status();
+  (void)eventually(
+      [&] {
+        const auto st = (*p)->stats();
+        return st.halted || st.last_error.starts_with("InvalidArgument") || st.last_error.starts_with("Corruption");
+      },
+      bound);
+  const Status st = (*p)->stop();
+  return st.code() == StatusCode::InvalidArgument || st.code() == StatusCode::Corruption ? st : Status::OK();
+}
+
 inline Options shard_options(std::uint64_t shard) {
   Options o;
   o.change_feed = true;

@@ -108,7 +108,7 @@ TEST(NatsRecover, ARestoredShardReplaysTheJournalAfterItsBackupAndServesAgain) {
   ASSERT_TRUE(restored->stats().recovering);
   EXPECT_EQ(restored->leave_community_layer(25).code(), StatusCode::Busy);
   // Its journal publisher would halt: the stream is ahead of it.
-  EXPECT_EQ(JournalPublisher::start(restored.get(), config).status().code(), StatusCode::InvalidArgument);
+  EXPECT_EQ(testing::refusal(JournalPublisher::start(restored.get(), config)).code(), StatusCode::InvalidArgument);
 
   ASSERT_OK(recover_shard(restored.get(), config));
   EXPECT_FALSE(restored->stats().recovering);
@@ -158,7 +158,7 @@ TEST(NatsRecover, AJournalEntryMissingFromTheStreamLeavesTheShardRecoveringNamin
   EXPECT_EQ(restored->leave_community_layer(1).code(), StatusCode::Busy);
 }
 
-#ifdef TIDAL_TIDALCTL
+#ifdef TIDAL_HAVE_TIDALCTL
 // Runs `command`; its exit code and stdout.
 std::pair<int, std::string> run(const std::string& command) {
   std::string out;
@@ -197,7 +197,7 @@ TEST(NatsRecover, TidalctlRestoreWithNatsCopiesReplaysAndServesAgain) {
     expected = statuses(db.get(), kUsers);
     ASSERT_OK(db->close());
   }
-  const std::string ctl = std::string(TIDAL_TIDALCTL) + " --db ";
+  const std::string ctl = std::string(tidal::testing::paths::kTidalctl) + " --db ";
   const std::string nats = " --nats " + config.servers + " --journal-stream CTLRESTORE_J --journal-subject-prefix "
                            "tidal.CTLRESTORE_J";
   auto [rc, out] = run(ctl + dir.sub("restored") + " restore " + dir.sub("backup") + nats + " 2>&1");
@@ -220,7 +220,7 @@ TEST(NatsRecover, TidalctlRestoreWithNatsCopiesReplaysAndServesAgain) {
   ASSERT_NE(stuck, nullptr);
   EXPECT_TRUE(stuck->stats().recovering);
 }
-#endif  // TIDAL_TIDALCTL
+#endif  // TIDAL_HAVE_TIDALCTL
 
 // Issue 41 item 2: a backup of a dead lineage. B_dead was taken after a
 // leave whose journal entry never reached the stream; the shard was then
