@@ -339,6 +339,54 @@ TEST(Backup, APurgeDuringABackupIsReplayedAfterTheRestore) {
   EXPECT_TRUE(rm->mismatches.empty());
 }
 
+// Without the journal too, a purge that starts while a backup copies the
+// users engine waits for the copy before it drains the state store, so
+// signals flow meanwhile. Before, it waited inside its drain for the key
+// store lock the backup holds through that copy, and every signal waited
+// with it.
+TEST(Backup, APurgeWaitingForABackupDoesNotHoldUpSignals) {
+  TempDir dir;
+  Options options = feed_options(4);
+  options.write_buffer_bytes = 8 << 10;  // 32 cells a buffer: signals wait for the writer within a few
+  auto db = open_db(dir.sub("db"), options);
+  ASSERT_NE(db, nullptr);
+  for (std::uint64_t u = 1; u <= 3; ++u) {
+    ASSERT_OK(db->join_community(u, 100));
+    ASSERT_OK(db->signal_with_context({u, 1, 2.0}, {{7}}));
+  }
+  ASSERT_OK(db->leave_community_layer(1));
+  constexpr std::uint64_t kItems = 200;  // 400 cells: past both buffers unless the writer drains
+  std::thread purger, signaller;
+  std::atomic<bool> purged{false}, signalled{false};
+  Db::Impl::between_backup_copies_for_testing = [&] {
+    purger = std::thread([&] {
+      EXPECT_OK(db->purge_community_contributions(1));
+      purged = true;
+    });
+    // Long enough for the purge to reach its wait (it takes a few ms).
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    signaller = std::thread([&] {
+      for (std::uint64_t item = 0; item < kItems; ++item) EXPECT_OK(db->signal_with_context({2, item, 1.0}, {{7}}));
+      signalled = true;
+    });
+    // The backup holds its copy until the signal is done, or 20 s: a
+    // signal held up by the purge never is.
+    for (int i = 0; i < 2000 && !signalled; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    EXPECT_TRUE(signalled.load()) << "signals waited for a purge that waits for the backup";
+    EXPECT_FALSE(purged.load()) << "the purge did not wait for the backup's copy";
+  };
+  Status backed_up = db->backup(dir.sub("b"));
+  Db::Impl::between_backup_copies_for_testing = nullptr;
+  purger.join();
+  signaller.join();
+  ASSERT_OK(backed_up);
+  EXPECT_TRUE(purged.load());
+  ASSERT_EQ(db->purge_receipts(1)->size(), 1u);
+  ASSERT_OK(db->flush());
+  EXPECT_EQ(*db->cohort_score(7, 1), 5.0);  // users 2 and 3, and user 2's signal during the backup
+  EXPECT_EQ(*db->cohort_score(7, kItems - 1), 1.0);
+}
+
 // Issue 41 item 8: a recovering Db's feed holds the backup's state, before
 // the journal's purges are replayed. A re-seed from it gave a view the
 // purged user's contributions until finish_recovery; a trim could drop what

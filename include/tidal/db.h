@@ -516,7 +516,8 @@ class Db {
   // the change feed's shard, incarnation and seqs, whether the files were
   // hard-linked or copied, how long it took). SST files are hard-linked
   // where the file system allows (the same one as the Db), copied
-  // otherwise. Signals, leaves and purges go on meanwhile. InvalidArgument
+  // otherwise. Signals and leaves go on meanwhile; a purge that starts
+  // during the copy waits for it before it begins. InvalidArgument
   // naming what was wrong (dir exists, no parent, a read-only Db); IOError
   // naming the bytes needed and free, before anything is written, when the
   // parent's file system lacks room for what the backup flushes and copies

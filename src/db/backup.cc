@@ -9,11 +9,11 @@
 // users engine's copy is the newer one, so every purge
 // receipt in the state copy cites a leave that is in the users copy, as
 // after a crash (E2); the state copy may lack signals the users copy's
-// later leaves did not gate, never part of one. With the journal, no purge
-// runs between its intent and its marks' deletion while the two are copied
-// (backup_mu_): a purge whose intent is in the users copy is then in the
-// state copy too, or still marked there and finished by the restored Db's
-// open.
+// later leaves did not gate, never part of one. No purge runs while the
+// two are copied (backup_mu_, which a purge takes before its drain, so that
+// signals are not held up by a purge waiting for the copy): with the
+// journal, a purge whose intent is in the users copy is then in the state
+// copy too, or still marked there and finished by the restored Db's open.
 //
 // The manifest (kBackupManifest, text, one "key value" a line) says where
 // the copy stands: the change feed's shard, incarnation and seqs, and how
@@ -202,7 +202,7 @@ Status Db::Impl::backup(const std::string& dir) const {
     // are copied: otherwise the users copy could hold a purge's intent (so the
     // replay after a restore skips it) without its mark (so the open does
     // not finish it) while the older state copy lacks the purge itself.
-    std::unique_lock<std::shared_mutex> no_purge(backup_mu_);
+    std::unique_lock<WriterFirstMutex> no_purge(backup_mu_);
     // From the state engine's copy to the users engine's, no purge deletes
     // keys (format 4): every sealed record in the state copy has its key in
     // the users copy. Taken after the drain lock, as a purge takes it.

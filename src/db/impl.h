@@ -29,6 +29,7 @@
 #include "db/leave_gate.h"
 #include "db/maps.h"
 #include "db/state_store.h"
+#include "db/writer_first_mutex.h"
 #include "feed/change_feed.h"
 #include "journal/journal.h"
 #include "storage/receipt.h"
@@ -323,11 +324,12 @@ class Db::Impl {
   std::condition_variable purge_ended_;
   std::unordered_map<std::uint64_t, unsigned> purging_;
   std::mutex erase_mu_;  // one physical erasure at a time (db/purge.cc)
-  // With the journal, a purge holds this shared from its intents' write until
-  // its marks are deleted, and a backup holds it exclusively across its two
-  // checkpoints: no copy holds a purge's intent without its mark unless its
-  // state-engine part is in the copy too (db/backup.cc).
-  mutable std::shared_mutex backup_mu_;
+  // A purge holds this shared from its intents' write until its marks are
+  // deleted, and a backup holds it exclusively across its two checkpoints:
+  // no copy holds a purge's intent without its mark unless its state-engine
+  // part is in the copy too (db/backup.cc). Writer first: under steady
+  // purges a backup still starts.
+  mutable WriterFirstMutex backup_mu_;
   std::mutex repair_mu_;  // one repairing re-materialization at a time (db/rematerialize.cc)
   // Which purge batch last wrote each user's erasure mark, so that an
   // erasure deletes only marks of batches it covered (db/purge.cc).

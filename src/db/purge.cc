@@ -194,8 +194,11 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge(const char* what, std::span<co
         }
       } unfinished{this, users};
       // No backup between the intents and the marks' deletion (backup_mu_).
-      std::shared_lock<std::shared_mutex> no_backup(backup_mu_, std::defer_lock);
-      if (journal_) no_backup.lock();
+      // Without the journal too: a backup holds the key store's lock while
+      // it copies the users engine, and a purge that waited for that lock
+      // inside its drain (below) would hold up every signal for the copy.
+      // Waited for here, before the drain, the backup holds up only the purge.
+      std::shared_lock<WriterFirstMutex> no_backup(backup_mu_);
       {
         const auto locks = lock_stripes(users, /*wait_for_purges=*/false);
         for (std::size_t i = 0; i < users.size(); ++i) {
