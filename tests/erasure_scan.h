@@ -73,15 +73,17 @@ struct ErasureScan {
   }
 };
 
-// The SST files under `path` (names relative to it), sorted.
+// The SST files under `path` (names relative to it), sorted; a walk that
+// ended on an error says so in the list, which then differs from a whole one.
 inline std::vector<std::string> sst_names(const std::string& path) {
   std::vector<std::string> out;
-  std::error_code ec;
-  for (auto walk = std::filesystem::recursive_directory_iterator(path, ec);
-       walk != std::filesystem::recursive_directory_iterator(); walk.increment(ec)) {
+  std::error_code ec, walk_ec;
+  auto walk = std::filesystem::recursive_directory_iterator(path, walk_ec);
+  for (; !walk_ec && walk != std::filesystem::recursive_directory_iterator(); walk.increment(walk_ec)) {
     if (walk->path().extension() == ".sst") out.push_back(std::filesystem::relative(walk->path(), path, ec).string());
   }
   std::sort(out.begin(), out.end());
+  if (walk_ec && walk_ec != std::errc::no_such_file_or_directory) out.push_back("(walk ended: " + walk_ec.message() + ")");
   return out;
 }
 
@@ -144,7 +146,10 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
   auto walk = std::filesystem::recursive_directory_iterator(path, walk_ec);
   // A directory that is not there holds nothing (a backup's staging
   // directory the backup removed, say).
-  if (walk_ec == std::errc::no_such_file_or_directory) return out;
+  if (walk_ec == std::errc::no_such_file_or_directory) {
+    out.user_keys = std::move(keys);
+    return out;
+  }
   for (; !walk_ec && walk != std::filesystem::recursive_directory_iterator(); walk.increment(walk_ec)) {
     const auto& entry = *walk;
     // Relative to the Db directory: "state/000012.sst".
@@ -157,7 +162,8 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
       continue;
     }
     if (!entry.is_regular_file(ec)) continue;
-    out.files.push_back(name + " (" + std::to_string(entry.file_size(ec)) + " bytes)");
+    const std::uintmax_t size = entry.file_size(ec);
+    out.files.push_back(name + (ec ? std::string(" (gone)") : " (" + std::to_string(size) + " bytes)"));
     if (name.ends_with(".sst")) {
       ++out.ssts;
       rocksdb::Options options;

@@ -18,6 +18,7 @@
 #include "nats/journal_stream.h"
 #include "nats_cluster.h"
 #include "nats_test_util.h"
+#include "start_refusal.h"
 #include "tidal/nats.h"
 
 namespace tidal::nats {

@@ -38,6 +38,7 @@
 #include "fault_fs.h"
 #include "nats_cluster.h"
 #include "nats_test_util.h"
+#include "start_refusal.h"
 #include "tidal/nats.h"
 #include "view/global_view_impl.h"
 

@@ -237,26 +237,6 @@ inline natsStatus publish_retrying(jsCtx* js, natsMsg* m, jsPubOptions* po) {
   return ns;
 }
 
-// The refusal a test expects of Publisher::start or JournalPublisher::start:
-// start()'s own error when its first attempt reached the stream. A first
-// attempt that met a cluster not ready yet (no JetStream leader, no
-// responders) is no error (start returns OK, nats.h) and the thread tries
-// again: the refusal is then what it halts on or keeps failing with once
-// that is no longer the cluster's (an InvalidArgument or a Corruption),
-// within `bound`, which stop() returns. OK when there was none.
-template <class P>
-Status refusal(Result<std::unique_ptr<P>> p, std::chrono::milliseconds bound = std::chrono::seconds(20)) {
-  if (!p.ok()) return p.status();
-  (void)eventually(
-      [&] {
-        const auto st = (*p)->stats();
-        return st.halted || st.last_error.starts_with("InvalidArgument") || st.last_error.starts_with("Corruption");
-      },
-      bound);
-  const Status st = (*p)->stop();
-  return st.code() == StatusCode::InvalidArgument || st.code() == StatusCode::Corruption ? st : Status::OK();
-}
-
 inline Options shard_options(std::uint64_t shard) {
   Options o;
   o.change_feed = true;

@@ -19,6 +19,7 @@
 #include "../test_util.h"
 #include "nats_cluster.h"
 #include "nats_test_util.h"
+#include "start_refusal.h"
 #include "tidal/nats.h"
 
 namespace tidal::nats {
