@@ -803,8 +803,9 @@ TEST(CrashTest, PurgesAreAllOrNothingAndAcknowledgedOnesSurviveSigkill) {
         // A kill between the purge's batch and the end of its erasure left
         // a mark; the reopen finished the erasure (P4).
         EXPECT_TRUE((*receipts)[0].erasure_complete) << ctx << ": user " << u;
-        for (const std::string& f : testing::scan_files(path, u).found) {
-          ADD_FAILURE() << ctx << ": purged user " << u << " after reopen: " << f;
+        const testing::ErasureScan after = testing::scan_files(path, u);
+        for (const std::string& f : after.found) {
+          ADD_FAILURE() << ctx << ": purged user " << u << " after reopen: " << f << "\nThe scan read " << after.summary();
         }
       }
       // All or nothing: both cells of the cohort and of the community.

@@ -27,6 +27,7 @@
 #include <rocksdb/options.h>
 #include <rocksdb/sst_file_reader.h>
 #include <rocksdb/table_properties.h>
+#include <rocksdb/write_batch.h>
 
 #include "storage/format.h"
 #include "storage/sealed_ledger.h"
@@ -47,6 +48,112 @@ inline bool wal_holds_prefix(const std::string& wal, const std::string& prefix) 
   return false;
 }
 
+// One operation of a write batch in a WAL.
+struct WalOp {
+  char kind;  // 'P' put, 'D' delete, 'M' merge, 'R' range deletion (key: its begin, value: its end)
+  std::uint32_t family;
+  std::uint64_t sequence;  // the batch's
+  std::string key, value;
+};
+
+// The operations of the whole write batches of a RocksDB WAL (db/log_format.h:
+// 32 KiB blocks of records, each a 7-byte header (11 in a recycled log) and a
+// fragment of a batch). What follows the last whole batch (a torn tail, the
+// preallocated zeros) ends the list; `*error` says why, when it is not the
+// zeros or the end, and `*end` is the end of the last whole batch. Reading
+// the records, not searching the bytes, names only what a batch holds: a
+// search for a key store put ([8][user][33][0x01]...) also matched a
+// batch's last deletion followed by the next record's checksum bytes.
+inline std::vector<WalOp> wal_ops(const std::string& bytes, std::string* error, std::size_t* end) {
+  constexpr std::size_t kBlock = 32768;
+  struct Collect : rocksdb::WriteBatch::Handler {
+    std::vector<WalOp>* out;
+    std::uint64_t sequence = 0;
+    void add(char kind, std::uint32_t family, const rocksdb::Slice& k, const rocksdb::Slice& v) {
+      out->push_back({kind, family, sequence, k.ToString(), v.ToString()});
+    }
+    rocksdb::Status PutCF(std::uint32_t f, const rocksdb::Slice& k, const rocksdb::Slice& v) override {
+      add('P', f, k, v);
+      return rocksdb::Status::OK();
+    }
+    rocksdb::Status DeleteCF(std::uint32_t f, const rocksdb::Slice& k) override {
+      add('D', f, k, {});
+      return rocksdb::Status::OK();
+    }
+    rocksdb::Status SingleDeleteCF(std::uint32_t f, const rocksdb::Slice& k) override {
+      add('D', f, k, {});
+      return rocksdb::Status::OK();
+    }
+    rocksdb::Status MergeCF(std::uint32_t f, const rocksdb::Slice& k, const rocksdb::Slice& v) override {
+      add('M', f, k, v);
+      return rocksdb::Status::OK();
+    }
+    rocksdb::Status DeleteRangeCF(std::uint32_t f, const rocksdb::Slice& b, const rocksdb::Slice& e) override {
+      add('R', f, b, e);
+      return rocksdb::Status::OK();
+    }
+    void LogData(const rocksdb::Slice&) override {}
+  } collect;
+  std::vector<WalOp> out;
+  collect.out = &out;
+  error->clear();
+  std::string batch;
+  bool in_batch = false;
+  const auto u16 = [&](std::size_t at) {
+    return static_cast<std::size_t>(static_cast<unsigned char>(bytes[at])) |
+           static_cast<std::size_t>(static_cast<unsigned char>(bytes[at + 1])) << 8;
+  };
+  *end = 0;
+  for (std::size_t at = 0; at < bytes.size();) {
+    const std::size_t block_left = kBlock - at % kBlock;
+    if (block_left < 7) {  // the block's zero-filled trailer
+      at += block_left;
+      continue;
+    }
+    if (at + 7 > bytes.size()) {
+      *error = "a record header cut short at byte " + std::to_string(at);
+      break;
+    }
+    const std::size_t length = u16(at + 4);
+    const int type = static_cast<unsigned char>(bytes[at + 6]);
+    if (type == 0 && length == 0) break;  // preallocated space: the end
+    const std::size_t header = type >= 5 && type <= 8 ? 11 : 7;
+    if (at + header + length > bytes.size() || header + length > block_left) {
+      *error = "a record at byte " + std::to_string(at) + " runs past its block or the file";
+      break;
+    }
+    const std::string_view fragment(bytes.data() + at + header, length);
+    at += header + length;
+    const int base = header == 11 ? type - 4 : type;
+    if (type == 9 || type == 10) continue;  // the log's compression or timestamp-size record
+    if (base == 1 || base == 2) {
+      if (in_batch) *error = "a batch with no last fragment before byte " + std::to_string(at);
+      batch.assign(fragment);
+      in_batch = base == 2;
+    } else if ((base == 3 || base == 4) && in_batch) {
+      batch.append(fragment);
+      in_batch = base == 3;
+    } else {
+      *error = "record type " + std::to_string(type) + " out of place before byte " + std::to_string(at);
+      break;
+    }
+    if (in_batch) continue;
+    if (batch.size() < 12) {
+      *error = "a " + std::to_string(batch.size()) + "-byte batch before byte " + std::to_string(at);
+      break;
+    }
+    collect.sequence = 0;
+    for (std::size_t i = 8; i-- > 0;) collect.sequence = collect.sequence << 8 | static_cast<unsigned char>(batch[i]);
+    rocksdb::WriteBatch wb(batch);
+    if (rocksdb::Status s = wb.Iterate(&collect); !s.ok()) {
+      *error = "a batch before byte " + std::to_string(at) + " does not parse: " + s.ToString();
+      break;
+    }
+    *end = at;
+  }
+  return out;
+}
+
 inline std::string read_file(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -61,6 +168,7 @@ struct ErasureScan {
   std::vector<std::string> found;
   std::vector<std::string> user_keys;
   std::vector<std::string> files;  // "name (bytes)" of every file read
+  std::vector<std::string> wal_records;  // the WALs' operations on the user's key-store key; where a WAL's reading stopped
   std::string walk_error;          // why the directory walk ended early, if it did
 
   // For a failure message: what the scan read.
@@ -69,6 +177,7 @@ struct ErasureScan {
     out << ssts << " SST files (" << sst_keys << " keys), " << wals << " WALs, " << sealed_records
         << " sealed records of the user, " << user_keys.size() << " of the user's keys; files:";
     for (const std::string& f : files) out << "\n  " << f;
+    for (const std::string& r : wal_records) out << "\n  " << r;
     return out.str();
   }
 };
@@ -121,6 +230,7 @@ inline ErasureScan scan_files_settled(const std::string& path, std::uint64_t use
     all.sst_keys = std::max(all.sst_keys, out.sst_keys);
     all.sealed_records = std::max(all.sealed_records, out.sealed_records);
     all.files = std::move(out.files);
+    all.wal_records = std::move(out.wal_records);
     for (std::string& f : out.found) {
       if (std::find(all.found.begin(), all.found.end(), f) == all.found.end()) all.found.push_back(std::move(f));
     }
@@ -208,14 +318,33 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
       if (name.ends_with(".log")) {
         ++out.wals;
         if (wal_holds_prefix(bytes, prefix)) out.found.push_back(name + ": WAL bytes hold the prefix");
-        // The key store's puts (users engine): [key length 8][user BE]
-        // [value length 33][0x01][key 32]. (A record split across two WAL
-        // blocks is missed; a match that is no put only adds a key to try.)
-        for (std::size_t at = bytes.find("\x21\x01"); at != std::string::npos; at = bytes.find("\x21\x01", at + 1)) {
-          if (at < 9 || bytes[at - 9] != '\x08' || at + 34 > bytes.size()) continue;
+        // The key store's puts (users engine): an 8-byte key (the user, BE)
+        // and a 33-byte value that decodes as a key.
+        std::string torn;
+        std::size_t whole = 0;
+        for (const WalOp& op : wal_ops(bytes, &torn, &whole)) {
+          if (op.key == key_store_key) {
+            out.wal_records.push_back(name + ": " + op.kind + " of the user's key-store key, sequence " +
+                                      std::to_string(op.sequence) + ", column family " + std::to_string(op.family));
+          }
+          if (op.kind != 'P' || op.key.size() != 8) continue;
+          if (std::optional<UserKey> k = UserKey::decode(op.value)) {
+            held.push_back(*k);
+            if (op.key == key_store_key) keys.push_back(op.value);
+          }
+        }
+        if (!torn.empty()) out.wal_records.push_back(name + ": read up to " + torn);
+        // Past the last whole batch (a batch being written, a torn tail): a
+        // search of the bytes, which may only add a key to look for.
+        for (std::size_t at = bytes.find("\x21\x01", whole); at != std::string::npos; at = bytes.find("\x21\x01", at + 1)) {
+          if (at < whole + 9 || bytes[at - 9] != '\x08' || at + 34 > bytes.size()) continue;
           if (std::optional<UserKey> k = UserKey::decode(std::string_view(bytes).substr(at + 1, 33))) {
             held.push_back(*k);
-            if (std::string_view(bytes).substr(at - 8, 8) == key_store_key) keys.push_back(bytes.substr(at + 1, 33));
+            if (std::string_view(bytes).substr(at - 8, 8) == key_store_key) {
+              keys.push_back(bytes.substr(at + 1, 33));
+              out.wal_records.push_back(name + ": the user's key-store key and a key in the bytes at " +
+                                        std::to_string(at - 8) + ", past the last whole batch");
+            }
           }
         }
       }

@@ -3,6 +3,7 @@
 // files hold before and after a purge, a rejoin's new key, and the upgrade
 // of a format-3 Db, whose unsealed ledger is carried and still purged
 // exactly.
+#include <algorithm>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -175,6 +176,10 @@ TEST(SealedLedger, ARejoinedUserGetsANewKeyAndEachPurgeErasesItsOwn) {
   ASSERT_OK(db->flush());
   const testing::ErasureScan first = scan_files(path, u);
   ASSERT_EQ(first.user_keys.size(), 1u);
+  // The key store is not flushed: its put is read from the WAL's batches.
+  EXPECT_TRUE(std::any_of(first.wal_records.begin(), first.wal_records.end(), [](const std::string& r) {
+    return r.find(": P of the user's key-store key") != std::string::npos;
+  })) << first.summary();
   ASSERT_OK(db->leave_community_layer(u));
   ASSERT_OK(db->purge_community_contributions(u));
   for (const std::string& f : scan_files(path, u, first.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
