@@ -127,9 +127,13 @@ builds_pid=
 if [ "$tier" != quick ]; then
   mkdir -p build
   other_builds_log=build/other-builds.log
+  # In a process group of their own (set -m), so that an early exit stops
+  # every compiler and fuzzer of theirs, not only their shell.
+  set -m
   (renice -n 19 -p "$BASHPID" >/dev/null && other_builds) >"$other_builds_log" 2>&1 &
   builds_pid=$!
-  trap 'if [ -n "$builds_pid" ]; then kill "$builds_pid" 2>/dev/null || true; fi' EXIT
+  set +m
+  trap 'if [ -n "$builds_pid" ]; then kill -- "-$builds_pid" 2>/dev/null || true; fi' EXIT
 fi
 
 begin_stage "main suite (every test)"

@@ -43,6 +43,16 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
+// Users 1..3 in community 100, each with 2.0 on item 1 of cohort 7; user 1
+// has left, for a purge during a backup.
+void three_members_one_left(Db* db) {
+  for (std::uint64_t u = 1; u <= 3; ++u) {
+    ASSERT_OK(db->join_community(u, 100));
+    ASSERT_OK(db->signal_with_context({u, 1, 2.0}, {{7}}));
+  }
+  ASSERT_OK(db->leave_community_layer(1));
+}
+
 void expect_has(const Status& s, const std::string& text) {
   EXPECT_NE(s.message().find(text), std::string::npos) << "'" << text << "' in: " << s.to_string();
 }
@@ -303,11 +313,7 @@ TEST(Backup, APurgeDuringABackupIsReplayedAfterTheRestore) {
   options.journal = true;
   auto db = open_db(dir.sub("db"), options);
   ASSERT_NE(db, nullptr);
-  for (std::uint64_t u = 1; u <= 3; ++u) {
-    ASSERT_OK(db->join_community(u, 100));
-    ASSERT_OK(db->signal_with_context({u, 1, 2.0}, {{7}}));
-  }
-  ASSERT_OK(db->leave_community_layer(1));
+  ASSERT_NO_FATAL_FAILURE(three_members_one_left(db.get()));
   std::thread purger;
   std::atomic<bool> purged{false};
   Db::Impl::between_backup_copies_for_testing = [&] {
@@ -350,11 +356,7 @@ TEST(Backup, APurgeWaitingForABackupDoesNotHoldUpSignals) {
   options.write_buffer_bytes = 8 << 10;  // 32 cells a buffer: signals wait for the writer within a few
   auto db = open_db(dir.sub("db"), options);
   ASSERT_NE(db, nullptr);
-  for (std::uint64_t u = 1; u <= 3; ++u) {
-    ASSERT_OK(db->join_community(u, 100));
-    ASSERT_OK(db->signal_with_context({u, 1, 2.0}, {{7}}));
-  }
-  ASSERT_OK(db->leave_community_layer(1));
+  ASSERT_NO_FATAL_FAILURE(three_members_one_left(db.get()));
   constexpr std::uint64_t kItems = 200;  // 400 cells: past both buffers unless the writer drains
   std::thread purger, signaller;
   std::atomic<bool> purged{false}, signalled{false};

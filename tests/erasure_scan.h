@@ -182,17 +182,36 @@ struct ErasureScan {
   }
 };
 
+// Calls `visit(name, entry)` for every regular file under `path`, `name`
+// relative to it ("state/000012.sst"), but those of ingest/ (the files of
+// batches being built: the database's own copies are what is scanned, and
+// what a failed delete left there until the next open clears it). Returns
+// why the walk ended early, if it did: no_such_file_or_directory when
+// `path` is not there.
+template <typename Visit>
+std::error_code walk_files(const std::string& path, Visit visit) {
+  std::error_code ec, walk_ec;
+  auto walk = std::filesystem::recursive_directory_iterator(path, walk_ec);
+  for (; !walk_ec && walk != std::filesystem::recursive_directory_iterator(); walk.increment(walk_ec)) {
+    const std::string name = std::filesystem::relative(walk->path(), path, ec).string();
+    if (name == "ingest") {
+      walk.disable_recursion_pending();
+      continue;
+    }
+    if (walk->is_regular_file(ec)) visit(name, *walk);
+  }
+  return walk_ec;
+}
+
 // The SST files under `path` (names relative to it), sorted; a walk that
 // ended on an error says so in the list, which then differs from a whole one.
 inline std::vector<std::string> sst_names(const std::string& path) {
   std::vector<std::string> out;
-  std::error_code ec, walk_ec;
-  auto walk = std::filesystem::recursive_directory_iterator(path, walk_ec);
-  for (; !walk_ec && walk != std::filesystem::recursive_directory_iterator(); walk.increment(walk_ec)) {
-    if (walk->path().extension() == ".sst") out.push_back(std::filesystem::relative(walk->path(), path, ec).string());
-  }
+  const std::error_code ec = walk_files(path, [&](const std::string& name, const std::filesystem::directory_entry&) {
+    if (name.ends_with(".sst")) out.push_back(name);
+  });
   std::sort(out.begin(), out.end());
-  if (walk_ec && walk_ec != std::errc::no_such_file_or_directory) out.push_back("(walk ended: " + walk_ec.message() + ")");
+  if (ec && ec != std::errc::no_such_file_or_directory) out.push_back("(walk ended: " + ec.message() + ")");
   return out;
 }
 
@@ -252,26 +271,8 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
   std::vector<Record> sealed;  // every sealed ledger record on disk
   std::vector<UserKey> held;   // every key the key store's files hold
   std::vector<std::pair<std::string, std::string>> raw;  // (name, bytes) of every file but the SSTs' values
-  std::error_code ec, walk_ec;
-  auto walk = std::filesystem::recursive_directory_iterator(path, walk_ec);
-  // A directory that is not there holds nothing (a backup's staging
-  // directory the backup removed, say).
-  if (walk_ec == std::errc::no_such_file_or_directory) {
-    out.user_keys = std::move(keys);
-    return out;
-  }
-  for (; !walk_ec && walk != std::filesystem::recursive_directory_iterator(); walk.increment(walk_ec)) {
-    const auto& entry = *walk;
-    // Relative to the Db directory: "state/000012.sst".
-    const std::string name = std::filesystem::relative(entry.path(), path, ec).string();
-    // ingest/ holds the files of batches being built (the database's own
-    // copies are what is scanned), and what a failed delete left there
-    // until the next open clears it.
-    if (name == "ingest") {
-      walk.disable_recursion_pending();
-      continue;
-    }
-    if (!entry.is_regular_file(ec)) continue;
+  const std::error_code walk_ec = walk_files(path, [&](const std::string& name, const std::filesystem::directory_entry& entry) {
+    std::error_code ec;
     const std::uintmax_t size = entry.file_size(ec);
     out.files.push_back(name + (ec ? std::string(" (gone)") : " (" + std::to_string(size) + " bytes)"));
     if (name.ends_with(".sst")) {
@@ -290,7 +291,7 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
       }
       if (!opened.ok()) {
         if (std::filesystem::exists(entry.path())) ADD_FAILURE() << name << ": " << opened.ToString();
-        continue;
+        return;
       }
       auto props = reader.GetTableProperties();
       const std::string family = props ? props->column_family_name : std::string();
@@ -350,6 +351,13 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
       }
       raw.emplace_back(name, std::move(bytes));
     }
+  });
+  // A directory that is not there holds nothing (a backup's staging
+  // directory the backup removed, say).
+  if (walk_ec == std::errc::no_such_file_or_directory) {
+    out = ErasureScan();
+    out.user_keys = std::move(keys);
+    return out;
   }
   if (walk_ec) out.walk_error = walk_ec.message();
   std::sort(keys.begin(), keys.end());
