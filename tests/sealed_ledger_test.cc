@@ -163,6 +163,45 @@ TEST(SealedLedger, NoLedgerKeyOrValueHoldsAUsersIdOrEntriesInClear) {
   EXPECT_FALSE(legacy->Valid()) << "format 4 wrote to format 3's ledger";
 }
 
+// The scan itself (tests/erasure_scan.h) reads a WAL's batches whole: the
+// key-store put here starts 4 bytes before the end of the log's first
+// 32 KiB block, so its key is split by the next fragment's header, where a
+// search of the bytes does not find it; the ledger prefix comes in the
+// second fragment.
+TEST(SealedLedger, TheErasureScanReadsAWalsBatchesAcrossItsBlocks) {
+  TempDir dir;
+  const std::uint64_t u = 0x0102030405060708ULL;
+  rocksdb::Options options;
+  options.create_if_missing = true;
+  rocksdb::DB* raw = nullptr;
+  ASSERT_TRUE(rocksdb::DB::Open(options, dir.path(), &raw).ok());
+  std::unique_ptr<rocksdb::DB> db(raw);
+  Result<UserKey> key = UserKey::generate();
+  ASSERT_OK(key);
+  // Batch: a 12-byte header, then [type][3-byte length][filler][0-byte
+  // value's length] and [type][8][the key-store key]...: that key starts at
+  // 12 + (1 + 3 + 32738 + 1) + 2 = 32757 of the block's 32761 bytes.
+  rocksdb::WriteBatch batch;
+  ASSERT_TRUE(batch.Put(std::string(32738, 'x'), "").ok());
+  ASSERT_TRUE(batch.Put(encode_key_store_key(u), key->encode()).ok());
+  ASSERT_TRUE(batch.Put(encode_key_prefix(EntityId(u), Tag::ContributionLedger) + "entry", "1").ok());
+  ASSERT_TRUE(db->Write(rocksdb::WriteOptions(), &batch).ok());
+  std::string wal;  // the one WAL
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    if (entry.path().extension() == ".log") wal = entry.path().filename().string();
+  }
+  ASSERT_FALSE(wal.empty());
+  const testing::ErasureScan scan = scan_files(dir.path(), u);
+  ASSERT_EQ(scan.user_keys, std::vector<std::string>{key->encode()}) << scan.summary();
+  std::vector<std::string> found = scan.found;
+  std::sort(found.begin(), found.end());
+  EXPECT_EQ(found, (std::vector<std::string>{wal + ": WAL holds the prefix", wal + ": holds the user's ledger key"}))
+      << scan.summary();
+  // A search of the bytes for the put ([8][the key-store key][33]) would
+  // not have found it.
+  EXPECT_EQ(testing::read_file(dir.path() + "/" + wal).find("\x08" + encode_key_store_key(u) + "\x21"), std::string::npos);
+}
+
 // docs/CONTRACT.md, P7 in format 4: a rejoined user's new contributions are
 // sealed with a new key, so the later purge erases that key, and the first
 // key is not made again.
