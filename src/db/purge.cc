@@ -772,6 +772,10 @@ Status Db::Impl::complete_pending_erasures() {
 
 namespace {
 
+// Never stored: erase_ranges deletes it so that its flush always writes a
+// memtable (and so moves RocksDB's min-log-number-to-keep).
+constexpr char kErasureFlushKey[] = "erasure_flush";
+
 // Holds back the automatic compactions of one column family while a manual
 // one runs (the erasure of purged keys): switched off for it (RocksDB
 // checks the option before it picks each compaction), and those under way
@@ -858,6 +862,21 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
   }
   // Every memtable to SST: the WALs that held the purged keys (and the
   // purge's key deletions) are then no longer needed by any column family.
+  // The flush must also record that in RocksDB's min-log-number-to-keep,
+  // which decides when a WAL is deleted, even when every memtable is empty:
+  // an open that replayed no data (a crash after the flush that ended
+  // them, before RocksDB deleted them) leaves that number where it was, and
+  // the logs stayed on disk, the purged key in them, until some later
+  // flush (seen in CrashTest.PurgesAreAllOrNothing...). A deletion of a key
+  // nothing stores gives the flush a memtable to write.
+  {
+    rocksdb::WriteBatch nudge;
+    nudge.Delete(db->DefaultColumnFamily(), kErasureFlushKey);
+    if (Status s = storage_->write(engine, &nudge, Storage::WriteMode::Async, "the erasure's flush of '" + dir + "'");
+        !s.ok()) {
+      return s;
+    }
+  }
   if (Status s = storage_->flush(engine); !s.ok()) return s;
   // A compaction keeps what a snapshot older than the purge can still see:
   // wait until every such snapshot is released. Later snapshots (the
