@@ -7,7 +7,8 @@
 //     store's SST files and WAL name it: its 32 bytes in any file's raw
 //     bytes or any SST's values;
 //   - the user's sealed ledger records (named by the key's pseudonym) that
-//     open with a key the Db's files still hold.
+//     open with a key the Db's files still hold (a purge leaves the records
+//     where they are: they must not open).
 // Before a purge each of these finds the user's records; after it, none.
 #ifndef TIDAL_TESTS_ERASURE_SCAN_H_
 #define TIDAL_TESTS_ERASURE_SCAN_H_
@@ -384,7 +385,7 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
     }
     std::string plain;
     for (const Record& r : sealed) {
-      if (!r.key.starts_with(key->pseudonym())) continue;
+      if (sealed_ledger_pseudonym(r.key) != key->pseudonym()) continue;
       ++out.sealed_records;
       for (const UserKey& h : held) {
         if (h.open(r.key, r.value, &plain)) {

@@ -251,7 +251,7 @@ TEST(LifecycleTest, CloseLogsTheCompactionStatisticsOfEveryStateColumnFamily) {
   const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::size_t at = log.rfind("tidal: statistics at close");
   ASSERT_NE(at, std::string::npos) << path << "/state/LOG";
-  for (const char* cf : {"default", "aggregates", "ledger", "receipts", "sealed_ledger"}) {
+  for (const char* cf : {"default", "aggregates", "ledger", "receipts", "sealed_ledger", "sealed_index"}) {
     EXPECT_NE(log.find(std::string("** Compaction Stats [") + cf + "] **", at), std::string::npos) << cf;
   }
 }

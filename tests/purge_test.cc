@@ -331,7 +331,7 @@ TEST(Rematerialize, FindsAndRepairsEveryAggregateThatDisagreesWithTheLedger) {
   {  // Damage two aggregates behind tidal's back: one off by 1e-9, one that has no ledger entry.
     rocksdb::Options options;
     std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    for (const char* n : {"default", "aggregates", "ledger", "receipts", "sealed_ledger"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+    for (const char* n : {"default", "aggregates", "ledger", "receipts", "sealed_ledger", "sealed_index"}) cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
     cfs[1].options.merge_operator = new_units_add_operator();
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
     rocksdb::DB* raw = nullptr;

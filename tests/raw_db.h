@@ -28,9 +28,9 @@ namespace tidal::testing {
 struct RawDb {
   // tidal's column families. kKeys (format 4's key store) is in the users
   // engine. In format 2 the state ones are in the users engine too, and
-  // there is no kStateMeta, kReceipts, kKeys or kSealedLedger.
+  // there is no kStateMeta, kReceipts, kKeys, kSealedLedger or kSealedIndex.
   // kLedger is format 3's unsealed ledger (read by format 4, never written).
-  enum Cf { kMeta, kUsers, kByTag, kStateMeta, kAggregates, kLedger, kReceipts, kKeys, kSealedLedger };
+  enum Cf { kMeta, kUsers, kByTag, kStateMeta, kAggregates, kLedger, kReceipts, kKeys, kSealedLedger, kSealedIndex };
   enum class Layout { Format3, Format2 };
 
   explicit RawDb(const std::string& path, Layout layout = Layout::Format3) : layout_(layout) {
@@ -43,7 +43,7 @@ struct RawDb {
     if (fresh) {
       EXPECT_TRUE(users_.db->Put(rocksdb::WriteOptions(), users_.handles[0], kDbFormatKey, kDbFormat).ok());
     }
-    open(state_engine_dir(path), {"default", "aggregates", "ledger", "receipts", "sealed_ledger"}, &state_);
+    open(state_engine_dir(path), {"default", "aggregates", "ledger", "receipts", "sealed_ledger", "sealed_index"}, &state_);
   }
   ~RawDb() {
     close(&state_);
@@ -57,8 +57,8 @@ struct RawDb {
   rocksdb::DB* db(Cf which) const { return engine(which).db.get(); }
   rocksdb::ColumnFamilyHandle* cf(Cf which) const {
     static constexpr std::size_t kNone = ~std::size_t{0};
-    static constexpr std::size_t kFormat3[] = {0, 1, 2, 0, 1, 2, 3, 3, 4};
-    static constexpr std::size_t kFormat2[] = {0, 1, 2, kNone, 3, 4, kNone, kNone, kNone};
+    static constexpr std::size_t kFormat3[] = {0, 1, 2, 0, 1, 2, 3, 3, 4, 5};
+    static constexpr std::size_t kFormat2[] = {0, 1, 2, kNone, 3, 4, kNone, kNone, kNone, kNone};
     const std::size_t i = (layout_ == Layout::Format2 ? kFormat2 : kFormat3)[which];
     return i == kNone ? nullptr : engine(which).handles[i];
   }

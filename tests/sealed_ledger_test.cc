@@ -51,8 +51,17 @@ TEST(SealedLedger, ARecordOpensOnlyWithItsKeyUnderItsNameUnchanged) {
   put_sealed_entry(&plain, {AggregateKind::Community, 3, 9, -2});
   const std::string name = key.record_key(42);
   ASSERT_EQ(name.size(), kSealedLedgerKeySize);
-  EXPECT_EQ(name.substr(0, kPseudonymSize), key.pseudonym());
+  EXPECT_EQ(name.substr(8), key.pseudonym());
   EXPECT_EQ(sealed_ledger_epoch(name), 42u);
+  EXPECT_EQ(sealed_ledger_pseudonym(name), key.pseudonym());
+  // Write order: a later batch's record sorts after every earlier one's,
+  // whoever's they are.
+  for (int i = 0; i < 20; ++i) EXPECT_LT(new_key().record_key(41), new_key().record_key(42));
+  const std::string index = key.index_key(42);
+  EXPECT_EQ(index.substr(0, kPseudonymSize), key.pseudonym());
+  EXPECT_EQ(sealed_index_epoch(index), 42u);
+  EXPECT_EQ(sealed_record_of(index), name);
+  EXPECT_EQ(sealed_index_key_of(name), index);
   std::string sealed;
   ASSERT_OK(key.seal(name, plain, &sealed));
   EXPECT_EQ(sealed.size(), kSealVersionSize + kSealNonceSize + plain.size() + kSealTagSize);
@@ -161,6 +170,116 @@ TEST(SealedLedger, NoLedgerKeyOrValueHoldsAUsersIdOrEntriesInClear) {
   std::unique_ptr<rocksdb::Iterator> legacy(raw.db(RawDb::kLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kLedger)));
   legacy->SeekToFirst();
   EXPECT_FALSE(legacy->Valid()) << "format 4 wrote to format 3's ledger";
+}
+
+// The sealed ledger is laid out for writing: each batch's records sort
+// after every earlier batch's, so RocksDB ingests each batch's file into the
+// last level, beside the others, and no compaction ever rewrites one. The
+// index names every record.
+TEST(SealedLedger, EachBatchsRecordsGoToTheLastLevelAndTheIndexNamesEachRecord) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  constexpr int kBatches = 8;
+  {
+    auto db = open_db(path, manual_writes());
+    for (std::uint64_t u = 1; u <= 40; ++u) ASSERT_OK(db->join_community(u, 77));
+    for (int b = 0; b < kBatches; ++b) {
+      for (std::uint64_t u = 1; u <= 40; ++u) ASSERT_OK(db->signal_with_context({u, 1000 + u, 1.5}, {{4, 5}}));
+      ASSERT_OK(db->flush());
+    }
+    ASSERT_OK(db->close());
+  }
+  RawDb raw(path);
+  ASSERT_TRUE(raw.ok());
+  rocksdb::ColumnFamilyMetaData meta;
+  raw.db(RawDb::kSealedLedger)->GetColumnFamilyMetaData(raw.cf(RawDb::kSealedLedger), &meta);
+  ASSERT_FALSE(meta.levels.empty());
+  std::string where;
+  for (const auto& level : meta.levels) where += " L" + std::to_string(level.level) + ":" + std::to_string(level.files.size());
+  EXPECT_EQ(meta.levels.back().files.size(), static_cast<std::size_t>(kBatches)) << where;
+  EXPECT_EQ(meta.file_count, static_cast<std::size_t>(kBatches)) << "a batch's file is not in the last level:" << where;
+  std::size_t records = 0, indexed = 0;
+  std::unique_ptr<rocksdb::Iterator> it(
+      raw.db(RawDb::kSealedLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedLedger)));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) ++records;
+  std::unique_ptr<rocksdb::Iterator> index(
+      raw.db(RawDb::kSealedIndex)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedIndex)));
+  for (index->SeekToFirst(); index->Valid(); index->Next(), ++indexed) {
+    EXPECT_TRUE(index->value().empty());
+    const std::optional<std::string> record = sealed_record_of(index->key().ToString());
+    ASSERT_TRUE(record.has_value());
+    std::string value;
+    EXPECT_TRUE(raw.db(RawDb::kSealedLedger)->Get(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedLedger), *record, &value).ok())
+        << "the index names a record that is not there: " << hex(*record);
+  }
+  EXPECT_EQ(records, 40u * kBatches);  // one record per user per batch
+  EXPECT_EQ(indexed, records);
+}
+
+// A Db written by format 4's first development builds keyed the sealed
+// ledger by pseudonym, with no index: this version would find none of its
+// records, so it refuses the Db, and changes nothing.
+TEST(SealedLedger, ADbOfTheDevelopmentLayoutIsRefused) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  {
+    auto db = open_db(path, manual_writes());
+    ASSERT_OK(db->join_community(1, 77));
+    ASSERT_OK(db->signal_with_context({1, 2, 1.5}, {{4}}));
+    ASSERT_OK(db->close());
+  }
+  {
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    ASSERT_TRUE(raw.db(RawDb::kSealedIndex)->DropColumnFamily(raw.cf(RawDb::kSealedIndex)).ok());
+  }
+  const auto families = [&] {
+    std::vector<std::string> names;
+    EXPECT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path + "/state", &names).ok());
+    return names;
+  };
+  const std::vector<std::string> before = families();
+  Result<std::unique_ptr<Db>> db = Db::open(path, manual_writes());
+  ASSERT_FALSE(db.ok());
+  EXPECT_EQ(db.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(db.status().message().find("development build of format 4"), std::string::npos) << db.status().message();
+  EXPECT_EQ(families(), before) << "the refused open created a column family";
+}
+
+// A record the index names that is not in the sealed ledger stops its
+// user's purge, with nothing purged.
+TEST(SealedLedger, ARecordTheIndexNamesThatIsGoneStopsItsUsersPurge) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  {
+    auto db = open_db(path, manual_writes());
+    ASSERT_OK(db->join_community(5, 77));
+    ASSERT_OK(db->signal_with_context({5, 1, 1.5}, {{4}}));
+    ASSERT_OK(db->close());
+  }
+  std::string gone;
+  {
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    std::unique_ptr<rocksdb::Iterator> it(
+        raw.db(RawDb::kSealedLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedLedger)));
+    it->SeekToFirst();
+    ASSERT_TRUE(it->Valid());
+    gone = it->key().ToString();
+    it.reset();
+    ASSERT_TRUE(raw.db(RawDb::kSealedLedger)->Delete(rocksdb::WriteOptions(), raw.cf(RawDb::kSealedLedger), gone).ok());
+  }
+  auto db = open_db(path, manual_writes());
+  ASSERT_OK(db->leave_community_layer(5));
+  Result<PurgeReceipt> r = db->purge_community_contributions(5);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::Corruption);
+  EXPECT_NE(r.status().message().find("sealed ledger record " + hex(gone) + " of user 5, named by the index"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("nothing purged"), std::string::npos);
+  EXPECT_TRUE(db->purge_receipts(5)->empty());
+  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 1.5);
 }
 
 // The scan itself (tests/erasure_scan.h) reads a WAL's batches whole: the

@@ -248,11 +248,12 @@ std::optional<Config> parse_args(int argc, char** argv, int* exit_code) {
   Config cfg;
   for (int i = 1; i < argc; ++i) {
     const std::string_view arg = argv[i];
-    auto number = [&](std::uint64_t* out) {
+    auto number = [&](std::uint64_t* out, bool zero_ok = false) {
       std::optional<std::uint64_t> v;
       if (i + 1 < argc) v = tidal::cli::parse_u64(argv[++i]);
-      if (!v || *v == 0) {
-        std::fprintf(stderr, "tidal-demo: %.*s needs a positive integer\n", static_cast<int>(arg.size()), arg.data());
+      if (!v || (*v == 0 && !zero_ok)) {
+        std::fprintf(stderr, "tidal-demo: %.*s needs a %s integer\n", static_cast<int>(arg.size()), arg.data(),
+                     zero_ok ? "non-negative" : "positive");
         return false;
       }
       *out = *v;
@@ -272,7 +273,7 @@ std::optional<Config> parse_args(int argc, char** argv, int* exit_code) {
     } else if (arg == "--threads") {
       ok = number(&cfg.threads);
     } else if (arg == "--single-purges") {
-      ok = number(&cfg.single_purges);
+      ok = number(&cfg.single_purges, /*zero_ok=*/true);
     } else if (arg == "--keep") {
       cfg.keep = true;
     } else if (arg == "--light") {

@@ -18,8 +18,9 @@
 //      (naming the user's ledger key by a tag derived from it). The files are built
 //      in passes of at most purge_pass_cells cells, so the memory does not
 //      grow with the ledger. Format 4: the batch range-deletes the user's
-//      sealed records; once it is ingested the user's ledger key is deleted
-//      from the key store (users engine), and the writer forgets it.
+//      entries in the sealed index; once it is ingested the user's ledger
+//      key is deleted from the key store (users engine), and the writer
+//      forgets it.
 //      Merge operands commute, so the writer's later batches (other users'
 //      cells) compose with it in any order; the drain lock keeps the
 //      writer's batches (and their change-feed seqs) from interleaving with
@@ -34,8 +35,9 @@
 //      keys or records), a bottommost compaction of just the purged users'
 //      ranges drops them and the tombstones, the obsolete WALs and SSTs are
 //      deleted before the call returns, and the mark goes. The sealed
-//      records need no erasure: without the key they cannot be opened, and
-//      ordinary compaction drops them.
+//      records need no erasure: without the key they cannot be opened, nor
+//      linked to the user, and they stay where the writer put them (files
+//      that no compaction rewrites: storage/sealed_ledger.h).
 // A mark left by an erasure that failed, or by a crash, is finished by the
 // user's next purge and by the next writable open.
 //
@@ -127,21 +129,33 @@ Status for_each_ledger_entry(const Storage& storage, std::uint64_t user, const U
       !s.ok() || key == nullptr) {
     return s;
   }
+  // The index names the user's records (storage/sealed_ledger.h); each is
+  // one point read of the sealed ledger.
   const rocksdb::Slice pseudonym(key->pseudonym().data(), key->pseudonym().size());
-  std::string plain;
-  auto sealed = storage.prefix_iterator(storage.sealed_ledger());
-  for (sealed->Seek(pseudonym); sealed->Valid() && sealed->key().starts_with(pseudonym); sealed->Next()) {
-    if (!key->open(view(sealed->key()), view(sealed->value()), &plain)) {
-      return Status::Corruption("sealed ledger record " + hex(view(sealed->key())) + " of " + user_text(user) +
-                                " does not open with the user's key (" + std::to_string(sealed->value().size()) +
+  std::string value, plain;
+  auto index = storage.prefix_iterator(storage.sealed_index());
+  for (index->Seek(pseudonym); index->Valid() && index->key().starts_with(pseudonym); index->Next()) {
+    const std::optional<std::string> record = sealed_record_of(view(index->key()));
+    if (!record) {
+      return Status::Corruption("sealed index key " + hex(view(index->key())) + " of " + user_text(user) + " has " +
+                                std::to_string(index->key().size()) + " bytes; expected " +
+                                std::to_string(kSealedIndexKeySize) + "; nothing purged");
+    }
+    if (Status s = storage.get(storage.sealed_ledger(), *record, &value); !s.ok()) {
+      return Status(s.code() == StatusCode::NotFound ? StatusCode::Corruption : s.code(),
+                    "sealed ledger record " + hex(*record) + " of " + user_text(user) + ", named by the index: " +
+                        s.message() + "; nothing purged");
+    }
+    if (!key->open(*record, value, &plain)) {
+      return Status::Corruption("sealed ledger record " + hex(*record) + " of " + user_text(user) +
+                                " does not open with the user's key (" + std::to_string(value.size()) +
                                 "-byte value: changed, or not the user's); nothing purged");
     }
-    if (Status s = entries_of(view(sealed->key()), decode_sealed_entries(plain), "its sealed entries are malformed");
-        !s.ok()) {
+    if (Status s = entries_of(*record, decode_sealed_entries(plain), "its sealed entries are malformed"); !s.ok()) {
       return s;
     }
   }
-  return from_rocksdb(sealed->status(), "sealed ledger read of " + user_text(user) + " in '" + storage.path() + "'");
+  return from_rocksdb(index->status(), "sealed index read of " + user_text(user) + " in '" + storage.path() + "'");
 }
 
 // An encoded aggregate key, ordered as RocksDB orders it (unsigned bytes).
@@ -564,9 +578,9 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
     if (!cut) break;
     lo = cut;
   }
-  // The ledgers' range deletions (format 3's, by user; the sealed ones, by
-  // pseudonym: ordinary compaction drops them), the keys' (which
-  // erase_purged then erases from the files), the receipts, then the meta
+  // The ledgers' range deletions (format 3's, by user; the sealed index's,
+  // by pseudonym), the keys' (which erase_purged then erases from the
+  // files), the receipts, then the meta
   // records: the stripes' clock floors ("clock_floor/...") before the
   // erasure marks ("erasure_pending/..."), each in key order.
   std::vector<std::uint64_t> floors(user_locks_.size(), 0);
@@ -591,8 +605,10 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
     if (k) pseudonyms.push_back(k->pseudonym());
   }
   std::sort(pseudonyms.begin(), pseudonyms.end());
+  // The index entries only: the sealed records stay, unreadable once the
+  // keys are erased (storage/sealed_ledger.h).
   for (std::string_view p : pseudonyms) {
-    if (w.ok()) w = batch.delete_range(storage_->sealed_ledger(), p, pseudonym_end(p));
+    if (w.ok()) w = batch.delete_range(storage_->sealed_index(), p, pseudonym_end(p));
   }
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
     w = batch.put(storage_->receipts(), encode_receipt_key(users[i], records[i].purged_at_ns), encode_receipt(records[i]));
@@ -673,11 +689,11 @@ Status Db::Impl::delete_marked_keys(const std::vector<std::uint64_t>& users, std
   // failed to delete it, or a crash before it did. (A key made after the
   // purge, for a contribution after a rejoin, is left alone; it replaced
   // the purged one, which the compaction below drops.) A key that seals a
-  // record the purge did not delete is kept, and so is the mark: after a
+  // record the index still names is kept, and so is the mark: after a
   // purge batch whose ingestion failed (so the writer used the key again)
   // turned out durable at the next open. The purged records then stay
-  // readable until ordinary compaction drops them or the user's next purge
-  // deletes the key (purge_receipts says the erasure is not complete).
+  // readable until the user's next purge deletes the key (purge_receipts
+  // says the erasure is not complete).
   const auto marked_keys = [&](std::vector<std::uint64_t>* out) -> Status {
     out->clear();
     in_use->clear();
@@ -689,9 +705,9 @@ Status Db::Impl::delete_marked_keys(const std::vector<std::uint64_t>& users, std
       if (!key.ok()) return key.status();
       if (!*key || (*key)->erasure_tag() != (*mark)->key_tag) continue;
       const rocksdb::Slice pseudonym((*key)->pseudonym().data(), (*key)->pseudonym().size());
-      auto it = storage_->prefix_iterator(storage_->sealed_ledger());
+      auto it = storage_->prefix_iterator(storage_->sealed_index());
       it->Seek(pseudonym);
-      if (Status s = from_rocksdb(it->status(), "sealed ledger read of " + user_text(u)); !s.ok()) return s;
+      if (Status s = from_rocksdb(it->status(), "sealed index read of " + user_text(u)); !s.ok()) return s;
       (it->Valid() && it->key().starts_with(pseudonym) ? in_use : out)->push_back(u);
     }
     return Status::OK();
@@ -771,10 +787,6 @@ Status Db::Impl::complete_pending_erasures() {
 }
 
 namespace {
-
-// Never stored: erase_ranges deletes it so that its flush always writes a
-// memtable (and so moves RocksDB's min-log-number-to-keep).
-constexpr char kErasureFlushKey[] = "erasure_flush";
 
 // Holds back the automatic compactions of one column family while a manual
 // one runs (the erasure of purged keys): switched off for it (RocksDB
@@ -867,17 +879,8 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
   // an open that replayed no data (a crash after the flush that ended
   // them, before RocksDB deleted them) leaves that number where it was, and
   // the logs stayed on disk, the purged key in them, until some later
-  // flush (seen in CrashTest.PurgesAreAllOrNothing...). A deletion of a key
-  // nothing stores gives the flush a memtable to write.
-  {
-    rocksdb::WriteBatch nudge;
-    nudge.Delete(db->DefaultColumnFamily(), kErasureFlushKey);
-    if (Status s = storage_->write(engine, &nudge, Storage::WriteMode::Async, "the erasure's flush of '" + dir + "'");
-        !s.ok()) {
-      return s;
-    }
-  }
-  if (Status s = storage_->flush(engine); !s.ok()) return s;
+  // flush (seen in CrashTest.PurgesAreAllOrNothing...).
+  if (Status s = storage_->flush_past_wals(engine); !s.ok()) return s;
   // A compaction keeps what a snapshot older than the purge can still see:
   // wait until every such snapshot is released. Later snapshots (the
   // writer's) see the deletion. A verify() or re-materialization under way

@@ -516,9 +516,9 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     }
   }
   std::string key, units_value, record;  // record: the ledger entries of one user so far
-  // The ledger's records, sealed with their users' keys and named by their
-  // pseudonyms (storage/sealed_ledger.h): in the pseudonyms' order, once
-  // all are sealed. The keys made for users new to the ledger go into the
+  // The ledger's records, sealed with their users' keys and named by the
+  // epoch and their pseudonyms (storage/sealed_ledger.h), each with its
+  // index entry: in the pseudonyms' order, once all are sealed. The keys made for users new to the ledger go into the
   // key store (synced) before the ingestion, so no record is ever stored
   // without its key.
   std::vector<std::pair<std::string, std::string>> sealed;
@@ -552,9 +552,15 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     }
     if (!s.ok()) return from_rocksdb(s, what);
   }
+  // One epoch: in the pseudonyms' order, which is also the index keys'.
   std::sort(sealed.begin(), sealed.end());
   for (const auto& [k, v] : sealed) {
     if (rocksdb::Status s = files.put(storage_->sealed_ledger(), k, v); !s.ok()) return from_rocksdb(s, what);
+  }
+  for (const auto& [k, v] : sealed) {
+    if (rocksdb::Status s = files.put(storage_->sealed_index(), *sealed_index_key_of(k), ""); !s.ok()) {
+      return from_rocksdb(s, what);
+    }
   }
   if (!created.empty()) {
     // A key stored without the batch (which then failed) is found and used

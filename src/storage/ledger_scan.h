@@ -82,6 +82,10 @@ inline constexpr std::uint64_t kLedgerCheckLetGoes = 3;
 
 struct LedgerCheck {
   std::uint64_t ledger_records = 0;  // ledger records read
+  // Format 4's sealed records whose pseudonym no key names: records of
+  // purged users, unreadable, left where they are (storage/sealed_ledger.h);
+  // counted in ledger_records, not read.
+  std::uint64_t purged_records = 0;
   std::uint64_t ledger_entries = 0;  // entries in them
   std::uint64_t aggregates = 0;  // stored cells checked, personal ones included
   std::uint64_t passes = 0;  // reads of the whole ledger (1)

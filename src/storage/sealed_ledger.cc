@@ -1,8 +1,12 @@
 #include "storage/sealed_ledger.h"
 
+#include <pthread.h>
+
+#include <array>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 
 #include <openssl/crypto.h>
 #include <openssl/err.h>
@@ -41,6 +45,42 @@ EVP_CIPHER_CTX* cipher_ctx() {
 }
 
 const unsigned char* bytes(std::string_view s) { return reinterpret_cast<const unsigned char*>(s.data()); }
+
+// AES-256-GCM, fetched from libcrypto's providers once: with
+// EVP_aes_256_gcm() OpenSSL 3 fetched it again by name at each init, under
+// its locks, and set up a new cipher context: about a quarter of the
+// writer's time at 300k users (bench/README.md, "Format 4"). Null when
+// libcrypto has none; each init then fails.
+const EVP_CIPHER* aes_256_gcm() {
+  static EVP_CIPHER* const cipher = EVP_CIPHER_fetch(nullptr, "AES-256-GCM", nullptr);
+  return cipher;
+}
+
+// The nonces, from a per-thread pool of the OS CSPRNG's bytes, refilled
+// 4 KiB at a time: RAND_bytes per record (its locks, and a getpid system
+// call each) cost more than the sealing. A forked child empties the pool
+// of the thread that forked (the only one it has), so it never draws the
+// parent's nonces.
+struct NoncePool {
+  std::array<unsigned char, 4096> bytes{};
+  std::size_t used = 4096;
+};
+NoncePool& nonce_pool() {
+  thread_local NoncePool pool;
+  return pool;
+}
+bool next_nonce(unsigned char* out) {
+  static std::once_flag fork_handler;
+  std::call_once(fork_handler, [] { pthread_atfork(nullptr, nullptr, [] { nonce_pool().used = 4096; }); });
+  NoncePool& pool = nonce_pool();
+  if (pool.used + kSealNonceSize > pool.bytes.size()) {
+    if (RAND_bytes(pool.bytes.data(), static_cast<int>(pool.bytes.size())) != 1) return false;
+    pool.used = 0;
+  }
+  std::memcpy(out, pool.bytes.data() + pool.used, kSealNonceSize);
+  pool.used += kSealNonceSize;
+  return true;
+}
 
 }  // namespace
 
@@ -103,6 +143,14 @@ std::string UserKey::encode() const {
 }
 
 std::string UserKey::record_key(std::uint64_t epoch) const {
+  std::string out;
+  out.reserve(kSealedLedgerKeySize);
+  put_u64_be(&out, epoch);
+  out.append(pseudonym());
+  return out;
+}
+
+std::string UserKey::index_key(std::uint64_t epoch) const {
   std::string out(pseudonym());
   put_u64_be(&out, epoch);
   return out;
@@ -112,7 +160,7 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
   value->resize(kSealVersionSize + kSealNonceSize + plaintext.size() + kSealTagSize);
   (*value)[0] = static_cast<char>(kRecordVersion);
   auto* out = reinterpret_cast<unsigned char*>(value->data()) + kSealVersionSize;
-  if (RAND_bytes(out, static_cast<int>(kSealNonceSize)) != 1) {
+  if (!next_nonce(out)) {
     return Status::IOError("the OS random number generator gave no nonce to seal a ledger record (OpenSSL RAND_bytes: " +
                            crypto_error() + ")");
   }
@@ -120,7 +168,7 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
   int n = 0;
   int total = 0;
   const bool ok =
-      ctx != nullptr && EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr, key_.data(), out) == 1 &&
+      ctx != nullptr && EVP_EncryptInit_ex(ctx, aes_256_gcm(), nullptr, key_.data(), out) == 1 &&
       EVP_EncryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
       EVP_EncryptUpdate(ctx, nullptr, &n, &kRecordVersion, 1) == 1 &&
       EVP_EncryptUpdate(ctx, out + kSealNonceSize, &n, bytes(plaintext), static_cast<int>(plaintext.size())) == 1 &&
@@ -147,7 +195,7 @@ bool UserKey::open(std::string_view record_key, std::string_view value, std::str
   // as non-const.
   unsigned char tag[kSealTagSize];
   std::memcpy(tag, in + kSealNonceSize + size, kSealTagSize);
-  const bool ok = ctx != nullptr && EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr, key_.data(), in) == 1 &&
+  const bool ok = ctx != nullptr && EVP_DecryptInit_ex(ctx, aes_256_gcm(), nullptr, key_.data(), in) == 1 &&
          EVP_DecryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
          EVP_DecryptUpdate(ctx, nullptr, &n, &kRecordVersion, 1) == 1 &&
          EVP_DecryptUpdate(ctx, reinterpret_cast<unsigned char*>(plaintext->data()), &n, in + kSealNonceSize,
@@ -259,7 +307,32 @@ std::string pseudonym_end(std::string_view pseudonym) {
 
 std::optional<std::uint64_t> sealed_ledger_epoch(std::string_view key) {
   if (key.size() != kSealedLedgerKeySize) return std::nullopt;
-  return get_u64_be(key.data() + kPseudonymSize);
+  return get_u64_be(key.data());
+}
+
+std::optional<std::string_view> sealed_ledger_pseudonym(std::string_view key) {
+  if (key.size() != kSealedLedgerKeySize) return std::nullopt;
+  return key.substr(8);
+}
+
+std::optional<std::uint64_t> sealed_index_epoch(std::string_view index_key) {
+  if (index_key.size() != kSealedIndexKeySize) return std::nullopt;
+  return get_u64_be(index_key.data() + kPseudonymSize);
+}
+
+// The two keys hold the same 24 bytes, turned around the pseudonym.
+std::optional<std::string> sealed_record_of(std::string_view index_key) {
+  if (index_key.size() != kSealedIndexKeySize) return std::nullopt;
+  std::string out(index_key.substr(kPseudonymSize));
+  out.append(index_key.substr(0, kPseudonymSize));
+  return out;
+}
+
+std::optional<std::string> sealed_index_key_of(std::string_view record_key) {
+  if (record_key.size() != kSealedLedgerKeySize) return std::nullopt;
+  std::string out(record_key.substr(8));
+  out.append(record_key.substr(0, 8));
+  return out;
 }
 
 }  // namespace tidal

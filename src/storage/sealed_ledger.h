@@ -5,15 +5,17 @@
 // their own, drawn from the OS CSPRNG (OpenSSL's RAND_bytes) the first time
 // the state store's writer stores a contribution of theirs, and kept in the
 // users engine's "keys" column family (the key store), written (synced)
-// before the first batch it seals is ingested into the state engine's
-// "sealed_ledger". The user's ledger records are sealed with it
-// (AES-256-GCM) and keyed by a pseudonym derived from it, so that no key of
-// the ledger names the user in clear:
+// before the first batch it seals is ingested into the state engine. The
+// user's ledger records are sealed with it (AES-256-GCM) and named by a
+// pseudonym derived from it, so that no key of the ledger names the user in
+// clear:
 //
 //   keys CF           key   [user_id: 8 BE]                       (8 bytes)
 //                     value [version: 1 = 0x01][key: 32]          (33 bytes)
-//   sealed_ledger CF  key   [pseudonym: 16][epoch: 8 BE]          (24 bytes)
+//   sealed_ledger CF  key   [epoch: 8 BE][pseudonym: 16]          (24 bytes)
 //                     value [version: 1 = 0x01][nonce: 12][ciphertext][tag: 16]
+//   sealed_index CF   key   [pseudonym: 16][epoch: 8 BE]          (24 bytes)
+//                     value empty
 //
 //   pseudonym  = HMAC-SHA256(key, "tidal ledger pseudonym v1"), first 16 bytes
 //   ciphertext = AES-256-GCM(key, nonce, plaintext,
@@ -27,14 +29,25 @@
 //                small before they are sealed: ~11 bytes an entry of the
 //                demo's instead of format 3's 33 (which RocksDB compressed).
 //
+// The sealed ledger is laid out for writing: its keys begin with the batch's
+// epoch, which only grows, so each batch's file lies past every file before
+// it and RocksDB ingests it straight into the last level, where no
+// compaction ever rewrites it. The index names each user's records (one
+// small key per record, in pseudonym order, no value) so that a purge reads
+// one user's records in O(their records): a seek of the index, then a point
+// read of each record.
+//
 // A purge deletes the user's key once its batch is ingested, and erases it
 // physically (the key store's files and WAL, in the users engine, whose
 // compactions are few and short: in the state engine, RocksDB's deletion of
 // the replaced files waited for the ledger's and aggregates' compactions
 // under way): from then on the user's records cannot be opened, nor
-// linked to the user, and ordinary compaction drops them (the purge's range
-// deletion covers the pseudonym's records). A user who contributes again
-// gets a new key, so a later purge removes only what came after.
+// linked to the user. The purge deletes the user's index entries; the
+// sealed records themselves stay where they are, unreadable ciphertext
+// that nothing indexes (deleting them would rewrite the old files they
+// lie in, the cost per purge the layout exists to avoid), and a ledger
+// scan counts them as records of purged users. A user who contributes
+// again gets a new key, so a later purge removes only what came after.
 //
 // The "ledger" column family keeps, unsealed, what a Db wrote before it was
 // upgraded to format 4 (docs/FORMAT.md, "Upgrading to format 4"): it is read
@@ -65,7 +78,8 @@ inline constexpr std::size_t kUserKeySize = 32;
 inline constexpr std::size_t kPseudonymSize = 16;
 inline constexpr std::size_t kKeyStoreKeySize = 8;
 inline constexpr std::size_t kKeyStoreValueSize = 1 + kUserKeySize;
-inline constexpr std::size_t kSealedLedgerKeySize = kPseudonymSize + 8;
+inline constexpr std::size_t kSealedLedgerKeySize = 8 + kPseudonymSize;
+inline constexpr std::size_t kSealedIndexKeySize = kPseudonymSize + 8;
 inline constexpr std::size_t kSealVersionSize = 1;
 inline constexpr std::size_t kErasureTagSize = 16;
 inline constexpr std::size_t kSealNonceSize = 12;
@@ -87,7 +101,8 @@ class UserKey {
 
   // The keys-CF value.
   std::string encode() const;
-  // The 16 bytes every sealed ledger key of the user starts with.
+  // The 16 bytes that name the user's records: the end of each of their
+  // sealed ledger keys, the start of each of their index keys.
   std::string_view pseudonym() const {
     return {reinterpret_cast<const char*>(pseudonym_.data()), pseudonym_.size()};
   }
@@ -96,8 +111,10 @@ class UserKey {
   // the mark, which names the user, does not name the user's sealed records
   // too, as the pseudonym would.
   std::string erasure_tag() const;
-  // The sealed ledger key of the user's record of batch `epoch`.
+  // The sealed ledger key of the user's record of batch `epoch`, and its
+  // index key.
   std::string record_key(std::uint64_t epoch) const;
+  std::string index_key(std::uint64_t epoch) const;
   // Seals `plaintext` as the value of the record named `record_key`.
   // IOError when libcrypto fails (it does not, short of memory).
   Status seal(std::string_view record_key, std::string_view plaintext, std::string* value) const;
@@ -137,10 +154,17 @@ std::string encode_key_store_key(std::uint64_t user_id);
 std::optional<std::uint64_t> decode_key_store_key(std::string_view key);
 // The first key-store key after `user`'s.
 std::string key_store_end(std::uint64_t user_id);
-// The first key after every sealed ledger key that starts with `pseudonym`.
+// The first key after every index key that starts with `pseudonym`.
 std::string pseudonym_end(std::string_view pseudonym);
-// The epoch of a sealed ledger key; empty unless 24 bytes.
+// The epoch and the pseudonym of a sealed ledger key; empty unless 24 bytes.
 std::optional<std::uint64_t> sealed_ledger_epoch(std::string_view key);
+std::optional<std::string_view> sealed_ledger_pseudonym(std::string_view key);
+// The epoch of an index key, and the sealed ledger key it names; empty
+// unless 24 bytes.
+std::optional<std::uint64_t> sealed_index_epoch(std::string_view index_key);
+std::optional<std::string> sealed_record_of(std::string_view index_key);
+// The index key of a sealed ledger key; empty unless 24 bytes.
+std::optional<std::string> sealed_index_key_of(std::string_view record_key);
 
 }  // namespace tidal
 

@@ -246,13 +246,17 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   // a 10M-entry ledger the compaction step of a purge took ~95 ms with 4 MiB
   // files and ~35 ms with 1 MiB (bench/README.md, "Purge").
   if (name == "ledger") options->target_file_size_base = 1 << 20;
-  // A purge seeks each purged user's records by pseudonym: prefix bloom
-  // filters let the seek skip every file without the pseudonym. Without
-  // them each seek read a block of every level-0 file, and at 1M users, with
-  // ~100 of them behind, a bulk purge of 5,000 users took 11.8 s
+  // A purge seeks each purged user's index entries by pseudonym: prefix
+  // bloom filters let the seek skip every file without the pseudonym.
+  // Without them each seek read a block of every level-0 file, and at 1M
+  // users, with ~100 of them behind, a bulk purge of 5,000 users took 11.8 s
   // (bench/README.md, "Format 4").
-  if (name == "sealed_ledger") options->prefix_extractor.reset(rocksdb::NewFixedPrefixTransform(kPseudonymSize));
-  if (name == "aggregates" || name == "ledger" || name == "sealed_ledger") {
+  if (name == "sealed_index") options->prefix_extractor.reset(rocksdb::NewFixedPrefixTransform(kPseudonymSize));
+  // Ciphertext does not compress: RocksDB would try each block in vain.
+  // (Its keys begin with the epoch, so each batch's file goes to the last
+  // level and stays there: storage/sealed_ledger.h.)
+  if (name == "sealed_ledger") options->compression = rocksdb::kNoCompression;
+  if (name == "aggregates" || name == "ledger" || name == "sealed_ledger" || name == "sealed_index") {
     // The state store ingests one file per batch into each (Storage::ingest).
     // RocksDB puts an ingested file in the deepest level its keys do not
     // overlap, so a young Db's first batches landed one per level (L6, L5,
@@ -344,7 +348,8 @@ class UsersEngineEnv : public rocksdb::EnvWrapper {
 
 // The column families of each engine, in the order of Storage's accessors.
 const char* const kUsersFamilies[] = {"default", "users", "by_tag"};
-const char* const kStateFamilies[] = {"default", "aggregates", "ledger", "receipts", "sealed_ledger"};
+const char* const kStateFamilies[] = {"default",       "aggregates",  "ledger",
+                                      "receipts",      "sealed_ledger", "sealed_index"};
 // Format 2 kept these in the users engine (storage/migrate.cc moves them).
 const char* const kLegacyFamilies[] = {"aggregates", "ledger", "feed"};
 
@@ -600,6 +605,15 @@ Status Storage::open_state(const rocksdb::Options& base, bool create) {
   if (!create && !listed) {
     return Status::Corruption("cannot open tidal Db at '" + path_ + "': its state engine (" + dir +
                               ") is missing or unreadable, though the Db is in format 3 or 4 (which have one)");
+  }
+  // A development build of format 4 (before the sealed index, 2026-12-06)
+  // keyed the sealed ledger by pseudonym: this version would not find its
+  // records, and a purge would subtract nothing.
+  if (listed && contains(existing, "sealed_ledger") && !contains(existing, "sealed_index")) {
+    return Status::InvalidArgument("cannot open tidal Db at '" + path_ +
+                                   "': its sealed ledger was written by a development build of format 4 (keyed "
+                                   "by pseudonym, with no sealed_index); this version cannot read it. Re-create "
+                                   "the Db (nothing changed)");
   }
   // A writable open creates format 4's families in a format-3 state engine
   // (the upgrade, Storage::open); a read-only open of one opens it without
@@ -865,6 +879,15 @@ Status Storage::flush() {
   return s.ok() ? t : s;
 }
 
+Status Storage::flush_past_wals(Engine engine) {
+  if (read_only_ || db(engine) == nullptr) return Status::OK();
+  rocksdb::WriteBatch marker;
+  marker.Put(engine == Engine::Users ? meta() : state_meta(), kCleanCloseKey, "");
+  Status written = write(engine, &marker, WriteMode::NoWal, "the marker of a flush past the WALs");
+  Status flushed = flush(engine);
+  return written.ok() ? flushed : written;
+}
+
 Status Storage::flush(Engine engine) {
   if (read_only_) return Status::OK();
   const Instance& instance = engine == Engine::Users ? users_ : state_;
@@ -886,7 +909,7 @@ Status Storage::flush(Engine engine) {
 Storage::CompactionDebt Storage::compaction_debt() const {
   CompactionDebt debt;
   if (read_only_ || state_.db == nullptr) return debt;
-  for (rocksdb::ColumnFamilyHandle* cf : {aggregates(), sealed_ledger(), ledger()}) {
+  for (rocksdb::ColumnFamilyHandle* cf : {aggregates(), sealed_ledger(), sealed_index(), ledger()}) {
     if (cf == nullptr) continue;
     std::string files;
     if (state_.db->GetProperty(cf, rocksdb::DB::Properties::kNumFilesAtLevelPrefix + "0", &files)) {
@@ -931,19 +954,9 @@ Status Storage::close() {
   }
   if (users_.db == nullptr && state_.db == nullptr) return Status::OK();
   if (users_.db != nullptr) release_legacy();
-  if (!read_only_) {
-    // RocksDB deletes a WAL only once a flush has moved every column family
-    // past it; with empty memtables Flush does nothing, and each open/close
-    // would leave one more WAL to replay. A memtable-only record in each
-    // engine makes the flush happen.
-    for (Engine e : {Engine::Users, Engine::State}) {
-      if (db(e) == nullptr) continue;
-      rocksdb::WriteBatch marker;
-      marker.Put(e == Engine::Users ? meta() : state_meta(), kCleanCloseKey, "");
-      (void)write(e, &marker, WriteMode::NoWal, "close marker");
-    }
-  }
-  Status result = flush();
+  // So that the next open has no WAL to replay.
+  Status result = flush_past_wals(Engine::Users);
+  if (Status s = flush_past_wals(Engine::State); result.ok()) result = s;
   if (!read_only_ && state_.db != nullptr) {
     // The state engine's compaction statistics (per column family and
     // level: bytes ingested and written, write amplification, time) into

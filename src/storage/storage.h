@@ -17,8 +17,9 @@
 //   aggregates  personal/cohort/community sums (merge operands of an integer add)
 //   ledger      the contribution ledger: what each user gave to which aggregate
 //   receipts    purge receipts, keyed as users records (tag 0x10)
-//   sealed_ledger  format 4: the ledger, sealed per user; "ledger" keeps
-//               what format 3 wrote before the upgrade, unsealed
+//   sealed_ledger  format 4: the ledger, sealed per user, in write order;
+//               "ledger" keeps what format 3 wrote before the upgrade, unsealed
+//   sealed_index   format 4: which records of the sealed ledger are whose
 //   feed        the change feed (only in a Db opened with Options::change_feed)
 // Everything a purge or a batch of the writer writes is in the state engine,
 // so each stays one atomic step, except the ledger keys: the writer stores a
@@ -128,6 +129,7 @@ class Storage {
   // and in a read-only open of a format-3 Db.
   rocksdb::ColumnFamilyHandle* keys() const { return upgrade_pending_ ? nullptr : users_.handles[3]; }
   rocksdb::ColumnFamilyHandle* sealed_ledger() const { return upgrade_pending_ ? nullptr : state_.handles[4]; }
+  rocksdb::ColumnFamilyHandle* sealed_index() const { return upgrade_pending_ ? nullptr : state_.handles[5]; }
   // What keeps the key store in step with the sealed ledger for a reader of
   // both engines: a purge holds it exclusively from its batch's ingestion
   // until its keys are deleted; a reader that takes a snapshot of each
@@ -213,6 +215,13 @@ class Storage {
   // compactions first.
   Status flush();
   Status flush(Engine engine);
+  // flush(engine), which also moves RocksDB's min-log-number-to-keep past
+  // every WAL written so far, so that RocksDB deletes them: with every
+  // memtable empty Flush does nothing and the number stays, and so do the
+  // WALs (each open/close would leave one more; after an open that replayed
+  // no data, a WAL holding a purged key stayed). A memtable-only record
+  // (the engine's clean_close) gives the flush something to write.
+  Status flush_past_wals(Engine engine);
 
   // How far the state engine's compactions are behind: what admission
   // control reads (StateStore). RocksDB's own write stalls are off in the
@@ -298,7 +307,7 @@ class Storage {
  private:
   // The index of the feed's handle in the state engine's (after the
   // families every format-4 state engine has).
-  static constexpr std::size_t kFeedHandle = 5;
+  static constexpr std::size_t kFeedHandle = 6;
   struct Instance {
     std::unique_ptr<rocksdb::DB> db;
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
