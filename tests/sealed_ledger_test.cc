@@ -470,9 +470,43 @@ void write_format3_db(const std::string& path, std::uint64_t user) {
   }
   RawDb raw(path);
   ASSERT_TRUE(raw.ok());
-  for (RawDb::Cf cf : {RawDb::kKeys, RawDb::kSealedLedger}) {
+  for (RawDb::Cf cf : {RawDb::kKeys, RawDb::kSealedLedger, RawDb::kSealedIndex}) {
     ASSERT_TRUE(raw.db(cf)->DropColumnFamily(raw.cf(cf)).ok());
   }
+}
+
+// A format-3 Db whose upgrade a crash cut short after RocksDB created the
+// sealed ledger's family and before the index's is in format 3 still: the
+// next open finishes the upgrade (the refusal of format 4's development
+// layout, the sealed ledger without its index, is for format-4 Dbs).
+TEST(SealedLedger, AnUpgradeCutShortBetweenTheTwoFamiliesIsFinished) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  write_format3_db(path, 5);
+  {
+    std::vector<std::string> names;
+    ASSERT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path + "/state", &names).ok());
+    names.push_back("sealed_ledger");
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    for (const std::string& n : names) {
+      cfs.emplace_back(n, rocksdb::ColumnFamilyOptions());
+      if (n == "aggregates") cfs.back().options.merge_operator = new_units_add_operator();
+    }
+    rocksdb::Options options;
+    options.create_missing_column_families = true;
+    rocksdb::DB* raw = nullptr;
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    ASSERT_TRUE(rocksdb::DB::Open(options, path + "/state", cfs, &handles, &raw).ok());
+    for (auto* h : handles) ASSERT_TRUE(raw->DestroyColumnFamilyHandle(h).ok());
+    delete raw;
+  }
+  EXPECT_EQ(stored_format(path), kDbFormat3);
+  auto db = open_db(path, manual_writes());
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 2.0);
+  ASSERT_OK(db->signal_with_context({6, 1, 0.5}, {{4}}));
+  ASSERT_OK(db->close());
+  EXPECT_EQ(stored_format(path), kDbFormat);
 }
 
 // A format-3 Db (its ledger unsealed, keyed [user][0x13][epoch]) opened by

@@ -614,8 +614,12 @@ Status Storage::open_state(const rocksdb::Options& base, bool create) {
   }
   // A development build of format 4 (before the sealed index, 2026-12-06)
   // keyed the sealed ledger by pseudonym: this version would not find its
-  // records, and a purge would subtract nothing.
-  if (listed && contains(existing, "sealed_ledger") && !contains(existing, "sealed_index")) {
+  // records, and a purge would subtract nothing. (A format-3 Db whose
+  // upgrade a crash cut short between the two families' creation is in
+  // format 3 still, and its open creates the index.)
+  std::string format;
+  if (listed && contains(existing, "sealed_ledger") && !contains(existing, "sealed_index") &&
+      get(meta(), kDbFormatKey, &format).ok() && format == kDbFormat) {
     return Status::InvalidArgument("cannot open tidal Db at '" + path_ +
                                    "': its sealed ledger was written by a development build of format 4 (keyed "
                                    "by pseudonym, with no sealed_index); this version cannot read it. Re-create "
