@@ -246,42 +246,6 @@ TEST(SealedLedger, ADbOfTheDevelopmentLayoutIsRefused) {
   EXPECT_EQ(families(), before) << "the refused open created a column family";
 }
 
-// A record the index names that is not in the sealed ledger stops its
-// user's purge, with nothing purged.
-TEST(SealedLedger, ARecordTheIndexNamesThatIsGoneStopsItsUsersPurge) {
-  TempDir dir;
-  const std::string path = dir.sub("db");
-  {
-    auto db = open_db(path, manual_writes());
-    ASSERT_OK(db->join_community(5, 77));
-    ASSERT_OK(db->signal_with_context({5, 1, 1.5}, {{4}}));
-    ASSERT_OK(db->close());
-  }
-  std::string gone;
-  {
-    RawDb raw(path);
-    ASSERT_TRUE(raw.ok());
-    std::unique_ptr<rocksdb::Iterator> it(
-        raw.db(RawDb::kSealedLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedLedger)));
-    it->SeekToFirst();
-    ASSERT_TRUE(it->Valid());
-    gone = it->key().ToString();
-    it.reset();
-    ASSERT_TRUE(raw.db(RawDb::kSealedLedger)->Delete(rocksdb::WriteOptions(), raw.cf(RawDb::kSealedLedger), gone).ok());
-  }
-  auto db = open_db(path, manual_writes());
-  ASSERT_OK(db->leave_community_layer(5));
-  Result<PurgeReceipt> r = db->purge_community_contributions(5);
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::Corruption);
-  EXPECT_NE(r.status().message().find("sealed ledger record " + hex(gone) + " of user 5, named by the index"),
-            std::string::npos)
-      << r.status().message();
-  EXPECT_NE(r.status().message().find("nothing purged"), std::string::npos);
-  EXPECT_TRUE(db->purge_receipts(5)->empty());
-  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 1.5);
-}
-
 // The scan itself (tests/erasure_scan.h) reads a WAL's batches whole: the
 // key-store put here starts 4 bytes before the end of the log's first
 // 32 KiB block, so its key is split by the next fragment's header, where a
@@ -400,50 +364,58 @@ TEST(SealedLedger, ABackupAfterAPurgeHoldsNoKeyAndARestoreOfAnEarlierOneErasesIt
   EXPECT_FALSE(scan_files(dir.sub("before"), other).found.empty());
 }
 
-// A sealed record whose key is gone, or that no longer opens, is reported
-// by verify() naming the record, and a purge of its user refuses with
-// nothing purged.
-TEST(SealedLedger, ARecordThatDoesNotOpenIsReportedAndStopsItsUsersPurge) {
-  TempDir dir;
-  const std::string path = dir.sub("db");
-  const std::uint64_t u = 5;
-  {
+// A sealed record that no longer opens is reported by verify() naming the
+// record; a purge of its user refuses with Corruption and nothing purged,
+// and so does one of a user whose record the index names but is gone.
+TEST(SealedLedger, ARecordThatDoesNotOpenOrIsGoneStopsItsUsersPurge) {
+  for (const bool gone : {false, true}) {
+    SCOPED_TRACE(gone ? "the record is gone" : "the record does not open");
+    TempDir dir;
+    const std::string path = dir.sub("db");
+    const std::uint64_t u = 5;
+    {
+      auto db = open_db(path, manual_writes());
+      ASSERT_OK(db->join_community(u, 77));
+      ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
+      ASSERT_OK(db->close());
+    }
+    std::string record_key;
+    {
+      RawDb raw(path);
+      ASSERT_TRUE(raw.ok());
+      std::unique_ptr<rocksdb::Iterator> it(
+          raw.db(RawDb::kSealedLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedLedger)));
+      it->SeekToFirst();
+      ASSERT_TRUE(it->Valid());
+      record_key = it->key().ToString();
+      std::string value = it->value().ToString();
+      value[kSealNonceSize] = static_cast<char>(value[kSealNonceSize] ^ 0x40);
+      it.reset();
+      rocksdb::DB* sealed = raw.db(RawDb::kSealedLedger);
+      ASSERT_TRUE((gone ? sealed->Delete(rocksdb::WriteOptions(), raw.cf(RawDb::kSealedLedger), record_key)
+                        : sealed->Put(rocksdb::WriteOptions(), raw.cf(RawDb::kSealedLedger), record_key, value))
+                      .ok());
+    }
     auto db = open_db(path, manual_writes());
-    ASSERT_OK(db->join_community(u, 77));
-    ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
-    ASSERT_OK(db->close());
+    if (!gone) {
+      Result<VerifyReport> v = db->verify();
+      ASSERT_OK(v);
+      ASSERT_FALSE(v->ok());
+      std::string all;
+      for (const std::string& p : v->problems) all += p + "\n";
+      EXPECT_NE(all.find("sealed ledger key " + hex(record_key)), std::string::npos) << all;
+    }
+    ASSERT_OK(db->leave_community_layer(u));
+    Result<PurgeReceipt> r = db->purge_community_contributions(u);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::Corruption);
+    const std::string why = gone ? "sealed ledger record " + hex(record_key) + " of user 5, named by the index"
+                                 : std::string("does not open with the user's key");
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find("nothing purged"), std::string::npos);
+    EXPECT_TRUE(db->purge_receipts(u)->empty());
+    EXPECT_EQ(value_of(db->cohort_score(4, 1)), 1.5);
   }
-  std::string damaged_key;
-  {
-    RawDb raw(path);
-    ASSERT_TRUE(raw.ok());
-    std::unique_ptr<rocksdb::Iterator> it(
-        raw.db(RawDb::kSealedLedger)->NewIterator(rocksdb::ReadOptions(), raw.cf(RawDb::kSealedLedger)));
-    it->SeekToFirst();
-    ASSERT_TRUE(it->Valid());
-    damaged_key = it->key().ToString();
-    std::string value = it->value().ToString();
-    value[kSealNonceSize] = static_cast<char>(value[kSealNonceSize] ^ 0x40);
-    it.reset();
-    ASSERT_TRUE(raw.db(RawDb::kSealedLedger)
-                    ->Put(rocksdb::WriteOptions(), raw.cf(RawDb::kSealedLedger), damaged_key, value)
-                    .ok());
-  }
-  auto db = open_db(path, manual_writes());
-  Result<VerifyReport> v = db->verify();
-  ASSERT_OK(v);
-  ASSERT_FALSE(v->ok());
-  std::string all;
-  for (const std::string& p : v->problems) all += p + "\n";
-  EXPECT_NE(all.find("sealed ledger key " + hex(damaged_key)), std::string::npos) << all;
-  ASSERT_OK(db->leave_community_layer(u));
-  Result<PurgeReceipt> r = db->purge_community_contributions(u);
-  ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().code(), StatusCode::Corruption);
-  EXPECT_NE(r.status().message().find("does not open with the user's key"), std::string::npos) << r.status().message();
-  EXPECT_NE(r.status().message().find("nothing purged"), std::string::npos);
-  EXPECT_TRUE(db->purge_receipts(u)->empty());
-  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 1.5);
 }
 
 // Writes at `path` a format-3 Db as tidal 0.3 left it: `user` a member of

@@ -39,6 +39,8 @@
 
 namespace tidal {
 
+class LedgerReader;  // purge.cc
+
 // Hot-path counters, striped by thread so signaling threads do not share a
 // cache line. Relaxed; summed by stats().
 struct alignas(64) CounterStripe {
@@ -279,12 +281,14 @@ class Db::Impl {
   // (`records`, same order), the stripes' clock floors and the erasure
   // marks (`marks`: the mark value of each user).
   // `keys`: each user's ledger key, when the key store holds one (same
-  // order); the batch deletes the user's sealed records, and once it is
-  // ingested the keys are deleted from the key store (users engine). The
-  // writer forgets them (or, where the deletion failed, revokes them).
+  // order); the batch deletes the user's index keys of the sealed ledger,
+  // and once it is ingested the keys are deleted from the key store (users
+  // engine). The writer forgets them (or, where the deletion failed,
+  // revokes them). `ledger` reads the users' ledgers (purge.cc), as of
+  // before the batch.
   Status write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<std::optional<UserKey>>& keys,
                            const std::vector<ReceiptRecord>& records, const std::vector<std::uint64_t>& marks,
-                           const std::string& what);
+                           LedgerReader* ledger, const std::string& what);
   // The purged_at_ns of the user's earliest receipt whose erasure has not
   // finished, if any (the erasure mark).
   Result<std::optional<std::uint64_t>> erasure_pending_since(std::uint64_t user) const;
