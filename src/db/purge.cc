@@ -107,8 +107,9 @@ struct UserTotals {
 // its iterators are made at the first read and serve every user of the
 // batch. Made per user and read, each over every level-0 file of the
 // sealed index (~165 at the demo's reopen), they made a bulk purge of
-// 5,000 users at 1M take 6–9 s instead of 3.2 (bench/README.md, "Format 4"). A reader sees the ledger as it was when
-// it first read: it must not outlive a write of the purge's batch.
+// 5,000 users at 1M take 6–9 s instead of 3.2 (bench/README.md, "Format
+// 4"). A reader sees the ledger as it was when it first read: it must not
+// outlive a write of the purge's batch.
 class LedgerReader {
  public:
   explicit LedgerReader(const Storage& storage) : storage_(storage) {}

@@ -46,7 +46,7 @@
 // sealed records themselves stay where they are, unreadable ciphertext
 // that nothing indexes (deleting them would rewrite the old files they
 // lie in, the cost per purge the layout exists to avoid), and a ledger
-// scan counts them as records of purged users. A user who contributes
+// scan skips them (LedgerCheck::purged_records). A user who contributes
 // again gets a new key, so a later purge removes only what came after.
 //
 // The "ledger" column family keeps, unsealed, what a Db wrote before it was
