@@ -518,9 +518,9 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   std::string key, units_value, record;  // record: the ledger entries of one user so far
   // The ledger's records, sealed with their users' keys and named by the
   // epoch and their pseudonyms (storage/sealed_ledger.h), each with its
-  // index entry: in the pseudonyms' order, once all are sealed. The keys made for users new to the ledger go into the
-  // key store (synced) before the ingestion, so no record is ever stored
-  // without its key.
+  // index entry: in the pseudonyms' order, once all are sealed. The keys
+  // made for users new to the ledger go into the key store (synced) before
+  // the ingestion, so no record is ever stored without its key.
   std::vector<std::pair<std::string, std::string>> sealed;
   std::unordered_map<std::uint64_t, UserKey> created;
   *keys = 0;
