@@ -5,15 +5,20 @@
 // exactly.
 #include <algorithm>
 #include <filesystem>
+#include <random>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <gtest/gtest.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <rocksdb/db.h>
 #include <rocksdb/write_batch.h>
 
 #include "crash_child.h"
+#include "db/ledger_key_table.h"
 #include "erasure_scan.h"
 #include "raw_db.h"
 #include "storage/format.h"
@@ -137,6 +142,66 @@ TEST(SealedLedger, KeysAreFreshAndStoredKeysDecodeToTheSamePseudonym) {
   std::string v2 = stored;
   v2[0] = 2;
   EXPECT_FALSE(UserKey::decode(v2).has_value()) << "an unknown key version decoded";
+  // The derivations are part of format 4 (docs/FORMAT.md): HMAC-SHA256 of
+  // the key and a label, as libcrypto's one-shot HMAC computes it.
+  const auto hmac = [&](std::string_view label, std::size_t size) {
+    unsigned char mac[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    const std::string_view k = key.bytes_for_testing();
+    EXPECT_NE(HMAC(EVP_sha256(), k.data(), static_cast<int>(k.size()),
+                   reinterpret_cast<const unsigned char*>(label.data()), label.size(), mac, &n),
+              nullptr);
+    return std::string(reinterpret_cast<const char*>(mac), size);
+  };
+  EXPECT_EQ(key.pseudonym(), hmac("tidal ledger pseudonym v1", kPseudonymSize));
+  EXPECT_EQ(key.erasure_tag(), hmac("tidal erasure mark v1", kErasureTagSize));
+}
+
+// The writer's table of keys holds what a map holds, through inserts,
+// replacements, erases (which move the last key and shift slots back) and
+// growth, and a key it returned stays where it was while others come in.
+TEST(LedgerKeyTable, HoldsWhatAMapHoldsThroughInsertsErasesAndGrowth) {
+  LedgerKeyTable table;
+  std::unordered_map<std::uint64_t, std::string> expected;  // user -> key bytes
+  std::mt19937_64 rng(7);
+  std::vector<UserKey> pool;
+  for (int i = 0; i < 64; ++i) pool.push_back(new_key());
+  const UserKey& first = pool[0];
+  const UserKey* held = table.insert(~0ULL, first);  // the largest id, kept throughout
+  const auto check = [&](std::uint64_t u) {
+    const UserKey* k = table.find(u);
+    auto it = expected.find(u);
+    if (it == expected.end()) {
+      EXPECT_EQ(k, nullptr) << "user " << u << " was erased or never inserted";
+    } else {
+      ASSERT_NE(k, nullptr) << "user " << u << " lost";
+      EXPECT_EQ(k->bytes_for_testing(), it->second) << "user " << u;
+    }
+  };
+  for (int round = 0; round < 200'000; ++round) {
+    // Ids from a small range (many collide in the slots) and dense runs.
+    const std::uint64_t u = round % 3 == 0 ? rng() % 5'000 : (rng() % 40) << 20;
+    const UserKey& k = pool[rng() % pool.size()];
+    if (rng() % 3 == 0) {
+      table.erase(u);
+      expected.erase(u);
+    } else {
+      table.insert(u, k);
+      expected[u] = std::string(k.bytes_for_testing());
+    }
+    if (round % 97 == 0) check(rng() % 5'000);
+  }
+  ASSERT_EQ(table.size(), expected.size() + 1);
+  for (std::uint64_t u = 0; u < 5'000; ++u) check(u);
+  for (std::uint64_t u = 0; u < 40; ++u) check(u << 20);
+  // Growth moved slots, not keys.
+  for (std::uint64_t u = 1'000'000; u < 1'200'000; ++u) table.insert(u, pool[u % pool.size()]);
+  EXPECT_EQ(table.find(~0ULL), held);
+  EXPECT_EQ(held->bytes_for_testing(), first.bytes_for_testing());
+  for (std::uint64_t u = 1'000'000; u < 1'200'000; u += 997) {
+    ASSERT_NE(table.find(u), nullptr);
+    EXPECT_EQ(table.find(u)->bytes_for_testing(), pool[u % pool.size()].bytes_for_testing());
+  }
 }
 
 // No ledger key names a user in clear: every key of the sealed ledger is a

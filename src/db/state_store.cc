@@ -448,17 +448,39 @@ Status StateStore::write_frozen_locked(int frozen) {
   return Status::OK();
 }
 
-Result<const UserKey*> StateStore::ledger_key(std::uint64_t user, std::unordered_map<std::uint64_t, UserKey>* created) {
-  if (auto it = ledger_keys_.find(user); it != ledger_keys_.end()) return &it->second;
-  if (auto it = created->find(user); it != created->end()) return &it->second;
-  if (!revoked_keys_.contains(user)) {
-    Result<std::optional<UserKey>> stored = read_user_key(*storage_, user);
-    if (!stored.ok()) return stored.status();
-    if (*stored) return &ledger_keys_.emplace(user, std::move(**stored)).first->second;
+Status StateStore::resolve_ledger_keys(const std::vector<std::uint64_t>& users, std::vector<const UserKey*>* keys,
+                                       std::vector<std::pair<std::uint64_t, UserKey>>* created) {
+  // Each lookup asks for a slot this far ahead (LedgerKeyTable).
+  constexpr std::size_t kAhead = 16;
+  keys->assign(users.size(), nullptr);
+  std::vector<std::uint64_t> unknown;  // neither held nor revoked: read from the key store
+  std::vector<std::size_t> unknown_at, fresh_at;
+  for (std::size_t i = 0; i < users.size(); ++i) {
+    if (i + kAhead < users.size()) ledger_keys_.prefetch(users[i + kAhead]);
+    if (const UserKey* k = ledger_keys_.find(users[i])) {
+      (*keys)[i] = k;
+    } else if (revoked_keys_.contains(users[i])) {
+      fresh_at.push_back(i);
+    } else {
+      unknown.push_back(users[i]);
+      unknown_at.push_back(i);
+    }
   }
-  Result<UserKey> fresh = UserKey::generate();
-  if (!fresh.ok()) return fresh.status();
-  return &created->emplace(user, std::move(*fresh)).first->second;
+  std::vector<std::optional<UserKey>> stored;
+  if (Status s = read_user_keys(*storage_, unknown, &stored); !s.ok()) return s;
+  for (std::size_t j = 0; j < unknown.size(); ++j) {
+    if (stored[j]) (*keys)[unknown_at[j]] = ledger_keys_.insert(unknown[j], *stored[j]);
+    else fresh_at.push_back(unknown_at[j]);
+  }
+  created->clear();
+  created->reserve(fresh_at.size());  // no reallocation: keys points into it
+  for (std::size_t i : fresh_at) {
+    Result<UserKey> fresh = UserKey::generate();
+    if (!fresh.ok()) return fresh.status();
+    created->emplace_back(users[i], std::move(*fresh));
+    (*keys)[i] = &created->back().second;
+  }
+  return Status::OK();
 }
 
 Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch,
@@ -522,7 +544,18 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   // made for users new to the ledger go into the key store (synced) before
   // the ingestion, so no record is ever stored without its key.
   std::vector<std::pair<std::string, std::string>> sealed;
-  std::unordered_map<std::uint64_t, UserKey> created;
+  std::vector<std::pair<std::uint64_t, UserKey>> created;
+  std::vector<const UserKey*> user_keys;  // of each user with ledger cells, in order
+  {
+    std::vector<std::uint64_t> users;
+    for (const auto& [cell, units] : *cells) {
+      if (is_ledger(cell) && (users.empty() || users.back() != cell.a)) users.push_back(cell.a);
+    }
+    if (Status s = resolve_ledger_keys(users, &user_keys, &created); !s.ok()) {
+      return Status(s.code(), what + ": " + s.message());
+    }
+  }
+  std::size_t next_user = 0;
   *keys = 0;
   *bytes = 0;
   for (std::size_t i = 0; i < cells->size(); ++i) {
@@ -539,10 +572,9 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     } else {
       put_sealed_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
       if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
-        Result<const UserKey*> user_key = ledger_key(cell.a, &created);
-        if (!user_key.ok()) return Status(user_key.status().code(), what + ": " + user_key.status().message());
-        auto& [sealed_key, sealed_value] = sealed.emplace_back((*user_key)->record_key(epoch), std::string());
-        if (Status seal = (*user_key)->seal(sealed_key, record, &sealed_value); !seal.ok()) {
+        const UserKey* user_key = user_keys[next_user++];
+        auto& [sealed_key, sealed_value] = sealed.emplace_back(user_key->record_key(epoch), std::string());
+        if (Status seal = user_key->seal(sealed_key, record, &sealed_value); !seal.ok()) {
           return Status(seal.code(), what + ": " + seal.message());
         }
         *bytes += sealed_key.size() + sealed_value.size();
@@ -583,7 +615,7 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   }
   if (Status s = files.ingest(what, &feed_file); !s.ok()) return s;
   if (feed_ != nullptr) feed_->committed(appended);
-  ledger_keys_.merge(created);  // stored now
+  for (const auto& [user, k] : created) ledger_keys_.insert(user, k);  // stored now
   return Status::OK();
 }
 

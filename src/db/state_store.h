@@ -78,6 +78,7 @@
 #include <vector>
 
 #include "db/cuckoo.h"
+#include "db/ledger_key_table.h"
 
 #include "feed/change_feed.h"
 #include "storage/sealed_ledger.h"
@@ -281,10 +282,13 @@ class StateStore {
   // and the bytes (keys and values) of the aggregates and the ledger.
   Status write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch, const std::string& what,
                            std::uint64_t* keys, std::uint64_t* bytes);
-  // The ledger key of `user`: the writer's copy, else the key store's, else
-  // a new one (added to `created`, which the batch stores; the copy is kept
-  // only once the batch is ingested). Caller holds drain_mu_.
-  Result<const UserKey*> ledger_key(std::uint64_t user, std::unordered_map<std::uint64_t, UserKey>* created);
+  // The ledger keys of `users` (ascending, distinct), in (*keys)[i]: the
+  // writer's copy, else the key store's (read in one MultiGet), else a new
+  // one (added to `created`, which the batch stores; the copy is kept only
+  // once the batch is ingested). Caller holds drain_mu_; the pointers stay
+  // valid until the next forget_ledger_key().
+  Status resolve_ledger_keys(const std::vector<std::uint64_t>& users, std::vector<const UserKey*>* keys,
+                             std::vector<std::pair<std::uint64_t, UserKey>>* created);
 
   Storage* const storage_;
   ChangeFeed* feed_ = nullptr;
@@ -311,8 +315,8 @@ class StateStore {
   std::uint64_t reserved_epoch_ = 0;
   // The ledger keys of the users the writer has sealed records of, read or
   // made as they first contribute (storage/sealed_ledger.h); guarded by
-  // drain_mu_. ~100 bytes a user.
-  std::unordered_map<std::uint64_t, UserKey> ledger_keys_;
+  // drain_mu_. ~90 bytes a user.
+  LedgerKeyTable ledger_keys_;
   // Users whose stored key the writer must not use (revoke_ledger_key);
   // guarded by drain_mu_.
   std::unordered_set<std::uint64_t> revoked_keys_;

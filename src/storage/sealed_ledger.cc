@@ -11,7 +11,8 @@
 #include <openssl/crypto.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
+#include <openssl/core_names.h>
+#include <openssl/params.h>
 #include <openssl/rand.h>
 
 #include "storage/format.h"
@@ -56,37 +57,60 @@ const EVP_CIPHER* aes_256_gcm() {
   return cipher;
 }
 
-// The nonces, from a per-thread pool of the OS CSPRNG's bytes, refilled
-// 4 KiB at a time: RAND_bytes per record (its locks, and a getpid system
-// call each) cost more than the sealing. A forked child empties the pool
-// of the thread that forked (the only one it has), so it never draws the
-// parent's nonces.
-struct NoncePool {
+// The nonces and new keys, from a per-thread pool of the OS CSPRNG's bytes,
+// refilled 4 KiB at a time: RAND_bytes per record (its locks, and a getpid
+// system call each) cost more than the sealing. Bytes are wiped from the
+// pool as they are taken. A forked child empties the pool of the thread
+// that forked (the only one it has), so it never draws the parent's bytes.
+struct RandomPool {
   std::array<unsigned char, 4096> bytes{};
   std::size_t used = 4096;
 };
-NoncePool& nonce_pool() {
-  thread_local NoncePool pool;
+RandomPool& random_pool() {
+  thread_local RandomPool pool;
   return pool;
 }
-bool next_nonce(unsigned char* out) {
+bool random_bytes(unsigned char* out, std::size_t size) {
   static std::once_flag fork_handler;
-  std::call_once(fork_handler, [] { pthread_atfork(nullptr, nullptr, [] { nonce_pool().used = 4096; }); });
-  NoncePool& pool = nonce_pool();
-  if (pool.used + kSealNonceSize > pool.bytes.size()) {
+  std::call_once(fork_handler, [] { pthread_atfork(nullptr, nullptr, [] { random_pool().used = 4096; }); });
+  RandomPool& pool = random_pool();
+  if (pool.used + size > pool.bytes.size()) {
     if (RAND_bytes(pool.bytes.data(), static_cast<int>(pool.bytes.size())) != 1) return false;
     pool.used = 0;
   }
-  std::memcpy(out, pool.bytes.data() + pool.used, kSealNonceSize);
-  pool.used += kSealNonceSize;
+  std::memcpy(out, pool.bytes.data() + pool.used, size);
+  OPENSSL_cleanse(pool.bytes.data() + pool.used, size);
+  pool.used += size;
   return true;
+}
+
+// HMAC-SHA256 (the key's derivations), fetched once, with one context per
+// thread that each derivation keys anew: HMAC() looked up HMAC and SHA-256
+// by name at every call, under libcrypto's locks (with RAND_bytes, a third
+// of a new key's cost in the writer at 4M users). Null when libcrypto has
+// none; each derivation then fails.
+struct MacCtxDeleter {
+  void operator()(EVP_MAC_CTX* ctx) const { EVP_MAC_CTX_free(ctx); }
+};
+EVP_MAC_CTX* hmac_sha256_ctx() {
+  static EVP_MAC* const hmac = EVP_MAC_fetch(nullptr, "HMAC", nullptr);
+  thread_local std::unique_ptr<EVP_MAC_CTX, MacCtxDeleter> ctx = []() -> std::unique_ptr<EVP_MAC_CTX, MacCtxDeleter> {
+    if (hmac == nullptr) return nullptr;
+    std::unique_ptr<EVP_MAC_CTX, MacCtxDeleter> c(EVP_MAC_CTX_new(hmac));
+    char digest[] = "SHA256";
+    const OSSL_PARAM params[] = {OSSL_PARAM_construct_utf8_string(OSSL_MAC_PARAM_DIGEST, digest, 0),
+                                 OSSL_PARAM_construct_end()};
+    if (c == nullptr || EVP_MAC_CTX_set_params(c.get(), params) != 1) return nullptr;
+    return c;
+  }();
+  return ctx.get();
 }
 
 }  // namespace
 
 Result<UserKey> UserKey::generate() {
   UserKey key;
-  if (RAND_bytes(key.key_.data(), static_cast<int>(key.key_.size())) != 1) {
+  if (!random_bytes(key.key_.data(), key.key_.size())) {
     return Status::IOError("the OS random number generator gave no key for a user's ledger (OpenSSL RAND_bytes: " +
                            crypto_error() + ")");
   }
@@ -110,15 +134,16 @@ UserKey::~UserKey() {
 namespace {
 
 // HMAC-SHA256(key, label), its first `out.size()` bytes. HMAC cannot fail
-// with a valid digest and key; a null result leaves `out` zero.
+// with a valid digest and key; a failure leaves `out` zero.
 template <std::size_t N>
 void derive(const std::array<unsigned char, kUserKeySize>& key, std::string_view label,
             std::array<unsigned char, N>* out) {
   unsigned char mac[EVP_MAX_MD_SIZE];
-  unsigned int size = 0;
-  if (HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(label.data()),
-           label.size(), mac, &size) != nullptr &&
-      size >= N) {
+  std::size_t size = 0;
+  EVP_MAC_CTX* ctx = hmac_sha256_ctx();
+  if (ctx != nullptr && EVP_MAC_init(ctx, key.data(), key.size(), nullptr) == 1 &&
+      EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(label.data()), label.size()) == 1 &&
+      EVP_MAC_final(ctx, mac, &size, sizeof mac) == 1 && size >= N) {
     std::memcpy(out->data(), mac, N);
   }
   OPENSSL_cleanse(mac, sizeof mac);
@@ -160,7 +185,7 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
   value->resize(kSealVersionSize + kSealNonceSize + plaintext.size() + kSealTagSize);
   (*value)[0] = static_cast<char>(kRecordVersion);
   auto* out = reinterpret_cast<unsigned char*>(value->data()) + kSealVersionSize;
-  if (!next_nonce(out)) {
+  if (!random_bytes(out, kSealNonceSize)) {
     return Status::IOError("the OS random number generator gave no nonce to seal a ledger record (OpenSSL RAND_bytes: " +
                            crypto_error() + ")");
   }
@@ -277,21 +302,54 @@ std::string key_store_end(std::uint64_t user_id) {
   return out;
 }
 
-Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
-                                             const rocksdb::Snapshot* snapshot) {
-  if (storage.keys() == nullptr) return std::optional<UserKey>();  // format 3, read-only
-  const std::string key = encode_key_store_key(user);
-  std::string stored;
-  Status s = storage.get(storage.keys(), key, &stored, snapshot);
-  if (s.code() == StatusCode::NotFound) return std::optional<UserKey>();
-  if (!s.ok()) return Status(s.code(), "read of the ledger key of user " + std::to_string(user) + ": " + s.message());
+namespace {
+
+std::string user_key_text(std::uint64_t user) { return "the ledger key of user " + std::to_string(user); }
+
+Result<std::optional<UserKey>> decode_user_key(const Storage& storage, std::uint64_t user, std::string_view stored) {
   std::optional<UserKey> k = UserKey::decode(stored);
   if (!k) {
-    return Status::Corruption("the ledger key of user " + std::to_string(user) + " (key store key " + hex(key) +
-                              ") in '" + storage.path() + "' does not decode (" + std::to_string(stored.size()) +
+    return Status::Corruption(user_key_text(user) + " (key store key " + hex(encode_key_store_key(user)) + ") in '" +
+                              storage.path() + "' does not decode (" + std::to_string(stored.size()) +
                               "-byte value; expected 33 of version 1)");
   }
   return k;
+}
+
+}  // namespace
+
+Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
+                                             const rocksdb::Snapshot* snapshot) {
+  if (storage.keys() == nullptr) return std::optional<UserKey>();  // format 3, read-only
+  std::string stored;
+  Status s = storage.get(storage.keys(), encode_key_store_key(user), &stored, snapshot);
+  if (s.code() == StatusCode::NotFound) return std::optional<UserKey>();
+  if (!s.ok()) return Status(s.code(), "read of " + user_key_text(user) + ": " + s.message());
+  return decode_user_key(storage, user, stored);
+}
+
+Status read_user_keys(const Storage& storage, std::span<const std::uint64_t> users,
+                      std::vector<std::optional<UserKey>>* keys) {
+  keys->clear();
+  keys->resize(users.size());
+  if (storage.keys() == nullptr || users.empty()) return Status::OK();
+  std::vector<std::string> encoded;
+  encoded.reserve(users.size());
+  for (std::uint64_t u : users) encoded.push_back(encode_key_store_key(u));
+  std::vector<rocksdb::Slice> slices(encoded.begin(), encoded.end());
+  std::vector<rocksdb::PinnableSlice> values(users.size());
+  std::vector<rocksdb::Status> statuses(users.size());
+  storage.db(Storage::Engine::Users)
+      ->MultiGet(rocksdb::ReadOptions(), storage.keys(), slices.size(), slices.data(), values.data(), statuses.data(),
+                 /*sorted_input=*/true);
+  for (std::size_t i = 0; i < users.size(); ++i) {
+    if (statuses[i].IsNotFound()) continue;
+    if (!statuses[i].ok()) return from_rocksdb(statuses[i], "read of " + user_key_text(users[i]));
+    Result<std::optional<UserKey>> k = decode_user_key(storage, users[i], values[i].ToStringView());
+    if (!k.ok()) return k.status();
+    (*keys)[i] = std::move(*k);
+  }
+  return Status::OK();
 }
 
 std::optional<std::uint64_t> decode_key_store_key(std::string_view key) {

@@ -59,6 +59,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -141,6 +142,10 @@ class UserKey {
 // does not decode.
 Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
                                              const rocksdb::Snapshot* snapshot = nullptr);
+// The stored keys of `users` (ascending), in one MultiGet of the key store:
+// (*keys)[i] is empty when users[i] has none.
+Status read_user_keys(const Storage& storage, std::span<const std::uint64_t> users,
+                      std::vector<std::optional<UserKey>>* keys);
 
 // Appends one entry of a sealed record's plaintext (see the top).
 void put_sealed_entry(std::string* out, const LedgerEntry& entry);
