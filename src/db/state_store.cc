@@ -1,6 +1,7 @@
 #include "db/state_store.h"
 
 #include <algorithm>
+#include <cstring>
 #include <future>
 #include <system_error>
 #include <vector>
@@ -543,7 +544,12 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   // index entry: in the pseudonyms' order, once all are sealed. The keys
   // made for users new to the ledger go into the key store (synced) before
   // the ingestion, so no record is ever stored without its key.
-  std::vector<std::pair<std::string, std::string>> sealed;
+  struct SealedRecord {
+    std::array<char, kSealedLedgerKeySize> name;
+    std::size_t at, size;  // its value in sealed_values
+  };
+  std::vector<SealedRecord> sealed;
+  std::string sealed_values;
   std::vector<std::pair<std::uint64_t, UserKey>> created;
   std::vector<const UserKey*> user_keys;  // of each user with ledger cells, in order
   {
@@ -573,11 +579,12 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
       put_sealed_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
       if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
         const UserKey* user_key = user_keys[next_user++];
-        auto& [sealed_key, sealed_value] = sealed.emplace_back(user_key->record_key(epoch), std::string());
-        if (Status seal = user_key->seal(sealed_key, record, &sealed_value); !seal.ok()) {
+        SealedRecord& r = sealed.emplace_back(SealedRecord{user_key->record_name(epoch), sealed_values.size(), 0});
+        if (Status seal = user_key->seal({r.name.data(), r.name.size()}, record, &sealed_values); !seal.ok()) {
           return Status(seal.code(), what + ": " + seal.message());
         }
-        *bytes += sealed_key.size() + sealed_value.size();
+        r.size = sealed_values.size() - r.at;
+        *bytes += r.name.size() + r.size;
         record.clear();
         ++*keys;
       }
@@ -585,14 +592,20 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     if (!s.ok()) return from_rocksdb(s, what);
   }
   // One epoch: in the pseudonyms' order, which is also the index keys'.
-  std::sort(sealed.begin(), sealed.end());
-  for (const auto& [k, v] : sealed) {
-    if (rocksdb::Status s = files.put(storage_->sealed_ledger(), k, v); !s.ok()) return from_rocksdb(s, what);
-  }
-  for (const auto& [k, v] : sealed) {
-    if (rocksdb::Status s = files.put(storage_->sealed_index(), *sealed_index_key_of(k), ""); !s.ok()) {
+  std::sort(sealed.begin(), sealed.end(), [](const SealedRecord& x, const SealedRecord& y) {
+    return std::memcmp(x.name.data(), y.name.data(), x.name.size()) < 0;  // bytewise, as RocksDB orders keys
+  });
+  for (const SealedRecord& r : sealed) {
+    if (rocksdb::Status s = files.put(storage_->sealed_ledger(), {r.name.data(), r.name.size()},
+                                      std::string_view(sealed_values).substr(r.at, r.size));
+        !s.ok()) {
       return from_rocksdb(s, what);
     }
+  }
+  std::string index_key;
+  for (const SealedRecord& r : sealed) {
+    sealed_index_key_of({r.name.data(), r.name.size()}, &index_key);
+    if (rocksdb::Status s = files.put(storage_->sealed_index(), index_key, ""); !s.ok()) return from_rocksdb(s, what);
   }
   if (!created.empty()) {
     // A key stored without the batch (which then failed) is found and used

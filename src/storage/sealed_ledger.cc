@@ -167,12 +167,16 @@ std::string UserKey::encode() const {
   return out;
 }
 
-std::string UserKey::record_key(std::uint64_t epoch) const {
-  std::string out;
-  out.reserve(kSealedLedgerKeySize);
-  put_u64_be(&out, epoch);
-  out.append(pseudonym());
+std::array<char, kSealedLedgerKeySize> UserKey::record_name(std::uint64_t epoch) const {
+  std::array<char, kSealedLedgerKeySize> out;
+  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>(epoch >> (56 - 8 * i));
+  std::memcpy(out.data() + 8, pseudonym_.data(), kPseudonymSize);
   return out;
+}
+
+std::string UserKey::record_key(std::uint64_t epoch) const {
+  const std::array<char, kSealedLedgerKeySize> name = record_name(epoch);
+  return {name.data(), name.size()};
 }
 
 std::string UserKey::index_key(std::uint64_t epoch) const {
@@ -182,9 +186,10 @@ std::string UserKey::index_key(std::uint64_t epoch) const {
 }
 
 Status UserKey::seal(std::string_view record_key, std::string_view plaintext, std::string* value) const {
-  value->resize(kSealVersionSize + kSealNonceSize + plaintext.size() + kSealTagSize);
-  (*value)[0] = static_cast<char>(kRecordVersion);
-  auto* out = reinterpret_cast<unsigned char*>(value->data()) + kSealVersionSize;
+  const std::size_t at = value->size();
+  value->resize(at + kSealVersionSize + kSealNonceSize + plaintext.size() + kSealTagSize);
+  (*value)[at] = static_cast<char>(kRecordVersion);
+  auto* out = reinterpret_cast<unsigned char*>(value->data()) + at + kSealVersionSize;
   if (!random_bytes(out, kSealNonceSize)) {
     return Status::IOError("the OS random number generator gave no nonce to seal a ledger record (OpenSSL RAND_bytes: " +
                            crypto_error() + ")");
@@ -386,10 +391,16 @@ std::optional<std::string> sealed_record_of(std::string_view index_key) {
   return out;
 }
 
+bool sealed_index_key_of(std::string_view record_key, std::string* out) {
+  if (record_key.size() != kSealedLedgerKeySize) return false;
+  out->assign(record_key.substr(8));
+  out->append(record_key.substr(0, 8));
+  return true;
+}
+
 std::optional<std::string> sealed_index_key_of(std::string_view record_key) {
-  if (record_key.size() != kSealedLedgerKeySize) return std::nullopt;
-  std::string out(record_key.substr(8));
-  out.append(record_key.substr(0, 8));
+  std::string out;
+  if (!sealed_index_key_of(record_key, &out)) return std::nullopt;
   return out;
 }
 

@@ -115,9 +115,12 @@ class UserKey {
   // The sealed ledger key of the user's record of batch `epoch`, and its
   // index key.
   std::string record_key(std::uint64_t epoch) const;
+  // The same name, without an allocation (the writer makes one a record).
+  std::array<char, kSealedLedgerKeySize> record_name(std::uint64_t epoch) const;
   std::string index_key(std::uint64_t epoch) const;
-  // Seals `plaintext` as the value of the record named `record_key`.
-  // IOError when libcrypto fails (it does not, short of memory).
+  // Seals `plaintext` as the value of the record named `record_key`,
+  // appended to *value. IOError when libcrypto fails (it does not, short of
+  // memory).
   Status seal(std::string_view record_key, std::string_view plaintext, std::string* value) const;
   // Opens a value sealed under `record_key`: false when it is not this
   // key's (the tag does not authenticate), or the record was changed.
@@ -170,6 +173,9 @@ std::optional<std::uint64_t> sealed_index_epoch(std::string_view index_key);
 std::optional<std::string> sealed_record_of(std::string_view index_key);
 // The index key of a sealed ledger key; empty unless 24 bytes.
 std::optional<std::string> sealed_index_key_of(std::string_view record_key);
+// The same, into *out (replacing what it held); false when `record_key` is
+// not one.
+bool sealed_index_key_of(std::string_view record_key, std::string* out);
 
 }  // namespace tidal
 
