@@ -315,7 +315,7 @@ class StateStore {
   std::uint64_t reserved_epoch_ = 0;
   // The ledger keys of the users the writer has sealed records of, read or
   // made as they first contribute (storage/sealed_ledger.h); guarded by
-  // drain_mu_. ~90 bytes a user.
+  // drain_mu_. About 90 bytes a user (db/ledger_key_table.h).
   LedgerKeyTable ledger_keys_;
   // Users whose stored key the writer must not use (revoke_ledger_key);
   // guarded by drain_mu_.
