@@ -848,8 +848,13 @@ std::uint64_t Storage::estimate_keys(rocksdb::ColumnFamilyHandle* cf) const {
 std::unique_ptr<rocksdb::SstFileWriter> Storage::sst_writer(rocksdb::ColumnFamilyHandle* cf) const {
   const rocksdb::Options options = db_of(cf)->GetOptions(cf);
   // Keep the file's pages cached: its first reads come right after ingest().
+  // No bloom filter in the sealed ledger's files: only a purge reads them,
+  // by point reads of records its index names, which a filter can only
+  // confirm, at the cost of one more block read each (and of building it
+  // for every record the writer stores).
   return std::make_unique<rocksdb::SstFileWriter>(rocksdb::EnvOptions(options), options, cf,
-                                                  /*invalidate_page_cache=*/false);
+                                                  /*invalidate_page_cache=*/false, rocksdb::Env::IO_TOTAL,
+                                                  /*skip_filters=*/cf == sealed_ledger());
 }
 
 Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>>& files,
