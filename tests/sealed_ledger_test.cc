@@ -66,7 +66,9 @@ TEST(SealedLedger, ARecordOpensOnlyWithItsKeyUnderItsNameUnchanged) {
   EXPECT_EQ(index.substr(0, kPseudonymSize), key.pseudonym());
   EXPECT_EQ(sealed_index_epoch(index), 42u);
   EXPECT_EQ(sealed_record_of(index), name);
-  EXPECT_EQ(sealed_index_key_of(name), index);
+  std::string index_of_name;
+  ASSERT_TRUE(sealed_index_key_of(name, &index_of_name));
+  EXPECT_EQ(index_of_name, index);
   std::string sealed;
   ASSERT_OK(key.seal(name, plain, &sealed));
   EXPECT_EQ(sealed.size(), kSealVersionSize + kSealNonceSize + plain.size() + kSealTagSize);

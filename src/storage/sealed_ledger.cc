@@ -398,10 +398,5 @@ bool sealed_index_key_of(std::string_view record_key, std::string* out) {
   return true;
 }
 
-std::optional<std::string> sealed_index_key_of(std::string_view record_key) {
-  std::string out;
-  if (!sealed_index_key_of(record_key, &out)) return std::nullopt;
-  return out;
-}
 
 }  // namespace tidal

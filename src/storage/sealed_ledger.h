@@ -171,10 +171,8 @@ std::optional<std::string_view> sealed_ledger_pseudonym(std::string_view key);
 // unless 24 bytes.
 std::optional<std::uint64_t> sealed_index_epoch(std::string_view index_key);
 std::optional<std::string> sealed_record_of(std::string_view index_key);
-// The index key of a sealed ledger key; empty unless 24 bytes.
-std::optional<std::string> sealed_index_key_of(std::string_view record_key);
-// The same, into *out (replacing what it held); false when `record_key` is
-// not one.
+// The index key of a sealed ledger key, into *out (replacing what it held);
+// false when `record_key` is not one.
 bool sealed_index_key_of(std::string_view record_key, std::string* out);
 
 }  // namespace tidal
