@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -20,6 +21,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <rocksdb/db.h>
+#include <rocksdb/sst_file_writer.h>
 
 #include "db/impl.h"
 #include "fault_fs.h"
@@ -934,6 +938,69 @@ TEST(FaultSweepTest, FlushWithTheChangeFeed) {
   }
   std::cout << "[sweep flush with the change feed] N = 1.." << runs << ", flushes failed: " << failed << "\n";
   EXPECT_GT(failed, 0u);
+}
+
+// ---- tidal's RocksDB patches ----
+
+// third_party/rocksdb/merging-iterator-keep-child-errors.patch: a scan that
+// leaves one file of a level for the next and cannot read that file reports
+// the failure. Unpatched, RocksDB 7.8.3 ended the scan with status() OK and
+// the second file's keys silently missing (a purge then returned a receipt
+// short of one of the user's records).
+TEST(RocksDbPatch, AScanThatCannotReadTheNextFileOfALevelReportsIt) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  auto fault = reliability::FaultEnv::make();
+  rocksdb::Options options;
+  options.create_if_missing = true;
+  options.env = fault.env.get();
+  {
+    // Two files side by side at the last level: "a000".."a099" and "b000".."b099".
+    rocksdb::DB* raw = nullptr;
+    ASSERT_TRUE(rocksdb::DB::Open(options, path, &raw).ok());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    for (const char prefix : {'a', 'b'}) {
+      const std::string file = dir.sub(std::string(1, prefix) + ".sst");
+      rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options);
+      ASSERT_TRUE(writer.Open(file).ok());
+      for (int i = 0; i < 100; ++i) {
+        char key[8];
+        std::snprintf(key, sizeof key, "%c%03d", prefix, i);
+        ASSERT_TRUE(writer.Put(key, std::string(64, prefix)).ok());
+      }
+      ASSERT_TRUE(writer.Finish().ok());
+      ASSERT_TRUE(db->IngestExternalFile({file}, rocksdb::IngestExternalFileOptions()).ok());
+    }
+    std::vector<rocksdb::LiveFileMetaData> files;
+    db->GetLiveFilesMetaData(&files);
+    ASSERT_EQ(files.size(), 2u);
+    EXPECT_EQ(files[0].level, files[1].level);
+    EXPECT_GT(files[0].level, 0);
+    ASSERT_TRUE(db->Close().ok());
+  }
+  // Reopened, so that no data block is cached: the scan reads the second
+  // file's first block when it gets there.
+  rocksdb::DB* raw = nullptr;
+  ASSERT_TRUE(rocksdb::DB::Open(options, path, &raw).ok());
+  std::unique_ptr<rocksdb::DB> db(raw);
+  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+  int seen = 0;
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    ++seen;
+    // From the first file's last key on, every read fails.
+    if (it->key() == "a099") fault.fs->fail_nth_op(1, /*persistent=*/true);
+  }
+  const rocksdb::Status end = it->status();
+  fault.fs->clear_faults();
+  EXPECT_EQ(seen, 100) << "keys of the second file read although its reads fail";
+  EXPECT_FALSE(end.ok()) << "the scan ended after " << seen << " of 200 keys with status OK";
+  EXPECT_NE(end.ToString().find("injected failure"), std::string::npos) << end.ToString();
+  // Without the fault, the whole scan.
+  it.reset(db->NewIterator(rocksdb::ReadOptions()));
+  seen = 0;
+  for (it->SeekToFirst(); it->Valid(); it->Next()) ++seen;
+  EXPECT_TRUE(it->status().ok()) << it->status().ToString();
+  EXPECT_EQ(seen, 200);
 }
 
 }  // namespace

@@ -552,6 +552,10 @@ TEST(PurgeFaultSweep, APurgeIsDoneOrNotDoneWhateverFileOperationFails) {
     const bool purged = !receipts->empty();
     if (r.ok()) {
       EXPECT_TRUE(purged) << ctx << ": acknowledged purge without a receipt";
+      // 21 signals, each one cohort and one community entry of 1.25.
+      EXPECT_EQ(r->entries_removed, 42u) << ctx;
+      EXPECT_EQ(r->cohort_weight_removed, 26.25) << ctx;
+      EXPECT_EQ(r->community_weight_removed, 26.25) << ctx;
     }
     if (!r.ok() && purged) {
       ++failed_but_durable;
