@@ -272,8 +272,11 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   // overlaps all of it, and each compaction of level 0 rewrites the whole
   // index (140 MB at 1M users and 20M signals). Only a purge's seeks read
   // level 0 (prefix bloom filters skip a file without the pseudonym), so
-  // level 0 may hold more files: each rewrite then takes 16 batches'.
-  if (name == "sealed_index") options->level0_file_num_compaction_trigger = 16;
+  // level 0 may hold more files: each rewrite then takes 64 batches'
+  // (at 16, on the light fan-out, the index's compactions cost as much
+  // merge CPU as format 3's whole ledger: bench/README.md, "Session 31").
+  // Admission counts them from 100 on (kDebtStartL0Files).
+  if (name == "sealed_index") options->level0_file_num_compaction_trigger = 64;
   // No write stalls: RocksDB would delay or stop the writer's ingestions
   // and epoch marks, and a batch held back is a batch a crash may lose.
   // Admission control holds signals to a rate instead, and refuses them
