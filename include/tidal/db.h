@@ -568,7 +568,8 @@ class Db {
   Result<std::uint64_t> wait_journal(std::uint64_t after_seq, std::chrono::milliseconds wait) const;
   // The journal is replicated through through_seq: the point is stored
   // durably, the entries up to it are removed, and leaves, rejoins and
-  // purges waiting for them (Options::journal_wait) return OK.
+  // purges waiting for them (Options::journal_wait) return OK, as soon as
+  // the call begins (not after its synced write).
   // InvalidArgument past the last seq; OK and nothing changed at or below
   // the confirmed point.
   Status confirm_journal(std::uint64_t through_seq);

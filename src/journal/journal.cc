@@ -81,6 +81,7 @@ Status Journal::load() {
   if (!end.ok()) return end.status();
   std::lock_guard<std::mutex> lock(mu_);
   confirmed_seq_ = confirmed->seq;
+  replicated_seq_ = confirmed_seq_;
   confirmed_offset_ = confirmed->offset;
   last_seq_ = end->seq;
   end_offset_ = end->offset;
@@ -218,6 +219,16 @@ Status Journal::confirm(std::uint64_t through_seq) {
   if (through_seq <= confirmed) return Status::OK();
   Result<std::uint64_t> offset = journal_log(*storage_).end_offset(storage_->meta(), through_seq);
   if (!offset.ok()) return offset.status();
+  // The caller says the stream holds the entries: their waiters are
+  // replicated now, whatever becomes of the write below, which only keeps
+  // the point and drops the entries (a failed one is retried by the next
+  // confirm; the publisher confirms again what it finds in the stream).
+  // Woken before it, a replicated leave does not wait for its fsync.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    replicated_seq_ = std::max(replicated_seq_, through_seq);
+  }
+  confirmed_.notify_all();
   rocksdb::WriteBatch batch;
   if (through_seq - confirmed > kPointDeletes) {
     batch.DeleteRange(storage_->meta(), encode_journal_key(confirmed + 1), encode_journal_key(through_seq + 1));
@@ -233,6 +244,7 @@ Status Journal::confirm(std::uint64_t through_seq) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     confirmed_seq_ = std::max(confirmed_seq_, through_seq);
+    replicated_seq_ = std::max(replicated_seq_, through_seq);
     confirmed_offset_ = std::max(confirmed_offset_, *offset);
   }
   confirmed_.notify_all();
@@ -241,8 +253,8 @@ Status Journal::confirm(std::uint64_t through_seq) {
 
 bool Journal::wait_confirmed(std::uint64_t seq, std::chrono::milliseconds wait) const {
   std::unique_lock<std::mutex> lock(mu_);
-  confirmed_.wait_for(lock, wait, [&] { return confirmed_seq_ >= seq || shutdown_; });
-  return confirmed_seq_ >= seq;
+  confirmed_.wait_for(lock, wait, [&] { return replicated_seq_ >= seq || shutdown_; });
+  return replicated_seq_ >= seq;
 }
 
 std::uint64_t Journal::wait_written(std::uint64_t after_seq, std::chrono::milliseconds wait) const {

@@ -81,10 +81,11 @@ class Journal {
   // `wait` or until shutdown(); the last seq then (after_seq or less when
   // none came). For the journal's publisher: it wakes at a new entry.
   std::uint64_t wait_written(std::uint64_t after_seq, std::chrono::milliseconds wait) const;
-  // Durable on return; wakes every waiter it covers.
+  // Durable on return. Wakes every waiter it covers before its write: the
+  // caller's word that the entries are replicated is what they wait for.
   Status confirm(std::uint64_t through_seq);
-  // Waits until the journal is confirmed through `seq`, for at most `wait`
-  // or until shutdown(). True when it is.
+  // Waits until a confirm() covered `seq` (its write need not have ended),
+  // for at most `wait` or until shutdown(). True when one did.
   bool wait_confirmed(std::uint64_t seq, std::chrono::milliseconds wait) const;
   // Wakes every waiter (close()): they return at once, unconfirmed.
   void shutdown();
@@ -122,7 +123,8 @@ class Journal {
   bool shutdown_ = false;
   std::uint64_t last_seq_ = 0;
   std::uint64_t end_offset_ = 0;        // payload bytes ever appended, through last_seq_
-  std::uint64_t confirmed_seq_ = 0;
+  std::uint64_t confirmed_seq_ = 0;     // stored by confirm()
+  std::uint64_t replicated_seq_ = 0;    // named by a confirm() (>= confirmed_seq_): what waiters wait for
   std::uint64_t confirmed_offset_ = 0;  // payload bytes ever appended, through confirmed_seq_
 };
 
