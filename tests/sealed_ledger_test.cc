@@ -485,6 +485,64 @@ TEST(SealedLedger, ARecordThatDoesNotOpenOrIsGoneStopsItsUsersPurge) {
   }
 }
 
+// verify() reports an index that does not name exactly the records the
+// users' keys open: one index key missing (a purge would leave that record
+// behind), one too many (naming no record), and one replaced by another
+// (the same count). Untouched, the same Db verifies clean.
+TEST(SealedLedger, VerifyReportsAnIndexThatDoesNotNameExactlyTheLiveRecords) {
+  enum class Damage { None, Missing, Extra, Replaced };
+  for (const Damage damage : {Damage::None, Damage::Missing, Damage::Extra, Damage::Replaced}) {
+    SCOPED_TRACE(static_cast<int>(damage));
+    TempDir dir;
+    const std::string path = dir.sub("db");
+    {
+      auto db = open_db(path, manual_writes());
+      for (std::uint64_t u = 1; u <= 3; ++u) {
+        ASSERT_OK(db->join_community(u, 77));
+        ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
+      }
+      ASSERT_OK(db->flush());
+      ASSERT_OK(db->signal_with_context({1, 2, 0.5}, {{4}}));
+      ASSERT_OK(db->close());
+    }
+    {
+      RawDb raw(path);
+      ASSERT_TRUE(raw.ok());
+      rocksdb::DB* index = raw.db(RawDb::kSealedIndex);
+      rocksdb::ColumnFamilyHandle* cf = raw.cf(RawDb::kSealedIndex);
+      std::unique_ptr<rocksdb::Iterator> it(index->NewIterator(rocksdb::ReadOptions(), cf));
+      it->SeekToFirst();
+      ASSERT_TRUE(it->Valid());
+      std::string first = it->key().ToString();
+      it.reset();
+      ASSERT_EQ(first.size(), kSealedIndexKeySize);
+      std::string other = first;
+      other.back() = static_cast<char>(other.back() ^ 0x7f);  // another epoch, no such record
+      const rocksdb::WriteOptions wo;
+      if (damage == Damage::Missing || damage == Damage::Replaced) {
+        ASSERT_TRUE(index->Delete(wo, cf, first).ok());
+      }
+      if (damage == Damage::Extra || damage == Damage::Replaced) {
+        ASSERT_TRUE(index->Put(wo, cf, other, "").ok());
+      }
+    }
+    auto db = open_db(path, manual_writes());
+    Result<VerifyReport> v = db->verify();
+    ASSERT_OK(v);
+    std::string all;
+    for (const std::string& p : v->problems) all += p + "\n";
+    if (damage == Damage::None) {
+      EXPECT_TRUE(v->ok()) << all;
+      continue;
+    }
+    EXPECT_FALSE(v->ok());
+    const std::string named = damage == Damage::Missing ? "names 3 records" : damage == Damage::Extra ? "names 5" : "names 4";
+    EXPECT_NE(all.find("sealed index: it " + named), std::string::npos) << all;
+    EXPECT_NE(all.find("the users' keys open 4"), std::string::npos) << all;
+    EXPECT_EQ(damage == Damage::Replaced, all.find("(other ones)") != std::string::npos) << all;
+  }
+}
+
 // Writes at `path` a format-3 Db as tidal 0.3 left it: `user` a member of
 // community 77, one unsealed ledger record of theirs (cohort 4 and
 // community 77, item 1, weight 2 each) and the aggregates it sums to; no

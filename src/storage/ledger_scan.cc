@@ -70,6 +70,20 @@ std::uint64_t mix64(std::uint64_t h) {  // MurmurHash3's finalizer
   return h ^ (h >> 33);
 }
 
+// A multiset of sealed record names (storage/sealed_ledger.h), as a count
+// and a sum of 64-bit hashes: two sets that differ in any name differ in
+// the sum but for a 2^-64 chance.
+struct RecordSet {
+  std::uint64_t count = 0;
+  std::uint64_t hash_sum = 0;
+  void add(std::string_view name) {
+    std::uint64_t h = 0x9e3779b97f4a7c15ULL ^ name.size();
+    for (std::size_t i = 0; i + 8 <= name.size(); i += 8) h = mix64(h ^ load_be64(name.data() + i));
+    ++count;
+    hash_sum += h;
+  }
+};
+
 // The sums of at most `max_cells` cells, in an open-addressing hash table
 // with linear probing, at most two thirds full: it grows fourfold as cells
 // arrive, up to 3/2 * max_cells slots, so that a small Db's check stays
@@ -607,6 +621,7 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
     if (Status s = from_rocksdb(k->status(), "key store scan of '" + storage.path() + "'"); !s.ok()) return s;
     k.reset();
     std::sort(keys.begin(), keys.end(), [](const UserKey& a, const UserKey& b) { return a.pseudonym() < b.pseudonym(); });
+    RecordSet live;  // the records that open
     std::string plain;
     auto sealed = storage.iterator(storage.sealed_ledger(), /*bulk=*/true, hold->snapshot());
     for (sealed->SeekToFirst(); sealed->Valid(); sealed->Next()) {
@@ -634,9 +649,38 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
                 " bytes) does not open with its user's key, or what it holds does not decode");
         continue;
       }
+      live.add(key);
       if (Status s = add_record(*entries); !s.ok()) return s;
     }
     if (Status s = from_rocksdb(sealed->status(), "sealed ledger scan of '" + storage.path() + "'"); !s.ok()) return s;
+    sealed.reset();
+    // The index must name exactly the records the keys open: a purge reads
+    // a user's records through it, and one it does not name would outlive
+    // the purge. Compared as multisets, by count and by a sum of hashes of
+    // the record names (one read of the index, nothing held per record).
+    if (storage.sealed_index() != nullptr) {
+      RecordSet named;
+      auto index = storage.iterator(storage.sealed_index(), /*bulk=*/true, hold->snapshot());
+      for (index->SeekToFirst(); index->Valid(); index->Next()) {
+        if (!hold->step()) return Status::OK();
+        const std::optional<std::string> record = sealed_record_of(view(index->key()));
+        if (!record) {
+          problem("sealed index key " + hex(view(index->key())) + ": " + std::to_string(index->key().size()) +
+                  " bytes; expected " + std::to_string(kSealedIndexKeySize));
+          continue;
+        }
+        named.add(*record);
+      }
+      if (Status s = from_rocksdb(index->status(), "sealed index scan of '" + storage.path() + "'"); !s.ok()) {
+        return s;
+      }
+      if (named.count != live.count || named.hash_sum != live.hash_sum) {
+        problem("sealed index: it names " + std::to_string(named.count) + " records, and the users' keys open " +
+                std::to_string(live.count) + (named.count == live.count ? " (other ones)" : "") +
+                ": the index does not name exactly the live sealed records (a purge reads a user's records "
+                "through it)");
+      }
+    }
   }
   if (Status s = add_pending(); !s.ok()) return s;
   *peak = std::max(*peak, sums->size());
