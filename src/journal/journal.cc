@@ -83,6 +83,7 @@ Status Journal::load() {
   confirmed_seq_ = confirmed->seq;
   replicated_seq_ = confirmed_seq_;
   confirmed_offset_ = confirmed->offset;
+  replicated_offset_ = confirmed_offset_;
   last_seq_ = end->seq;
   end_offset_ = end->offset;
   return Status::OK();
@@ -200,7 +201,7 @@ std::uint64_t Journal::last_seq() const {
 
 std::uint64_t Journal::confirmed_seq() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return confirmed_seq_;
+  return replicated_seq_;
 }
 
 Status Journal::confirm(std::uint64_t through_seq) {
@@ -227,6 +228,7 @@ Status Journal::confirm(std::uint64_t through_seq) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     replicated_seq_ = std::max(replicated_seq_, through_seq);
+    replicated_offset_ = std::max(replicated_offset_, *offset);
   }
   confirmed_.notify_all();
   rocksdb::WriteBatch batch;
@@ -246,6 +248,7 @@ Status Journal::confirm(std::uint64_t through_seq) {
     confirmed_seq_ = std::max(confirmed_seq_, through_seq);
     replicated_seq_ = std::max(replicated_seq_, through_seq);
     confirmed_offset_ = std::max(confirmed_offset_, *offset);
+    replicated_offset_ = std::max(replicated_offset_, *offset);
   }
   confirmed_.notify_all();
   return Status::OK();
@@ -274,7 +277,7 @@ void Journal::shutdown() {
 
 Journal::Stats Journal::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return {shard_id_, last_seq_, confirmed_seq_, end_offset_ - confirmed_offset_};
+  return {shard_id_, last_seq_, replicated_seq_, end_offset_ - replicated_offset_};
 }
 
 }  // namespace tidal

@@ -48,7 +48,7 @@ class Journal {
   struct Stats {
     std::uint64_t shard_id = 0;
     std::uint64_t last_seq = 0;
-    std::uint64_t confirmed_seq = 0;
+    std::uint64_t confirmed_seq = 0;  // the last confirm()'s (its write may be under way)
     std::uint64_t pending_bytes = 0;  // payload bytes of the unconfirmed entries
   };
   // Adds the caller's own records (the ones the entries journal) to the
@@ -89,6 +89,7 @@ class Journal {
   bool wait_confirmed(std::uint64_t seq, std::chrono::milliseconds wait) const;
   // Wakes every waiter (close()): they return at once, unconfirmed.
   void shutdown();
+  // What the last confirm() named (its write may be under way).
   std::uint64_t confirmed_seq() const;
   Stats stats() const;
 
@@ -126,6 +127,7 @@ class Journal {
   std::uint64_t confirmed_seq_ = 0;     // stored by confirm()
   std::uint64_t replicated_seq_ = 0;    // named by a confirm() (>= confirmed_seq_): what waiters wait for
   std::uint64_t confirmed_offset_ = 0;  // payload bytes ever appended, through confirmed_seq_
+  std::uint64_t replicated_offset_ = 0;  // the same, through replicated_seq_
 };
 
 }  // namespace tidal
