@@ -964,7 +964,7 @@ TEST(RocksDbPatch, AScanThatCannotReadTheNextFileOfALevelReportsIt) {
       rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), options);
       ASSERT_TRUE(writer.Open(file).ok());
       for (int i = 0; i < 100; ++i) {
-        char key[8];
+        char key[16];
         std::snprintf(key, sizeof key, "%c%03d", prefix, i);
         ASSERT_TRUE(writer.Put(key, std::string(64, prefix)).ok());
       }
