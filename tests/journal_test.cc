@@ -310,6 +310,11 @@ TEST(JournalTest, AConfirmReleasesTheCallsItCoversBeforeItsWriteIsDurable) {
     fault.fs->hold_syncs_under(path);
     std::thread confirmer([&] { EXPECT_OK(db.confirm_journal(1)); });
     const bool returned = leave_done.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+    // The confirm's write reaches its held fsync (perhaps only after the
+    // leave returned, on a slow build): it cannot have finished before.
+    for (int i = 0; i < 1000 && fault.fs->held_syncs() == 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     const std::uint64_t held = fault.fs->held_syncs();
     fault.fs->release_syncs();
     confirmer.join();
