@@ -246,11 +246,8 @@ Status Journal::confirm(std::uint64_t through_seq) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     confirmed_seq_ = std::max(confirmed_seq_, through_seq);
-    replicated_seq_ = std::max(replicated_seq_, through_seq);
     confirmed_offset_ = std::max(confirmed_offset_, *offset);
-    replicated_offset_ = std::max(replicated_offset_, *offset);
   }
-  confirmed_.notify_all();
   return Status::OK();
 }
 
