@@ -376,9 +376,12 @@ Status recover_shard(Db* db, const Config& config);
 // later one of s the consumer delivers are terminated on the consumer (so
 // they never fill MaxAckPending and never hold back other shards), and the
 // Follower reads s from the stream itself, on a consumer of its own over
-// <subject_prefix>.<s> (ephemeral, no acks), from the first refused message
-// (from the subject's first message on the first park of s since start:
-// an earlier Follower may have terminated some of s). It applies whatever
+// <subject_prefix>.<s> (ephemeral, no acks), from just after the last
+// message of s this Follower saw the view take, while the view still holds
+// it (else from the subject's first message: an earlier Follower may have
+// terminated some of s). Not from the refused message: a batch before it
+// may still come back late (delivered to a connection that died and
+// redelivered after ack_wait). It applies whatever
 // continues the view's seq of s, reads again from the first refused message
 // whenever something new was applied after a refusal, and otherwise follows
 // the subject's tail with a bounded backoff (min_backoff doubling to

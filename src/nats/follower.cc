@@ -98,7 +98,7 @@ class Follower::Impl {
   struct Repair {
     Repair(std::chrono::milliseconds min, std::chrono::milliseconds max) : backoff(min, max) {}
     bool parked = false;
-    bool parked_before = false;      // parked once since start: later parks read from the refused message
+    bool from_taken = false;         // a park: the next reader starts after the shard's Taken (see there)
     std::uint64_t read_from = 0;     // stream seq the reader starts at; 0 = the subject's first message
     bool rewind = true;              // (re)create the reader at read_from before the next read
     std::uint64_t first_refused = 0; // stream seq of the first message refused since the reader started; 0 none
@@ -106,6 +106,37 @@ class Follower::Impl {
     internal::Backoff backoff;
     std::unique_ptr<internal::Pull> reader;  // on the session's connection
   };
+
+  // The batch of a shard this Follower last saw the view take (apply, or
+  // skip as held), and the stream seq of its message (thread-only). A
+  // Publisher appends a shard's batches in seq order, so every batch of
+  // that incarnation after it is at a later stream seq: a park reads the
+  // shard's subject from just after it while the view holds it. Not from
+  // the refused message: a batch before that one can still be on its way
+  // (delivered to a connection that died, or to another client, and
+  // redelivered after the ack wait), and the parked shard's consumer
+  // delivery of it is terminated.
+  struct Taken {
+    std::uint64_t seq = 0;
+    std::string incarnation;
+    std::uint64_t stream_seq = 0;
+  };
+
+  void note_taken(const ChangeBatch& b, std::uint64_t stream_seq) {
+    auto [it, fresh] = taken_.try_emplace(b.shard_id);
+    Taken& t = it->second;
+    if (fresh || b.incarnation != t.incarnation || b.seq > t.seq) t = {b.seq, b.incarnation, stream_seq};
+  }
+
+  // Where a parked shard's reader starts: after its Taken when the view
+  // holds that batch's incarnation through at least its seq; otherwise
+  // (this Follower took none of the shard's batches, e.g. a Follower before
+  // it terminated them) at the subject's first message.
+  std::uint64_t park_read_from(std::uint64_t shard, std::uint64_t applied, const std::string& incarnation) const {
+    auto it = taken_.find(shard);
+    if (it == taken_.end() || it->second.incarnation != incarnation || it->second.seq > applied) return 0;
+    return it->second.stream_seq + 1;
+  }
 
   std::string where(const Connection& c) const {
     return "NATS server " + c.server() + ", stream " + config_.stream + ", consumer " + consumer_;
@@ -386,6 +417,7 @@ class Follower::Impl {
       // redelivery, which the view skips.
       for (std::size_t j = 0; j < taken; ++j) {
         Delivered& d = items[todo[j]];
+        note_taken(run[j], d.stream_seq);
         natsStatus ns = internal::reply_to(conn, d.msg, internal::kAck);
         if (ns != NATS_OK) {
           hand_back();
@@ -397,7 +429,7 @@ class Follower::Impl {
       // run[taken] is refused: park its shard, terminate it and the later
       // messages of that shard; the others go to the next span.
       const std::uint64_t shard = run[taken].shard_id;
-      park(conn, shard, items[todo[taken]].stream_seq, outcome->refused);
+      park(conn, shard, outcome->refused);
       std::vector<std::size_t> rest;
       for (std::size_t j = taken; j < todo.size(); ++j) {
         Delivered& d = items[todo[j]];
@@ -433,6 +465,20 @@ class Follower::Impl {
   // has the batches the view lacks.
   Status repair(Connection& conn, std::uint64_t shard, Repair& r) {
     const std::string subject = internal::subject_of(config_, shard);
+    Result<std::vector<ShardProgress>> progress = view_->applied_shards();
+    if (!progress.ok()) return progress.status();
+    std::uint64_t applied = 0;
+    std::string incarnation;  // of the shard's feed the view applied (empty: not known)
+    for (const ShardProgress& p : *progress) {
+      if (p.shard_id == shard) {
+        applied = p.applied_seq;
+        incarnation = p.incarnation;
+      }
+    }
+    if (r.from_taken) {
+      r.read_from = park_read_from(shard, applied, incarnation);
+      r.from_taken = false;
+    }
     if (r.rewind || r.reader == nullptr) {
       drop_reader(r);
       jsConsumerConfig cc;
@@ -450,16 +496,6 @@ class Follower::Impl {
       r.reader = std::move(reader);
       r.rewind = false;
       r.first_refused = 0;
-    }
-    Result<std::vector<ShardProgress>> progress = view_->applied_shards();
-    if (!progress.ok()) return progress.status();
-    std::uint64_t applied = 0;
-    std::string incarnation;  // of the shard's feed the view applied (empty: not known)
-    for (const ShardProgress& p : *progress) {
-      if (p.shard_id == shard) {
-        applied = p.applied_seq;
-        incarnation = p.incarnation;
-      }
     }
     internal::Fetched got;
     if (Status s = r.reader->fetch(config_.fetch_batch, config_.fetch_max_bytes, /*no_wait=*/true, kNoWaitExpiry, &got);
@@ -515,6 +551,7 @@ class Follower::Impl {
                                                    outcome.status().message());
       }
       progressed = outcome->applied > 0;
+      for (std::size_t j = 0; j < outcome->taken; ++j) note_taken(run[j], run_stream_seqs[j]);
       if (outcome->taken < run.size()) refuse(run_stream_seqs[outcome->taken], outcome->refused);
       std::lock_guard<std::mutex> lock(stats_mu_);
       ++stats_.view_writes;
@@ -582,27 +619,22 @@ class Follower::Impl {
       Result<ChangeBatch> last = internal::batch_of(m, config_);
       if (!last.ok() || stream_seq > delivered) continue;  // no batch; or the consumer delivers it
       if (last->incarnation == p.incarnation && last->seq <= p.applied_seq) continue;  // the view holds it
-      park_quietly(p.shard_id, stream_seq);
+      park_quietly(p.shard_id);
     }
     return Status::OK();
   }
 
-  void park(Connection& conn, std::uint64_t shard, std::uint64_t stream_seq, const Status& why) {
-    park_quietly(shard, stream_seq);
+  void park(Connection& conn, std::uint64_t shard, const Status& why) {
+    park_quietly(shard);
     note_refusal(conn, shard, why);
   }
 
   // park() without a refusal to report.
-  void park_quietly(std::uint64_t shard, std::uint64_t stream_seq) {
+  void park_quietly(std::uint64_t shard) {
     Repair& r = repairs_.try_emplace(shard, config_.min_backoff, config_.max_backoff).first->second;
     if (!r.parked) {
       r.parked = true;
-      // The first park since start reads the whole subject: a Follower
-      // before this one may have terminated messages of the shard that
-      // precede this one. After that, every message of the shard before
-      // this one was applied by this Follower.
-      r.read_from = r.parked_before ? stream_seq : 0;
-      r.parked_before = true;
+      r.from_taken = true;
       r.rewind = true;
       r.first_refused = 0;
       r.backoff.reset();
@@ -717,6 +749,7 @@ class Follower::Impl {
   const std::string consumer_;
   const std::string filter_;
   std::map<std::uint64_t, Repair> repairs_;  // the follower thread's only
+  std::map<std::uint64_t, Taken> taken_;     // the follower thread's only
   Clock::time_point last_lag_poll_{};        // the follower thread's only
   mutable std::mutex stats_mu_;
   FollowerStats stats_;                                     // guarded by stats_mu_

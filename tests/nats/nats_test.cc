@@ -2167,6 +2167,77 @@ TEST(NatsGap, AFollowerRestartedWhileAShardIsParkedStillAppliesEveryBatch) {
   EXPECT_OK(f->stop());
 }
 
+// A batch delivered to another client of the consumer (or to a connection
+// that died) comes back only after the batches behind it: the shard parks
+// on the next one, and its repair must read the held-back batch from the
+// stream, since the consumer's redelivery of it is terminated while the
+// shard is parked. Here shard 9 has parked once already (on 3, before 2
+// arrived); then another client holds 4 unacked while 5 parks the shard,
+// and hands 4 back. Red with the former repair, whose later parks read from
+// the refused message (5): parked for good, applied through 3 (the cluster
+// test's failure in CI: "shard 2 has applied through 21; batch seq 57").
+TEST(NatsGap, ABatchHeldBackPastALaterParkIsReadByTheRepair) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  Config config = test_config(cluster, "HELDBACK", 1);
+  config.ack_wait = 30s;  // the other client's message comes back when it says so
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("HELDBACK", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  const std::vector<ChangeBatch> batches = five_batches(db.get());
+  ASSERT_EQ(batches.size(), 5u);
+  auto publish = [&](std::uint64_t seq) {
+    publish_by_hand(js.js(), config, 9, seq, batches[seq - 1].payload, batches[seq - 1].incarnation);
+  };
+  auto view = open_view(dir.sub("view"));
+  auto f = start_follower(view.get(), config, "view");
+  ASSERT_TRUE(view && f);
+  // A first park and its repair: 1 and 3, then 2.
+  ASSERT_NO_FATAL_FAILURE(publish(1));
+  ASSERT_NO_FATAL_FAILURE(publish(3));
+  ASSERT_TRUE(eventually([&] { return f->stats().stalled_on_gap; }, 10s)) << f->stats().last_error;
+  ASSERT_NO_FATAL_FAILURE(publish(2));
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == 3 && !f->stats().stalled_on_gap; }, 10s))
+      << f->stats().last_error;
+  // Another client of the consumer asks for one message; once the
+  // Follower's pull request of that moment has expired (500 ms), the other
+  // client's request is the oldest waiting, and 4 goes to it.
+  natsSubscription* other = nullptr;
+  jsSubOptions so;
+  jsSubOptions_Init(&so);
+  so.Stream = "HELDBACK";
+  so.Consumer = "view";
+  const std::string filter = config.subject_prefix + ".*";
+  ASSERT_EQ(js_PullSubscribe(&other, js.js(), filter.c_str(), "view", nullptr, &so, nullptr), NATS_OK);
+  natsMsgList held{nullptr, 0};
+  natsStatus fetched = NATS_OK;
+  std::thread thief([&] { fetched = natsSubscription_Fetch(&held, other, 1, 10000, nullptr); });
+  std::this_thread::sleep_for(1500ms);
+  ASSERT_NO_FATAL_FAILURE(publish(4));
+  thief.join();
+  ASSERT_EQ(fetched, NATS_OK) << natsStatus_GetText(fetched);
+  ASSERT_EQ(held.Count, 1);
+  const char* seq = nullptr;
+  ASSERT_EQ(natsMsgHeader_Get(held.Msgs[0], "Tidal-Seq", &seq), NATS_OK);
+  ASSERT_STREQ(seq, "4") << "the other client was to hold batch 4";
+  // 5 arrives first: the shard parks.
+  ASSERT_NO_FATAL_FAILURE(publish(5));
+  ASSERT_TRUE(eventually([&] { return f->stats().stalled_on_gap; }, 10s)) << f->stats().last_error;
+  EXPECT_EQ(*view->applied_seq(9), 3u);
+  // 4 comes back (its consumer delivery is terminated: the shard is parked).
+  EXPECT_EQ(natsMsg_Nak(held.Msgs[0], nullptr), NATS_OK);
+  natsMsgList_Destroy(&held);
+  natsSubscription_Destroy(other);
+  ASSERT_TRUE(eventually([&] { return *view->applied_seq(9) == 5; }, 15s))
+      << "applied through " << *view->applied_seq(9) << ": " << f->stats().last_error;
+  EXPECT_EQ(compare(*view, *db), "");
+  EXPECT_TRUE(eventually([&] { return !f->stats().stalled_on_gap; }, 10s)) << f->stats().last_error;
+  EXPECT_OK(f->stop());
+}
+
 // An empty fetch is not "no lag": while the server holds messages back (here
 // another client of the same durable consumer holds MaxAckPending of them
 // unacked), lag_messages counts what the consumer has not delivered. Red
