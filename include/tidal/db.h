@@ -566,10 +566,12 @@ class Db {
   // (Options::journal_wait) is published at once rather than at its next
   // poll. InvalidArgument when the Db keeps none; Closed once closed.
   Result<std::uint64_t> wait_journal(std::uint64_t after_seq, std::chrono::milliseconds wait) const;
-  // The journal is replicated through through_seq: the point is stored
-  // durably, the entries up to it are removed, and leaves, rejoins and
-  // purges waiting for them (Options::journal_wait) return OK, as soon as
-  // the call begins (not after its synced write).
+  // The journal is replicated through through_seq: leaves, rejoins and
+  // purges waiting for entries up to it (Options::journal_wait) return OK
+  // as soon as the call begins; the point is stored and the entries
+  // removed by a write that is not synced (durable with the next synced
+  // write; a power cut before it brings the entries back unconfirmed, and
+  // a publisher that finds them in the stream confirms them again).
   // InvalidArgument past the last seq; OK and nothing changed at or below
   // the confirmed point.
   Status confirm_journal(std::uint64_t through_seq);

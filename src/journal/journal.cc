@@ -57,7 +57,7 @@ Result<std::unique_ptr<Journal>> Journal::open(Storage* storage, std::uint64_t s
     // the journal (and the same shard id), so no leave escapes it.
     rocksdb::WriteBatch batch;
     batch.Put(storage->meta(), kJournalShardKey, be64(shard_id));
-    if (Status s = storage->write(Storage::Engine::Users, &batch, Storage::WriteMode::Sync,
+    if (Status s = storage->write(Storage::Engine::Users, &batch, Storage::WriteMode::Async,
                                   "creating the privacy journal of '" + storage->path() + "'");
         !s.ok()) {
       return s;
@@ -224,7 +224,14 @@ Status Journal::confirm(std::uint64_t through_seq) {
   // replicated now, whatever becomes of the write below, which only keeps
   // the point and drops the entries (a failed one is retried by the next
   // confirm; the publisher confirms again what it finds in the stream).
-  // Woken before it, a replicated leave does not wait for its fsync.
+  // Woken before it, a replicated leave does not wait for it. The write is
+  // not synced: it is durable with the users engine's next WAL sync (the
+  // next synced leave, rejoin or purge; the periodic sync without
+  // sync_writes) or memtable flush, and a power cut before that takes back
+  // only this bookkeeping: the entries are read again, and the publisher,
+  // finding them in the stream, confirms them again. Synced, its fsync sat
+  // in front of the next leave's own write (one WAL), on every replicated
+  // leave's path.
   {
     std::lock_guard<std::mutex> lock(mu_);
     replicated_seq_ = std::max(replicated_seq_, through_seq);
@@ -238,7 +245,7 @@ Status Journal::confirm(std::uint64_t through_seq) {
     for (std::uint64_t seq = confirmed + 1; seq <= through_seq; ++seq) batch.Delete(storage_->meta(), encode_journal_key(seq));
   }
   batch.Put(storage_->meta(), kJournalConfirmedKey, encode_log_point({through_seq, *offset}));
-  if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Sync,
+  if (Status s = storage_->write(Storage::Engine::Users, &batch, Storage::WriteMode::Async,
                                  "confirm_journal(" + std::to_string(through_seq) + ") of '" + storage_->path() + "'");
       !s.ok()) {
     return s;
