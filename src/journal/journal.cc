@@ -57,7 +57,7 @@ Result<std::unique_ptr<Journal>> Journal::open(Storage* storage, std::uint64_t s
     // the journal (and the same shard id), so no leave escapes it.
     rocksdb::WriteBatch batch;
     batch.Put(storage->meta(), kJournalShardKey, be64(shard_id));
-    if (Status s = storage->write(Storage::Engine::Users, &batch, Storage::WriteMode::Async,
+    if (Status s = storage->write(Storage::Engine::Users, &batch, Storage::WriteMode::Sync,
                                   "creating the privacy journal of '" + storage->path() + "'");
         !s.ok()) {
       return s;
