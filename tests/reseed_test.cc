@@ -372,6 +372,48 @@ TEST(Reseed, UnderSixteenSignallingThreadsEveryReseedLeavesTheViewExact) {
   EXPECT_EQ(*applied, db->stats().change_feed_last_seq);
 }
 
+// A read that runs while a re-seed is ingesting its snapshot sees the old
+// feed or the new one, each labelled with its own incarnation. (A read
+// between the ingestion and the new incarnation labelled the snapshot's
+// first batch with the old one; the view then refused the next batch as
+// one of a new incarnation that was no re-seed: CI, session 32.)
+TEST(Reseed, AReadDuringTheReseedsIngestionLabelsEachBatchWithItsOwnIncarnation) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), feed_options(5));
+  ASSERT_NE(db, nullptr);
+  join_all({db.get()}, 0, 10);
+  signal_all({db.get()}, 0, 10, 8, 100);
+  ASSERT_OK(db->flush());
+  const Stats before = db->stats();
+
+  std::atomic<bool> ingested{false}, read_done{false};
+  Result<std::vector<ChangeBatch>> read = Status::NotFound("not read");
+  std::thread reader([&] {
+    while (!ingested.load()) std::this_thread::yield();
+    read = db->read_changes(before.change_feed_last_seq, 64 << 20);
+    read_done.store(true);
+  });
+  // Between the re-seed's ingestion and its new incarnation: the read runs
+  // (or waits) here.
+  ScopedOverride hook(Storage::step_for_testing, [&](std::string_view task, int step) {
+    if (task != "reseed" || step != 2) return;
+    ingested.store(true);
+    for (int i = 0; i < 200 && !read_done.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  Result<std::uint64_t> first = db->reseed_change_feed();
+  reader.join();
+  ASSERT_OK(first);
+  const std::string incarnation = db->stats().change_feed_incarnation;
+  ASSERT_NE(incarnation, before.change_feed_incarnation);
+  ASSERT_OK(read);
+  ASSERT_FALSE(read->empty());
+  EXPECT_EQ(read->front().seq, *first);
+  EXPECT_EQ(feed_origin(read->front().payload), FeedOrigin::Reseed);
+  for (const ChangeBatch& b : *read) {
+    EXPECT_EQ(b.incarnation, incarnation) << "batch " << b.seq << " of the re-seed is labelled with the old incarnation";
+  }
+}
+
 // A view made before per-shard sums (view_format 2) cannot take a shard's
 // old contribution out: a re-seed of a shard it applied is refused, naming
 // the format; one that applied nothing becomes format 3 at its next open.

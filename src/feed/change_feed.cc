@@ -192,52 +192,46 @@ Status ChangeFeed::room() const {
 }
 
 Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::size_t max_bytes) const {
-  // A reseed() between the first lock and the last replaces the records
-  // and the incarnation: the read starts again, so no batch is labelled
-  // with another incarnation than the one it was written under.
-  for (;;) {
-    std::uint64_t trimmed = 0, generation = 0;
-    std::string incarnation;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      trimmed = trimmed_through_;
-      generation = reseeds_;
-      incarnation = incarnation_;
-    }
-    if (after_seq < trimmed) {
-      return Status::NotFound("read_changes(after " + std::to_string(after_seq) + "): the change feed of shard " +
-                              std::to_string(shard_id_) + " is trimmed through seq " + std::to_string(trimmed) +
-                              "; batches " + std::to_string(after_seq + 1) + ".." + std::to_string(trimmed) +
-                              " are gone");
-    }
-    const NumberedLog log = feed_log(*storage_);
-    std::vector<ChangeBatch> out;
-    std::size_t bytes = 0;
-    // No batch follows the last seq there can be (after_seq + 1 would wrap
-    // to 0 and read the feed from its start).
-    if (after_seq == std::numeric_limits<std::uint64_t>::max()) return out;
-    auto it = storage_->iterator(storage_->feed());
-    for (it->Seek(encode_feed_key(after_seq + 1)); it->Valid() && (out.empty() || bytes < max_bytes); it->Next()) {
-      const std::uint64_t seq = after_seq + 1 + out.size();
-      Result<std::string_view> payload = log.payload(*it, seq);
-      if (!payload.ok()) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (reseeds_ != generation) break;  // read again
-        return payload.status();
-      }
-      ChangeBatch& b = out.emplace_back();
-      b.shard_id = shard_id_;
-      b.seq = seq;
-      b.incarnation = incarnation;
-      b.payload.assign(*payload);
-      bytes += b.payload.size();
-    }
-    if (Status s = from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'"); !s.ok()) {
-      return s;
-    }
+  // No reseed() ingests its records or changes the incarnation while the
+  // read runs, so no batch is labelled with another incarnation than the
+  // one it was written under (a read between a re-seed's ingestion and its
+  // new incarnation labelled the snapshot's first batch with the old one).
+  std::shared_lock<std::shared_mutex> no_reseed(reseed_mu_);
+  std::uint64_t trimmed = 0;
+  std::string incarnation;
+  {
     std::lock_guard<std::mutex> lock(mu_);
-    if (reseeds_ == generation) return out;
+    trimmed = trimmed_through_;
+    incarnation = incarnation_;
   }
+  if (after_seq < trimmed) {
+    return Status::NotFound("read_changes(after " + std::to_string(after_seq) + "): the change feed of shard " +
+                            std::to_string(shard_id_) + " is trimmed through seq " + std::to_string(trimmed) +
+                            "; batches " + std::to_string(after_seq + 1) + ".." + std::to_string(trimmed) +
+                            " are gone");
+  }
+  const NumberedLog log = feed_log(*storage_);
+  std::vector<ChangeBatch> out;
+  std::size_t bytes = 0;
+  // No batch follows the last seq there can be (after_seq + 1 would wrap
+  // to 0 and read the feed from its start).
+  if (after_seq == std::numeric_limits<std::uint64_t>::max()) return out;
+  auto it = storage_->iterator(storage_->feed());
+  for (it->Seek(encode_feed_key(after_seq + 1)); it->Valid() && (out.empty() || bytes < max_bytes); it->Next()) {
+    const std::uint64_t seq = after_seq + 1 + out.size();
+    Result<std::string_view> payload = log.payload(*it, seq);
+    if (!payload.ok()) return payload.status();
+    ChangeBatch& b = out.emplace_back();
+    b.shard_id = shard_id_;
+    b.seq = seq;
+    b.incarnation = incarnation;
+    b.payload.assign(*payload);
+    bytes += b.payload.size();
+  }
+  if (Status s = from_rocksdb(it->status(), "reading the change feed of '" + storage_->path() + "'"); !s.ok()) {
+    return s;
+  }
+  return out;
 }
 
 std::uint64_t ChangeFeed::last_seq() const {
@@ -323,12 +317,13 @@ Result<std::uint64_t> ChangeFeed::reseed() {
       !s.ok()) {
     return s;
   }
-  if (Status s = batch.ingest(what); !s.ok()) return s;
-  Storage::test_step("reseed", 2);
   {
+    // Readers wait from the ingestion to the new incarnation (read()).
+    std::unique_lock<std::shared_mutex> no_read(reseed_mu_);
+    if (Status s = batch.ingest(what); !s.ok()) return s;
+    Storage::test_step("reseed", 2);
     std::lock_guard<std::mutex> lock(mu_);
     incarnation_ = hex(incarnation);
-    ++reseeds_;
     trimmed_through_ = last;
     trimmed_offset_ = end;
     last_seq_ = appended->last_seq;

@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -127,7 +128,10 @@ class ChangeFeed {
   const std::uint64_t max_bytes_;
   // Guarded by mu_ once open() returned: hex (empty: unknown); changed by reseed().
   std::string incarnation_;
-  std::uint64_t reseeds_ = 0;          // reseed() calls; guarded by mu_ (read() retries across one)
+  // Held shared by read() throughout, and exclusively by reseed() from its
+  // ingestion to its new incarnation: a read sees the records and the
+  // incarnation of one feed. Taken before mu_.
+  mutable std::shared_mutex reseed_mu_;
   // Serializes trim() from its check of the trim point to its write of the
   // trim record, so the record never goes backwards (two trims racing wrote
   // "through 6" after "through 10" had deleted 7..10). Not mu_, which the
