@@ -4,10 +4,12 @@
 // of a format-3 Db, whose unsealed ledger is carried and still purged
 // exactly.
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include <rocksdb/write_batch.h>
 
 #include "crash_child.h"
+#include "db/impl.h"
 #include "db/ledger_key_table.h"
 #include "erasure_scan.h"
 #include "raw_db.h"
@@ -281,6 +284,134 @@ TEST(SealedLedger, EachBatchsRecordsGoToTheLastLevelAndTheIndexNamesEachRecord) 
   }
   EXPECT_EQ(records, 40u * kBatches);  // one record per user per batch
   EXPECT_EQ(indexed, records);
+}
+
+// A purged user's sealed records stay in their files, unreadable, until
+// RocksDB compacts those files (periodically, or by hand), and that
+// compaction drops them: every record no index key names, and only those.
+// While a ledger check that holds its snapshot runs, nothing is dropped (it
+// may read the compaction's files at a snapshot from before the purge).
+TEST(SealedLedger, ACompactionDropsThePurgedUsersRecordsAndKeepsEveryOther) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), manual_writes());
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  rocksdb::DB* state = storage.db(Storage::Engine::State);
+  // Only the compactions below: RocksDB's own may compact some of the files
+  // at any time, and drop records of theirs.
+  ASSERT_TRUE(state->SetOptions(storage.sealed_ledger(), {{"disable_auto_compactions", "true"}}).ok());
+  constexpr std::uint64_t kUsers = 40;
+  constexpr int kBatches = 4;
+  for (std::uint64_t u = 1; u <= kUsers; ++u) ASSERT_OK(db->join_community(u, 77));
+  for (int b = 0; b < kBatches; ++b) {
+    for (std::uint64_t u = 1; u <= kUsers; ++u) {
+      ASSERT_OK(db->signal_with_context({u, 1000 + u % 5, 1.5 + static_cast<double>(b)}, {{4, 5}}));
+    }
+    ASSERT_OK(db->flush());
+  }
+  const std::vector<std::uint64_t> purged = {3, 8, 13, 21, 34};
+  for (std::uint64_t u : purged) {
+    ASSERT_OK(db->leave_community_layer(u));
+    ASSERT_OK(db->purge_community_contributions(u));
+  }
+  std::vector<double> scores;
+  for (std::uint64_t item = 1000; item < 1005; ++item) {
+    scores.push_back(value_of(db->cohort_score(4, item)));
+    scores.push_back(value_of(db->community_score(77, item)));
+  }
+
+  // The records on disk, and how many of them the index names.
+  const auto count = [&](std::size_t* named) {
+    std::size_t records = 0;
+    *named = 0;
+    auto it = storage.iterator(storage.sealed_ledger());
+    std::string index_key, value;
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      ++records;
+      EXPECT_TRUE(sealed_index_key_of(it->key().ToString(), &index_key));
+      if (state->Get(rocksdb::ReadOptions(), storage.sealed_index(), index_key, &value).ok()) ++*named;
+    }
+    EXPECT_TRUE(it->status().ok()) << it->status().ToString();
+    return records;
+  };
+  const auto compact = [&] {
+    rocksdb::CompactRangeOptions options;
+    options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+    ASSERT_TRUE(state->CompactRange(options, storage.sealed_ledger(), nullptr, nullptr).ok());
+  };
+  std::size_t named = 0;
+  ASSERT_EQ(count(&named), kUsers * kBatches) << "a purge deleted sealed records itself";
+  EXPECT_EQ(named, (kUsers - purged.size()) * kBatches);
+  EXPECT_EQ(storage.sealed_records_reclaimed(), 0u);
+
+  // A check that holds its snapshot: the compaction drops nothing.
+  storage.scans_holding().fetch_add(1);
+  compact();
+  storage.scans_holding().fetch_sub(1);
+  EXPECT_EQ(count(&named), kUsers * kBatches) << "records dropped while a check held its snapshot";
+  EXPECT_EQ(storage.sealed_records_reclaimed(), 0u);
+
+  compact();
+  EXPECT_EQ(count(&named), (kUsers - purged.size()) * kBatches);
+  EXPECT_EQ(named, (kUsers - purged.size()) * kBatches) << "a record the index names was dropped";
+  EXPECT_EQ(storage.sealed_records_reclaimed(), purged.size() * kBatches);
+  std::size_t i = 0;
+  for (std::uint64_t item = 1000; item < 1005; ++item) {
+    EXPECT_EQ(value_of(db->cohort_score(4, item)), scores[i++]);
+    EXPECT_EQ(value_of(db->community_score(77, item)), scores[i++]);
+  }
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  // The others' purges still find and subtract exactly their records.
+  ASSERT_OK(db->leave_community_layer(1));
+  Result<PurgeReceipt> r = db->purge_community_contributions(1);
+  ASSERT_OK(r);
+  EXPECT_GT(r->entries_removed, 0u);
+  v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+}
+
+// RocksDB's periodic compaction reaches every file of the sealed ledger
+// (Storage::kSealedReclaimPeriod: 30 days; 1 s here), and drops the purged
+// users' records with no other compaction asked for.
+TEST(SealedLedger, PeriodicCompactionReclaimsThePurgedUsersRecords) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), manual_writes());
+  for (std::uint64_t u = 1; u <= 20; ++u) ASSERT_OK(db->join_community(u, 77));
+  for (int b = 0; b < 3; ++b) {
+    for (std::uint64_t u = 1; u <= 20; ++u) ASSERT_OK(db->signal_with_context({u, 1000, 1.5}, {{4}}));
+    ASSERT_OK(db->flush());
+  }
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  rocksdb::DB* state = storage.db(Storage::Engine::State);
+  EXPECT_EQ(state->GetOptions(storage.sealed_ledger()).periodic_compaction_seconds,
+            static_cast<std::uint64_t>(Storage::kSealedReclaimPeriod.count()));
+  for (const std::uint64_t u : {std::uint64_t{2}, std::uint64_t{5}}) {
+    ASSERT_OK(db->leave_community_layer(u));
+    ASSERT_OK(db->purge_community_contributions(u));
+  }
+  ASSERT_TRUE(state->SetOptions(storage.sealed_ledger(), {{"periodic_compaction_seconds", "1"}}).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(2100));
+  // RocksDB looks for files due at its next change of the family's files.
+  ASSERT_OK(db->signal_with_context({1, 1000, 1.5}, {{4}}));
+  ASSERT_OK(db->flush());
+  const auto records = [&] {
+    std::size_t n = 0;
+    auto it = storage.iterator(storage.sealed_ledger());
+    for (it->SeekToFirst(); it->Valid(); it->Next()) ++n;
+    return n;
+  };
+  constexpr std::size_t kKept = 18 * 3 + 1;  // the 18 others' 3 batches, and user 1's last
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (records() > kKept && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(records(), kKept);
+  EXPECT_EQ(storage.sealed_records_reclaimed(), 6u);  // 2 users, 3 batches
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
 }
 
 // A Db written by format 4's first development builds keyed the sealed

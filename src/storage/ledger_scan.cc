@@ -526,7 +526,9 @@ class Cells {
 // (Storage::ask_scans_to_let_go), after which step() is false and the
 // attempt must end. The generation is read before the snapshot is taken: a
 // request made after the snapshot was taken is always noticed. One that
-// does not let go counts in Storage::scans_holding() for its life instead.
+// does not let go counts in Storage::scans_holding() for its life instead,
+// from before its snapshot is taken (the reclaim of purged sealed records
+// drops nothing while it is counted: storage.cc, SealedRecordReclaim).
 class Hold {
  public:
   static constexpr std::uint64_t kStep = 1024;
@@ -534,13 +536,9 @@ class Hold {
       : storage_(storage),
         let_go_(let_go),
         generation_(storage.scan_generation()),
-        snapshots_(storage) {
-    if (!let_go_) storage_.scans_holding().fetch_add(1, std::memory_order_seq_cst);
-  }
-  ~Hold() {
-    storage_.scan_progress().records_read.fetch_sub(counted_, std::memory_order_relaxed);
-    if (!let_go_) storage_.scans_holding().fetch_sub(1, std::memory_order_seq_cst);
-  }
+        holding_(storage, !let_go),
+        snapshots_(storage) {}
+  ~Hold() { storage_.scan_progress().records_read.fetch_sub(counted_, std::memory_order_relaxed); }
   Hold(const Hold&) = delete;
   Hold& operator=(const Hold&) = delete;
 
@@ -573,7 +571,21 @@ class Hold {
     std::shared_lock<std::shared_mutex> lock;
     rocksdb::ManagedSnapshot state, users;
   };
+  // Counted in Storage::scans_holding() while alive, when `counted`.
+  struct Holding {
+    Holding(const Storage& s, bool c) : storage(s), counted(c) {
+      if (counted) storage.scans_holding().fetch_add(1, std::memory_order_seq_cst);
+    }
+    ~Holding() {
+      if (counted) storage.scans_holding().fetch_sub(1, std::memory_order_seq_cst);
+    }
+    Holding(const Holding&) = delete;
+    Holding& operator=(const Holding&) = delete;
+    const Storage& storage;
+    const bool counted;
+  };
   const std::uint64_t generation_;
+  Holding holding_;  // before snapshots_: counted before they are taken
   Snapshots snapshots_;
   std::uint64_t read_ = 0;
   std::uint64_t counted_ = 0;

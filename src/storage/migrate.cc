@@ -167,7 +167,7 @@ Status Storage::migrate_to_format3(const rocksdb::Options& base,
   const std::string what = "upgrade of tidal Db '" + path_ + "' from format 2";
   // A refusal leaves the format-2 Db as it was, and no state/.
   const auto refuse = [&](Status s) {
-    if (state_.db != nullptr) (void)close_instance(&state_, state_path());
+    if (state_.db != nullptr) (void)close_state();
     std::error_code ec;
     std::filesystem::remove_all(state_path(), ec);
     std::filesystem::remove_all(checkpoint_tmp_dir(), ec);

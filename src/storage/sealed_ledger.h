@@ -46,8 +46,11 @@
 // sealed records themselves stay where they are, unreadable ciphertext
 // that nothing indexes (deleting them would rewrite the old files they
 // lie in, the cost per purge the layout exists to avoid), and a ledger
-// scan skips them (LedgerCheck::purged_records). A user who contributes
-// again gets a new key, so a later purge removes only what came after.
+// scan skips them (LedgerCheck::purged_records), until RocksDB next
+// compacts their file (at the latest after Storage::kSealedReclaimPeriod),
+// which drops them (storage.cc, SealedRecordReclaim). A user who
+// contributes again gets a new key, so a later purge removes only what
+// came after.
 //
 // The "ledger" column family keeps, unsealed, what a Db wrote before it was
 // upgraded to format 4 (docs/FORMAT.md, "Upgrading to format 4"): it is read

@@ -4,6 +4,7 @@
 #include "storage/state_format.h"
 
 #include <rocksdb/cache.h>
+#include <rocksdb/compaction_filter.h>
 #include <rocksdb/convenience.h>
 #include <rocksdb/filter_policy.h>
 #include <rocksdb/slice_transform.h>
@@ -24,6 +25,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <system_error>
 #include <utility>
 
@@ -410,6 +412,100 @@ std::uintmax_t checkpoint_unlinked_bytes(rocksdb::DB* db, const std::string& dir
   return bytes;
 }
 
+// Reclaims the space of a purged user's sealed records. A purge deletes the
+// user's index keys and erases the key; the records stay in the sealed
+// ledger's files, which the write-order layout never rewrites for a purge
+// (storage/sealed_ledger.h). Whenever RocksDB does compact those files
+// (periodic compaction, every kSealedReclaimPeriod; or a manual one), this
+// filter drops each record no index key names any more: it cannot be
+// opened, and no purge, check or reader ever looks for it.
+//
+// A ledger check (storage/ledger_scan.h) reads the sealed ledger at a
+// snapshot, which a compaction filter does not honour: a record dropped
+// after the check's snapshot was taken, whose purge came after it too,
+// would be missing from the check's read, and the check would count the
+// user's contributions in the aggregates but not in the ledger. So a check
+// never reads a compaction's output with a snapshot older than a record it
+// dropped:
+//  - A check that lets go (most do) is asked to when a compaction's
+//    filtering ends having dropped a record, before RocksDB installs the
+//    compaction's output: a check that started before then starts over,
+//    with a snapshot that sees every purge the filter saw; one that ended
+//    before then never saw the output. (A compaction that drops nothing
+//    leaves the checks alone.)
+//  - While a check that does not let go (Storage::scans_holding) runs,
+//    nothing is dropped. It is counted before it takes its snapshot, and the
+//    filter reads the count after its read of the index: a check counted
+//    later has a snapshot that sees the purge.
+class SealedRecordReclaim : public rocksdb::CompactionFilterFactory {
+ public:
+  void attach(const Storage* storage) {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    storage_ = storage;
+  }
+  // Once it returns no filter reads the engine; a compaction still running
+  // keeps every record.
+  void detach() {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    storage_ = nullptr;
+  }
+  std::uint64_t reclaimed() const { return reclaimed_.load(std::memory_order_relaxed); }
+
+  std::unique_ptr<rocksdb::CompactionFilter> CreateCompactionFilter(
+      const rocksdb::CompactionFilter::Context& /*context*/) override {
+    return std::make_unique<RecordFilter>(this);
+  }
+  const char* Name() const override { return "tidal.SealedRecordReclaim"; }
+
+ private:
+  class RecordFilter : public rocksdb::CompactionFilter {
+   public:
+    explicit RecordFilter(SealedRecordReclaim* reclaim) : reclaim_(reclaim) {}
+    // RocksDB destroys the filter before it installs the compaction's output.
+    ~RecordFilter() override {
+      if (dropped_ > 0) reclaim_->ask_scans_to_let_go();
+    }
+    bool Filter(int /*level*/, const rocksdb::Slice& key, const rocksdb::Slice& /*value*/, std::string* /*new_value*/,
+                bool* /*value_changed*/) const override {
+      if (!reclaim_->unnamed({key.data(), key.size()}, &index_key_)) return false;
+      ++dropped_;
+      return true;
+    }
+    const char* Name() const override { return "tidal.SealedRecordReclaim"; }
+
+   private:
+    SealedRecordReclaim* const reclaim_;
+    mutable std::string index_key_;
+    mutable std::uint64_t dropped_ = 0;
+  };
+
+  void ask_scans_to_let_go() const {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (storage_ != nullptr) storage_->ask_scans_to_let_go();
+  }
+
+  // Whether no index key names the sealed record `record_key`. Keeps (false)
+  // a key that is not a record's, and on any error.
+  bool unnamed(std::string_view record_key, std::string* index_key) {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (storage_ == nullptr || storage_->sealed_index() == nullptr) return false;
+    if (!sealed_index_key_of(record_key, index_key)) return false;
+    std::string value;
+    const rocksdb::Status s =
+        storage_->db(Storage::Engine::State)->Get(rocksdb::ReadOptions(), storage_->sealed_index(), *index_key, &value);
+    if (!s.IsNotFound()) return false;
+    // After the read: a check counted from here on took its snapshot after
+    // the purge that deleted the index key.
+    if (storage_->scans_holding().load(std::memory_order_seq_cst) > 0) return false;
+    reclaimed_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  mutable std::shared_mutex mu_;
+  const Storage* storage_ = nullptr;  // guarded by mu_
+  std::atomic<std::uint64_t> reclaimed_{0};
+};
+
 Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const Storage::Config& config) {
   std::unique_lock<std::mutex> registry(g_open_mu);
   if (!config.read_only) {
@@ -437,6 +533,7 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   users_options.env = storage->users_env_.get();
   storage->path_ = path;
   storage->read_only_ = config.read_only;
+  if (!config.read_only) storage->reclaim_ = std::make_shared<SealedRecordReclaim>();
   storage->block_cache_ = rocksdb::NewLRUCache(config.block_cache_bytes);
 
   std::vector<std::string> existing;
@@ -601,6 +698,13 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   return storage;
 }
 
+std::uint64_t Storage::sealed_records_reclaimed() const { return reclaim_ ? reclaim_->reclaimed() : 0; }
+
+Status Storage::close_state() {
+  if (reclaim_) reclaim_->detach();
+  return close_instance(&state_, state_path());
+}
+
 Status Storage::open_state(const rocksdb::Options& base, bool create) {
   const std::string dir = state_path();
   rocksdb::Options options(base);
@@ -652,6 +756,7 @@ Status Storage::open_state(const rocksdb::Options& base, bool create) {
   state_.handles.clear();
   for (bool o : opened) state_.handles.push_back(o ? *next++ : nullptr);
   state_.handles.insert(state_.handles.end(), next, handles.end());
+  if (reclaim_) reclaim_->attach(this);
   return Status::OK();
 }
 
@@ -659,6 +764,14 @@ rocksdb::ColumnFamilyOptions Storage::state_cf_options(const rocksdb::Options& b
   rocksdb::ColumnFamilyOptions options(base);
   set_table_options(block_cache_, &options);
   set_state_cf_options(name, &options);
+  if (name == "sealed_ledger" && reclaim_) {
+    options.compaction_filter_factory = reclaim_;
+    // RocksDB rewrites each file once it is this old, and the filter drops
+    // its purged records then: a purged user's ciphertext leaves the disk
+    // within this period of the purge (or sooner, when a compaction
+    // reaches its file first).
+    options.periodic_compaction_seconds = kSealedReclaimPeriod.count();
+  }
   return options;
 }
 
@@ -992,7 +1105,7 @@ Status Storage::close() {
   }
   // The state engine first: the users engine holds the directory's LOCK.
   if (state_.db != nullptr) {
-    if (Status s = close_instance(&state_, state_path()); !s.ok() && result.ok()) result = s;
+    if (Status s = close_state(); !s.ok() && result.ok()) result = s;
   }
   if (users_.db != nullptr) {
     if (Status s = close_instance(&users_, path_); !s.ok() && result.ok()) result = s;

@@ -57,6 +57,8 @@
 
 namespace tidal {
 
+class SealedRecordReclaim;  // storage.cc
+
 // Whether records of `tag` have a copy in the by_tag index.
 bool is_indexed(Tag tag);
 
@@ -245,6 +247,9 @@ class Storage {
   // and cut the throughput to 33k/s (bench/README.md, issue 21). RocksDB's
   // own defaults start slowing at 64 GiB. The ends are the hard stop: 16 GiB
   // or 400 level-0 files, where admit() returns Busy.
+  // How old a file of the sealed ledger may grow before RocksDB compacts it
+  // (periodic compaction), which reclaims the purged users' records in it.
+  static constexpr std::chrono::seconds kSealedReclaimPeriod{30 * 24 * 3600};
   static constexpr std::uint64_t kDebtStartBytes = std::uint64_t{2} << 30;
   static constexpr std::uint64_t kDebtFullBytes = std::uint64_t{16} << 30;
   static constexpr std::uint64_t kDebtStartL0Files = 100;
@@ -263,6 +268,10 @@ class Storage {
   void ask_scans_to_let_go() const { scan_generation_.fetch_add(1, std::memory_order_seq_cst); }
   std::uint64_t scan_generation() const { return scan_generation_.load(std::memory_order_seq_cst); }
   std::atomic<int>& scans_holding() const { return scans_holding_; }
+  // The sealed records a compaction of the sealed ledger has dropped since
+  // the open: records no index key names, a purged user's (storage.cc,
+  // SealedRecordReclaim; docs/PURGE.md, "What erased means").
+  std::uint64_t sealed_records_reclaimed() const;
   // What the checks under way have done, for Stats.
   struct ScanProgress {
     std::atomic<std::uint64_t> records_read{0};      // by the checks under way
@@ -342,6 +351,9 @@ class Storage {
   // InvalidArgument: `what` needs the state engine, which a pending upgrade has not made yet.
   Status not_upgraded(std::string_view what) const;
   static Status close_instance(Instance* instance, const std::string& path);
+  // Closes the state engine, its compactions' reclaim of sealed records
+  // stopped first (it reads the engine's handles).
+  Status close_state();
   // The thread behind Config::users_wal_sync_period: sync_users_wal() every
   // `period` (start to start) until close().
   void run_wal_syncer(std::chrono::milliseconds period);
@@ -373,6 +385,10 @@ class Storage {
   std::vector<rocksdb::ColumnFamilyHandle*> legacy_;
   bool upgrade_pending_ = false;
   rocksdb::Options options_;  // the users engine's, for finish_upgrade()
+  // The sealed ledger's compaction filter (set on its options by
+  // state_cf_options); attached to this Storage while the state engine is
+  // open for writing.
+  std::shared_ptr<SealedRecordReclaim> reclaim_;
   mutable std::atomic<std::uint64_t> scan_generation_{0};
   mutable std::atomic<int> scans_holding_{0};
   mutable ScanProgress scan_progress_;
