@@ -13,6 +13,13 @@
 //   BM_LeavesDuringBulkPurge      leave latencies of other users while a bulk
 //                                 purge of 5,000 users runs
 //   BM_LeavesDuringRematerialize  the same during a re-materialization
+//   BM_SealedReclaimPass          a compaction of a format-4 Db's whole
+//                                 sealed ledger, which drops the purged
+//                                 users' records (what the periodic
+//                                 compaction costs once per file in 30
+//                                 days): on a copy of a Db given by
+//                                 TIDAL_RECLAIM_BENCH_DB (e.g. tidal-demo's
+//                                 with --keep), which it changes
 // The Db is built once, fast: the ledger records and the aggregates that
 // equal their sums (I1) are written as SST files with rocksdb::SstFileWriter
 // and ingested, then opened as a tidal Db.
@@ -352,6 +359,37 @@ void BM_LeavesDuringRematerialize(benchmark::State& state) {
   });
 }
 BENCHMARK(BM_LeavesDuringRematerialize)->UseManualTime()->Iterations(1)->Unit(benchmark::kSecond);
+
+void BM_SealedReclaimPass(benchmark::State& state) {
+  const char* path = std::getenv("TIDAL_RECLAIM_BENCH_DB");
+  if (path == nullptr) {
+    state.SkipWithError("set TIDAL_RECLAIM_BENCH_DB to a copy of a format-4 Db (it is changed)");
+    return;
+  }
+  Result<std::unique_ptr<Db>> db = Db::open(path, Options());
+  if (!db.ok()) {
+    state.SkipWithError(db.status().to_string().c_str());
+    return;
+  }
+  Storage& storage = Db::Impl::storage_for_testing(**db);
+  rocksdb::DB* engine = storage.db(Storage::Engine::State);
+  const auto live_bytes = [&] {
+    rocksdb::ColumnFamilyMetaData meta;
+    engine->GetColumnFamilyMetaData(storage.sealed_ledger(), &meta);
+    return meta.size;
+  };
+  const std::uint64_t before = live_bytes();
+  for (auto _ : state) {
+    rocksdb::CompactRangeOptions options;
+    options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+    check(engine->CompactRange(options, storage.sealed_ledger(), nullptr, nullptr), "CompactRange");
+  }
+  state.counters["records_dropped"] = static_cast<double>(storage.sealed_records_reclaimed());
+  state.counters["sealed_MB_before"] = static_cast<double>(before) / 1e6;
+  state.counters["sealed_MB_after"] = static_cast<double>(live_bytes()) / 1e6;
+  if (Status s = (*db)->close(); !s.ok()) state.SkipWithError(s.to_string().c_str());
+}
+BENCHMARK(BM_SealedReclaimPass)->Iterations(1)->Unit(benchmark::kSecond);
 
 void BM_Rematerialize(benchmark::State& state) {
   Fixture& f = fixture();
