@@ -524,6 +524,98 @@ TEST(SealedLedger, ARejoinedUserGetsANewKeyAndEachPurgeErasesItsOwn) {
   EXPECT_TRUE(v->ok()) << v->problems.front();
 }
 
+// A single purge's erasure rewrites only the key store's files that hold the
+// purged key, each at its own level: not the files under a level-0 file's
+// range, which spans the whole key store (keys made since the last flush,
+// of users anywhere). Every other file stays as it was, and the key is gone
+// from every file.
+TEST(SealedLedger, APurgesErasureRewritesOnlyTheKeyStoreFilesThatHoldTheKey) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  Options options = manual_writes();
+  options.sync_writes = false;  // the setup's joins
+  auto db = open_db(path, options);
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+  // Users spread over the whole key space, each with a key (their first
+  // contribution), the key store compacted into files of the last level.
+  constexpr std::uint64_t kUsers = 100'000;
+  constexpr std::uint64_t kStride = 0x0000'4000'0000'0001ULL;
+  const auto user = [&](std::uint64_t i) { return i * kStride + 17; };
+  for (std::uint64_t i = 1; i <= kUsers; ++i) {
+    ASSERT_OK(db->join_community(user(i), 77));
+    ASSERT_OK(db->signal_with_context({user(i), 1000 + i % 5, 1.5}, {{4}}));
+    if (i % 10'000 == 0) ASSERT_OK(db->flush());
+  }
+  ASSERT_OK(db->flush());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
+  rocksdb::CompactRangeOptions all;
+  all.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  ASSERT_TRUE(users->CompactRange(all, storage.keys(), nullptr, nullptr).ok());
+  // Then new users' keys, spread the same way, flushed into level 0.
+  for (std::uint64_t i = 1; i <= 50; ++i) {
+    ASSERT_OK(db->join_community(user(i * 2'000 - 1) + 1, 77));
+    ASSERT_OK(db->signal_with_context({user(i * 2'000 - 1) + 1, 1000, 0.5}, {{4}}));
+  }
+  ASSERT_OK(db->flush());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
+  const auto files = [&] {
+    rocksdb::ColumnFamilyMetaData meta;
+    users->GetColumnFamilyMetaData(storage.keys(), &meta);
+    std::vector<std::pair<int, rocksdb::SstFileMetaData>> out;
+    for (const auto& level : meta.levels) {
+      for (const auto& f : level.files) out.emplace_back(level.level, f);
+    }
+    return out;
+  };
+  const auto before = files();
+  std::size_t deepest = 0, level0 = 0;
+  for (const auto& [level, f] : before) (level == 0 ? level0 : deepest) += 1;
+  ASSERT_GE(deepest, 4u) << "the key store should span several files";
+  ASSERT_GE(level0, 1u);
+  const std::uint64_t u = user(kUsers / 2);
+  const std::string key = encode_key_store_key(u);
+  ASSERT_TRUE(std::any_of(before.begin(), before.end(), [&](const auto& lf) {
+    return lf.first == 0 && lf.second.smallestkey < key && key < lf.second.largestkey;
+  })) << "a level-0 file should span the purged user's key";
+
+  const testing::ErasureScan held = scan_files(path, u);
+  ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
+  ASSERT_OK(db->leave_community_layer(u));
+  Result<PurgeReceipt> r = db->purge_community_contributions(u);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->entries_removed, 2u);  // cohort 4 and community 77
+  EXPECT_TRUE(r->erasure_complete);
+  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+
+  // Below level 0, only the file whose range holds u is rewritten.
+  std::set<std::string> now;
+  for (const auto& [level, f] : files()) now.insert(f.name);
+  std::size_t kept = 0;
+  for (const auto& [level, f] : before) {
+    if (level == 0) continue;
+    const bool holds = f.smallestkey <= key && key <= f.largestkey;
+    if (holds) {
+      EXPECT_EQ(now.count(f.name), 0u) << "the file that held the key, " << f.name << ", is still live";
+    } else {
+      EXPECT_EQ(now.count(f.name), 1u) << "level-" << level << " file " << f.name
+                                       << ", which does not hold the purged key, was rewritten";
+      ++kept;
+    }
+  }
+  EXPECT_EQ(kept, deepest - 1);
+  // Everyone else's key still opens their records.
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  const std::uint64_t other = user(kUsers / 2 + 1);
+  ASSERT_OK(db->leave_community_layer(other));
+  Result<PurgeReceipt> o = db->purge_community_contributions(other);
+  ASSERT_OK(o);
+  EXPECT_EQ(o->entries_removed, 2u);
+  EXPECT_EQ(o->cohort_weight_removed, 1.5);
+}
+
 // Backups carry the key store of their moment: one made after a purge holds
 // no trace of the purged user's key; one made before holds it, and its
 // restore erases it again (the journal's purge, replayed) before it serves.

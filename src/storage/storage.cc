@@ -506,6 +506,77 @@ class SealedRecordReclaim : public rocksdb::CompactionFilterFactory {
   std::atomic<std::uint64_t> reclaimed_{0};
 };
 
+// The key store's erasure filter (Storage::KeysErased). It acts only in
+// manual compactions, and only while an erasure has named its ranges; it
+// keeps a value that is still the key's current one (a key made after a
+// rejoin), and every value on a read error. A value it drops becomes a
+// deletion (RocksDB's kRemove), which a compaction into the last level
+// drops in turn.
+class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
+ public:
+  explicit KeyStoreErasure(const Storage* storage) : storage_(storage) {}
+  void begin(const std::vector<std::pair<std::string, std::string>>& ranges) {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    ranges_ = ranges;
+    dropped_.store(0, std::memory_order_relaxed);
+  }
+  void end() {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    ranges_.clear();
+  }
+  std::uint64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
+
+  std::unique_ptr<rocksdb::CompactionFilter> CreateCompactionFilter(
+      const rocksdb::CompactionFilter::Context& context) override {
+    if (!context.is_manual_compaction) return nullptr;
+    return std::make_unique<KeyFilter>(this);
+  }
+  const char* Name() const override { return "tidal.KeyStoreErasure"; }
+
+ private:
+  class KeyFilter : public rocksdb::CompactionFilter {
+   public:
+    explicit KeyFilter(KeyStoreErasure* erasure) : erasure_(erasure) {}
+    bool Filter(int /*level*/, const rocksdb::Slice& key, const rocksdb::Slice& value, std::string* /*new_value*/,
+                bool* /*value_changed*/) const override {
+      return erasure_->stale({key.data(), key.size()}, {value.data(), value.size()}, &current_);
+    }
+    const char* Name() const override { return "tidal.KeyStoreErasure"; }
+
+   private:
+    KeyStoreErasure* const erasure_;
+    mutable std::string current_;
+  };
+
+  // Whether `value` of `key` is in a range being erased and is not the
+  // key's current value.
+  bool stale(std::string_view key, std::string_view value, std::string* current) {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    auto r = std::upper_bound(ranges_.begin(), ranges_.end(), key,
+                              [](std::string_view k, const auto& range) { return k < range.second; });
+    if (r == ranges_.end() || key < r->first) return false;
+    const rocksdb::Status s = storage_->db(Storage::Engine::Users)
+                                  ->Get(rocksdb::ReadOptions(), storage_->keys(), rocksdb::Slice(key.data(), key.size()),
+                                        current);
+    if (!s.IsNotFound() && !(s.ok() && *current != value)) return false;
+    dropped_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  const Storage* const storage_;
+  mutable std::shared_mutex mu_;
+  std::vector<std::pair<std::string, std::string>> ranges_;  // guarded by mu_
+  std::atomic<std::uint64_t> dropped_{0};
+};
+
+Storage::KeysErased::KeysErased(const Storage& storage,
+                                const std::vector<std::pair<std::string, std::string>>& ranges)
+    : storage_(storage) {
+  storage_.key_erasure_->begin(ranges);
+}
+Storage::KeysErased::~KeysErased() { storage_.key_erasure_->end(); }
+std::uint64_t Storage::KeysErased::dropped() const { return storage_.key_erasure_->dropped(); }
+
 Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const Storage::Config& config) {
   std::unique_lock<std::mutex> registry(g_open_mu);
   if (!config.read_only) {
@@ -534,6 +605,7 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   storage->path_ = path;
   storage->read_only_ = config.read_only;
   if (!config.read_only) storage->reclaim_ = std::make_shared<SealedRecordReclaim>();
+  storage->key_erasure_ = std::make_shared<KeyStoreErasure>(storage.get());
   storage->block_cache_ = rocksdb::NewLRUCache(config.block_cache_bytes);
 
   std::vector<std::string> existing;
@@ -566,7 +638,10 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
     if (d.name != "users" && d.name != "by_tag" && d.name != "default" && d.name != kKeyStoreFamily) {
       set_state_cf_options(d.name, &d.options);
     }
-    if (d.name == kKeyStoreFamily) set_key_store_options(&d.options);
+    if (d.name == kKeyStoreFamily) {
+      set_key_store_options(&d.options);
+      d.options.compaction_filter_factory = storage->key_erasure_;
+    }
   }
 
   rocksdb::DB* raw = nullptr;
@@ -789,6 +864,7 @@ Status Storage::create_key_store() {
   rocksdb::ColumnFamilyOptions options(users_.db->GetOptions(users()));
   set_table_options(block_cache_, &options);
   set_key_store_options(&options);
+  options.compaction_filter_factory = key_erasure_;
   rocksdb::ColumnFamilyHandle* handle = nullptr;
   // Durable (RocksDB's MANIFEST) when it returns.
   if (Status s = from_rocksdb(users_.db->CreateColumnFamily(options, kKeyStoreFamily, &handle),

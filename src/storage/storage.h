@@ -58,6 +58,7 @@
 namespace tidal {
 
 class SealedRecordReclaim;  // storage.cc
+class KeyStoreErasure;      // storage.cc
 
 // Whether records of `tag` have a copy in the by_tag index.
 bool is_indexed(Tag tag);
@@ -272,6 +273,26 @@ class Storage {
   // the open: records no index key names, a purged user's (storage.cc,
   // SealedRecordReclaim; docs/PURGE.md, "What erased means").
   std::uint64_t sealed_records_reclaimed() const;
+  // While one lives, a manual compaction of the key store (the erasure's
+  // own, Db::Impl::erase_ranges) drops each value of a key in `ranges`
+  // (sorted, disjoint, [begin, end)) that is not the key store's current
+  // value of that key: a purged user's key, whose deletion is in a newer
+  // file than the compaction's. So the erasure rewrites only the files that
+  // hold the values, each at its own level, never the files that RocksDB
+  // would add between them and the deletion's. One at a time (the
+  // erasure's lock); automatic compactions never drop anything.
+  class KeysErased {
+   public:
+    KeysErased(const Storage& storage, const std::vector<std::pair<std::string, std::string>>& ranges);
+    ~KeysErased();
+    KeysErased(const KeysErased&) = delete;
+    KeysErased& operator=(const KeysErased&) = delete;
+    // Values dropped so far.
+    std::uint64_t dropped() const;
+
+   private:
+    const Storage& storage_;
+  };
   // What the checks under way have done, for Stats.
   struct ScanProgress {
     std::atomic<std::uint64_t> records_read{0};      // by the checks under way
@@ -389,6 +410,8 @@ class Storage {
   // state_cf_options); attached to this Storage while the state engine is
   // open for writing.
   std::shared_ptr<SealedRecordReclaim> reclaim_;
+  // The key store's compaction filter (KeysErased), on its options.
+  std::shared_ptr<KeyStoreErasure> key_erasure_;
   mutable std::atomic<std::uint64_t> scan_generation_{0};
   mutable std::atomic<int> scans_holding_{0};
   mutable ScanProgress scan_progress_;
