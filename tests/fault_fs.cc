@@ -203,15 +203,18 @@ void FaultFs::clear_faults() {
   fail_deletes_.store(false);
 }
 
-void FaultFs::hold_syncs_under(const std::string& prefix) {
+void FaultFs::hold_syncs_under(const std::string& prefix, bool first_sst_only) {
   std::lock_guard<std::mutex> lock(hold_mu_);
   hold_prefix_ = prefix;
+  hold_first_sst_only_ = first_sst_only;
+  hold_file_.clear();
 }
 
 void FaultFs::release_syncs() {
   {
     std::lock_guard<std::mutex> lock(hold_mu_);
     hold_prefix_.clear();
+    hold_file_.clear();
   }
   hold_cv_.notify_all();
 }
@@ -219,6 +222,11 @@ void FaultFs::release_syncs() {
 void FaultFs::wait_if_held(const std::string& fname) {
   std::unique_lock<std::mutex> lock(hold_mu_);
   if (hold_prefix_.empty() || fname.rfind(hold_prefix_, 0) != 0) return;
+  if (hold_first_sst_only_) {
+    const bool sst = fname.size() > 4 && fname.compare(fname.size() - 4, 4, ".sst") == 0;
+    if (hold_file_.empty() && sst) hold_file_ = fname;
+    if (fname != hold_file_) return;
+  }
   held_.fetch_add(1);
   hold_cv_.wait(lock, [&] { return hold_prefix_.empty(); });
   held_.fetch_sub(1);

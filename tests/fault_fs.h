@@ -65,8 +65,10 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   void set_fail_deletes(bool on) { fail_deletes_.store(on); }
 
   // Holds every Sync/Fsync of a writable file whose path starts with
-  // `prefix` (a stalled disk under one engine) until release_syncs().
-  void hold_syncs_under(const std::string& prefix);
+  // `prefix` (a stalled disk under one engine) until release_syncs(). With
+  // `first_sst_only`, only those of the first such SST file to sync (one
+  // flush or compaction stalled while the rest of the engine goes on).
+  void hold_syncs_under(const std::string& prefix, bool first_sst_only = false);
   void release_syncs();
   // Syncs waiting in a hold now.
   std::uint64_t held_syncs() const { return held_.load(); }
@@ -146,6 +148,8 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   std::mutex hold_mu_;
   std::condition_variable hold_cv_;
   std::string hold_prefix_;  // empty: no hold
+  bool hold_first_sst_only_ = false;
+  std::string hold_file_;  // with hold_first_sst_only_: the file held, once one synced
   std::atomic<std::uint64_t> held_{0};
   struct FileState {
     std::uint64_t size = 0;

@@ -695,6 +695,60 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
   ASSERT_OK(db.close());
 }
 
+// RocksDB keeps a file a compaction replaced while a compaction of the same
+// engine that began before the file was written is under way (its "pending
+// outputs"): in the users engine, the users partition's, which run for
+// seconds at 1M users. The erasure deletes the key store's files it replaced
+// itself: a purge neither waits for such a compaction nor leaves the files.
+TEST(Purge, TheErasureDoesNotWaitForAUsersPartitionCompactionUnderWay) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60760ULL;
+  auto fault = reliability::FaultEnv::make();
+  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
+  ASSERT_OK(opened);
+  Db& db = **opened;
+  Storage& storage = Db::Impl::storage_for_testing(db);
+  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+  ASSERT_OK(db.join_community(kLeaver, 9));
+  for (std::uint64_t i = 0; i < 30; ++i) ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
+  ASSERT_OK(db.flush());
+  for (std::uint64_t u = 1; u <= 200; ++u) ASSERT_OK(db.join_community(u, 9));
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.users()).ok());
+  for (std::uint64_t u = 201; u <= 400; ++u) ASSERT_OK(db.join_community(u, 9));
+  ASSERT_OK(db.leave_community_layer(kLeaver));
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.users()).ok());
+  // A compaction of the users partition, stalled at its output's sync.
+  fault.fs->hold_syncs_under(path + "/0", /*first_sst_only=*/true);
+  rocksdb::Status compacted;
+  std::thread compaction([&] {
+    rocksdb::CompactRangeOptions options;
+    options.exclusive_manual_compaction = false;
+    options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+    compacted = users->CompactRange(options, storage.users(), nullptr, nullptr);
+  });
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (fault.fs->held_syncs() == 0 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GT(fault.fs->held_syncs(), 0u) << "the users partition's compaction never reached its sync";
+  const auto saved = Db::Impl::erasure_wait;
+  Db::Impl::erasure_wait = std::chrono::milliseconds(2'000);
+  Result<PurgeReceipt> r = db.purge_community_contributions(kLeaver);
+  Db::Impl::erasure_wait = saved;
+  const std::uint64_t still_held = fault.fs->held_syncs();
+  fault.fs->release_syncs();
+  compaction.join();
+  ASSERT_OK(r);
+  EXPECT_EQ(r->entries_removed, 60u);
+  EXPECT_TRUE(r->erasure_complete);
+  EXPECT_GT(still_held, 0u) << "the compaction ended before the purge did: the test proved nothing";
+  EXPECT_TRUE(compacted.ok()) << compacted.ToString();
+  for (const std::string& f : scan_files(path, kLeaver).found) ADD_FAILURE() << "after the purge: " << f;
+  expect_healthy(db, "after the purge beside the stalled compaction");
+  ASSERT_OK(db.close());
+}
+
 // A purge during a verify() neither waits for the check nor fails: the
 // erasure asks the check to let go of its snapshot (and then of the files
 // it reads), and the check starts over. Here every step of the check (1,024
