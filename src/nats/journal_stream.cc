@@ -52,19 +52,26 @@ Result<std::vector<JournalEntry>> read_journal_stream(Connection& conn, const Co
   if (Status s = reader.open_ephemeral(journal.stream, cc); !s.ok()) {
     return Status::IOError(where + ": cannot read the entries: " + s.message());
   }
-  // The subject's messages still to deliver: each fetch asks for no more
-  // than remain, so it returns once they came (a fetch for more waits until
-  // it expires).
+  // The subject's messages still to deliver, as the consumer counts them:
+  // each fetch asks for no more than remain, so it returns once they came (a
+  // fetch for more waits until it expires). The count only sizes the
+  // fetches: the read goes on to the last entry's stream sequence, one
+  // message a fetch once the count is used up. (A read that stopped when
+  // the count ran out reported entries missing that the stream held: seen
+  // once, under load, right after a message was deleted from the stream.)
   Result<std::uint64_t> pending = reader.num_pending();
   if (!pending.ok()) return Status::IOError(where + ": " + pending.status().message());
   std::uint64_t remaining = *pending;
   std::uint64_t next = after_seq + 1;
   std::uint64_t read_to = 0;  // the stream sequence read through
-  while (read_to < end_at && remaining > 0) {
+  while (read_to < end_at) {
     Fetched got;
-    const int batch = static_cast<int>(
-        std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(journal.fetch_batch, 1)), remaining));
+    const int batch = static_cast<int>(std::min<std::uint64_t>(
+        static_cast<std::uint64_t>(std::max(journal.fetch_batch, 1)), std::max<std::uint64_t>(remaining, 1)));
     Status s = reader.fetch(batch, journal.fetch_max_bytes, /*no_wait=*/false, journal.request_timeout, &got);
+    // None came within the request's time once the count was used up:
+    // nothing more to come (the check below names what is missing).
+    if (got.msgs.empty() && s.ok() && remaining == 0) break;
     if (got.msgs.empty()) {
       return Status::IOError(where + ": reading the entries after seq " + std::to_string(next - 1) + " (through seq " +
                              std::to_string(end->seq) + ") failed: " + (s.ok() ? std::string("timed out") : s.message()));
