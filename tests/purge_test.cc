@@ -201,6 +201,80 @@ TEST(Purge, SharedScoresAreBitIdenticalToADbThatNeverSawTheUser) {
   expect_healthy(*purged, "after a restart");
 }
 
+// A purge stores the write buffers first only while one of its users may
+// still have a contribution in them (StateStore::exclusive_for): right after
+// the leave it does; once a batch has been written since, it writes nothing
+// of the others' pending signals, and is exact all the same. A user who
+// rejoins, signals and leaves again has pending contributions again.
+TEST(Purge, APurgeStoresThePendingSignalsOnlyWhileOneOfItsUsersMayHaveSomeThere) {
+  TempDir dir;
+  const Workload w;
+  const std::uint64_t at_once = 13, later = 14, again = 27;
+  auto purged = open_db(dir.sub("purged"), manual_writes());
+  auto reference = open_db(dir.sub("reference"), manual_writes());
+  join_all(*purged);
+  join_all(*reference);
+  // The workload in four parts, each sent to both Dbs (the reference never
+  // sees the purged users' signals).
+  const std::size_t part = w.signals.size() / 4;
+  const auto send = [&](std::size_t p, std::uint64_t returning) {
+    for (std::size_t i = p * part; i < (p + 1) * part; ++i) {
+      const auto& [signal, ctx] = w.signals[i];
+      if (signal.user_id == returning) continue;  // sent by the caller, after its rejoin
+      ASSERT_OK(purged->signal_with_context(signal, ctx));
+      if (signal.user_id != at_once && signal.user_id != later && signal.user_id != again) {
+        ASSERT_OK(reference->signal_with_context(signal, ctx));
+      }
+    }
+  };
+  const auto writes = [&] { return purged->stats().aggregate_writes; };
+  const auto pending = [&] { return purged->stats().aggregate_cells_pending; };
+
+  // Right after the leave: the user's signals are pending, and are stored first.
+  send(0, 0);
+  ASSERT_OK(purged->leave_community_layer(at_once));
+  std::uint64_t before = writes();
+  Result<PurgeReceipt> r = purged->purge_community_contributions(at_once);
+  ASSERT_OK(r);
+  EXPECT_GT(r->entries_removed, 0u);
+  EXPECT_EQ(writes(), before + 1) << "the purge right after the leave did not store the pending signals first";
+  EXPECT_EQ(pending(), 0u);
+
+  // A batch after the leave: the others' pending signals stay pending.
+  send(1, 0);
+  ASSERT_OK(purged->leave_community_layer(later));
+  ASSERT_OK(purged->flush());
+  send(2, 0);
+  const std::uint64_t waiting = pending();
+  ASSERT_GT(waiting, 0u);
+  before = writes();
+  r = purged->purge_community_contributions(later);
+  ASSERT_OK(r);
+  EXPECT_GT(r->entries_removed, 0u);
+  EXPECT_EQ(writes(), before) << "the purge wrote a batch, though everything of the user was stored";
+  EXPECT_EQ(pending(), waiting);
+
+  // Left, stored, rejoined, signals pending again, left: stored first again.
+  ASSERT_OK(purged->leave_community_layer(again));
+  ASSERT_OK(purged->flush());
+  ASSERT_OK(purged->rejoin_community_layer(again));
+  send(3, again);
+  for (std::size_t i = 3 * part; i < 4 * part; ++i) {
+    if (w.signals[i].first.user_id == again) ASSERT_OK(purged->signal_with_context(w.signals[i].first, w.signals[i].second));
+  }
+  ASSERT_OK(purged->leave_community_layer(again));
+  before = writes();
+  r = purged->purge_community_contributions(again);
+  ASSERT_OK(r);
+  EXPECT_EQ(writes(), before + 1) << "the purge after a rejoin did not store the user's new signals first";
+  // Every contribution of the three users is gone, of `again` from before
+  // its rejoin and after.
+  EXPECT_EQ(count_shared_differences(*purged, *reference), 0u);
+  ASSERT_OK(purged->flush());
+  EXPECT_EQ(count_shared_differences(*purged, *reference), 0u);
+  expect_healthy(*purged, "after the purges");
+}
+
 TEST(Purge, ReceiptsAreKeptOldestFirstAcrossRestartsAndASecondPurgeWritesNothing) {
   TempDir dir;
   const std::string path = dir.sub("db");

@@ -58,6 +58,9 @@ Status Db::Impl::leave_community_layer(std::uint64_t user_id) {
           // Only sections of this user (or of an unknown one) can have seen its
           // gate open. If the barrier fails the gate stays closed (G6).
           if (Status s = grace_.synchronize(user_id); !s.ok()) return s;
+          // Every contribution of the user is in the write buffers up to
+          // this one: a purge drains them only until it is stored.
+          state_->note_leave(user_id, state_->active_buffer());
           // On error (here: a clock that cannot issue a later time; below: the
           // write) the gate stays closed (G6) and the map keeps the last durable
           // state, so a retry writes again instead of reporting a no-op.
@@ -101,6 +104,7 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
           const CommunityMembership active{user_id, MembershipStatus::Active, current.left_at_ns};
           if (Status s = write_membership(user_id, active, *at, "rejoin_community_layer", &seq); !s.ok()) return s;
           leave_status_.insert_or_assign(user_id, active);
+          state_->forget_leave(user_id);
           gate_.open(user_id);
           rejoins_.fetch_add(1, std::memory_order_relaxed);
           return Status::OK();
@@ -270,6 +274,8 @@ Status Db::Impl::leave_locked(const std::vector<std::uint64_t>& users, std::uint
     gate_.close(u);
   }
   if (Status s = grace_.synchronize(std::span<const std::uint64_t>(todo)); !s.ok()) return s;  // gates stay closed
+  const std::uint64_t buffer = state_->active_buffer();  // as in the single form
+  for (std::uint64_t u : todo) state_->note_leave(u, buffer);
   // On error every gate stays closed (G6) and the map keeps the last durable
   // state of the users not yet written, as in the single form.
   return write_bulk(todo, MembershipStatus::Left, "leave_community_layer", seq);
@@ -338,7 +344,10 @@ Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipSt
     if (journal_) *seq = *w;
     for (const CommunityMembership& m : written) {
       leave_status_.insert_or_assign(m.user_id, m);
-      if (!leave) gate_.open(m.user_id);
+      if (!leave) {
+        state_->forget_leave(m.user_id);
+        gate_.open(m.user_id);
+      }
     }
     (leave ? leaves_ : rejoins_).fetch_add(written.size(), std::memory_order_relaxed);
   }

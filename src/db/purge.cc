@@ -545,13 +545,14 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
   std::vector<PurgeReceipt> receipts;
   receipts.reserve(users.size());
   // The drain lock is held for one batch of kPurgeBatchUsers at a time (its
-  // ledger reads and its write), and each batch begins by storing what is
-  // pending (exclusive() drains first): signals wait for one batch of a bulk
-  // purge, not for all of it (S4).
+  // ledger reads and its write), and a batch begins by storing what is
+  // pending when one of its users may still have a contribution there
+  // (exclusive_for): signals wait for one batch of a bulk purge, not for all
+  // of it (S4).
   for (std::size_t begin = 0; begin < users.size(); begin += kPurgeBatchUsers) {
-    Status s = state_->exclusive([&]() -> Status {
-      const std::size_t end = std::min(users.size(), begin + kPurgeBatchUsers);
-      const std::span<const std::uint64_t> batch_users(users.data() + begin, end - begin);
+    const std::size_t end = std::min(users.size(), begin + kPurgeBatchUsers);
+    const std::span<const std::uint64_t> batch_users(users.data() + begin, end - begin);
+    Status s = state_->exclusive_for(batch_users, [&]() -> Status {
       const std::string ids = batch_users.size() == 1 ? user_text(batch_users.front())
                                                       : std::to_string(batch_users.size()) + " users (ids " +
                                                             std::to_string(batch_users.front()) + ".." +

@@ -367,6 +367,10 @@ Status StateStore::drain_locked() {
       if (entries_[frozen].load(std::memory_order_relaxed) == 0) return Status::OK();
       frozen_snapshot_ = storage_->db(Storage::Engine::State)->GetSnapshot();
       frozen_live_ = true;
+      frozen_buffer_ = swaps_.load(std::memory_order_relaxed) + 1;
+      // Before the index: a signal that reads the new index, and so adds to
+      // the next buffer, was counted there by any leave that waits it out.
+      swaps_.store(frozen_buffer_, std::memory_order_release);
       active_.store(1 - frozen, std::memory_order_release);
       // The signals counted so far: about those in the batch and before it
       // (a signal is counted as it returns, so a few in flight go to the
@@ -436,6 +440,11 @@ Status StateStore::write_frozen_locked(int frozen) {
   }
   buffer.clear();
   entries_[frozen].store(0, std::memory_order_relaxed);
+  stored_through_ = frozen_buffer_;
+  {
+    std::lock_guard<std::mutex> lock(leavers_mu_);
+    std::erase_if(leavers_, [&](const auto& leaver) { return leaver.second <= stored_through_; });
+  }
   writes_.fetch_add(1, std::memory_order_relaxed);
   cells_written_.fetch_add(keys, std::memory_order_relaxed);
   batch_bytes_.fetch_add(bytes, std::memory_order_relaxed);
@@ -709,11 +718,40 @@ Status StateStore::verify(VerifyReport* report) const {
   return s;
 }
 
-Status StateStore::exclusive(const std::function<Status()>& fn) {
+Status StateStore::exclusive(const std::function<Status()>& fn) { return exclusive_for({}, fn); }
+
+Status StateStore::exclusive_for(std::span<const std::uint64_t> leavers, const std::function<Status()>& fn) {
   const auto due = std::chrono::steady_clock::now();
   std::lock_guard<std::mutex> drain(drain_mu_);
-  if (Status s = drain_all_locked(due); !s.ok()) return s;
+  // Under drain_mu_, stored_through_ and frozen_live_ hold still (and the
+  // batch that set stored_through_ pruned the leavers it covers). A failed
+  // batch still frozen is written first whoever is in it: until it is,
+  // readers see the stored state of its swap, not what fn writes.
+  bool pending = leavers.empty() || frozen_live_;
+  {
+    std::lock_guard<std::mutex> lock(leavers_mu_);
+    for (std::uint64_t u : leavers) {
+      const auto it = leavers_.find(u);
+      if (it != leavers_.end() && it->second > stored_through_) {
+        pending = true;
+        break;
+      }
+    }
+  }
+  if (pending) {
+    if (Status s = drain_all_locked(due); !s.ok()) return s;
+  }
   return fn();
+}
+
+void StateStore::note_leave(std::uint64_t user, std::uint64_t buffer) {
+  std::lock_guard<std::mutex> lock(leavers_mu_);
+  leavers_.insert_or_assign(user, buffer);
+}
+
+void StateStore::forget_leave(std::uint64_t user) {
+  std::lock_guard<std::mutex> lock(leavers_mu_);
+  leavers_.erase(user);
 }
 
 Status StateStore::between_batches(const std::function<Status()>& fn) {

@@ -72,6 +72,7 @@
 #include <functional>
 #include <mutex>
 #include <shared_mutex>
+#include <span>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -216,6 +217,23 @@ class StateStore {
   // into the buffers, up to their bound. The drain's error, fn not run,
   // when the drain fails.
   Status exclusive(const std::function<Status()>& fn);
+  // As exclusive(), but drains only when a buffer that may hold a
+  // contribution of one of `leavers` is not yet stored (a purge of users
+  // who left a batch ago does not write the others' pending signals first).
+  // A leaver's buffer is the one note_leave() named, until its batch is
+  // written; a leaver not noted has nothing pending: they left before this
+  // StateStore started (its buffers began empty), or while no signal was
+  // accepted (a journal's replay, into a recovering Db).
+  Status exclusive_for(std::span<const std::uint64_t> leavers, const std::function<Status()>& fn);
+  // The number of the buffer signals add to now: 1 at the start, one more
+  // at every swap. Read after a leave's grace period, every contribution of
+  // the leaver is in a buffer numbered at most that.
+  std::uint64_t active_buffer() const { return swaps_.load(std::memory_order_acquire) + 1; }
+  // Notes that `user`'s contributions are all in buffers numbered up to
+  // `buffer` (a leave, after its grace period: every leave of a Db that
+  // accepts signals must note it), or forgets it (a rejoin).
+  void note_leave(std::uint64_t user, std::uint64_t buffer);
+  void forget_leave(std::uint64_t user);
   // Runs `fn` while holding the drain lock, without draining first: fn sees
   // the stored aggregates and the change feed at one batch boundary (what
   // the buffers hold is in neither, and lands after fn). A re-seed's snapshot.
@@ -308,6 +326,16 @@ class StateStore {
   const rocksdb::Snapshot* frozen_snapshot_ = nullptr;  // storage without the frozen buffer
 
   std::mutex drain_mu_;  // one drain at a time
+  // Swaps so far (active_buffer()), and the number of the last buffer whose
+  // batch was written (guarded by drain_mu_): batches are written in the
+  // order of their swaps, so every buffer up to it is stored.
+  std::atomic<std::uint64_t> swaps_{0};
+  std::uint64_t frozen_buffer_ = 0;  // the frozen buffer's number; under drain_mu_
+  std::uint64_t stored_through_ = 0;
+  // note_leave(): the last buffer each leaver may have contributed to, until
+  // it is stored.
+  std::mutex leavers_mu_;
+  std::unordered_map<std::uint64_t, std::uint64_t> leavers_;
   // The last batch's epoch, and the highest the stored state_epoch record
   // reserves (write_frozen_locked); guarded by drain_mu_ (and set before the
   // writer starts).
