@@ -10,6 +10,8 @@
 #include <string>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <future>
 #include <thread>
 #include <tuple>
@@ -273,6 +275,74 @@ TEST(Purge, APurgeStoresThePendingSignalsOnlyWhileOneOfItsUsersMayHaveSomeThere)
   ASSERT_OK(purged->flush());
   EXPECT_EQ(count_shared_differences(*purged, *reference), 0u);
   expect_healthy(*purged, "after the purges");
+}
+
+// A purge of a user whose contributions are all stored does not wait for
+// the writer's batch under way (StateStore::exclusive_for): here the batch
+// is held, built and not ingested, for as long as the test likes. The purge
+// returns meanwhile, and reads, which pair the held batch's buffer with a
+// snapshot of the stored state, already leave the user out; once the batch
+// lands, nothing of it was lost.
+TEST(Purge, APurgeOfAStoredUserDoesNotWaitForTheWritersBatchUnderWay) {
+  TempDir dir;
+  const Workload w;
+  const std::uint64_t u = 13;
+  auto purged = open_db(dir.sub("purged"), manual_writes());
+  auto reference = open_db(dir.sub("reference"), manual_writes());
+  join_all(*purged);
+  join_all(*reference);
+  const std::size_t half = w.signals.size() / 2;
+  for (std::size_t i = 0; i < w.signals.size(); ++i) {
+    const auto& [signal, ctx] = w.signals[i];
+    if (i == half) {
+      ASSERT_OK(purged->leave_community_layer(u));
+      ASSERT_OK(purged->flush());  // everything of the user's is stored
+    }
+    if (signal.user_id == u && i >= half) continue;  // gated anyway; not sent
+    ASSERT_OK(purged->signal_with_context(signal, ctx));
+    if (signal.user_id != u) ASSERT_OK(reference->signal_with_context(signal, ctx));
+  }
+  ASSERT_GT(purged->stats().aggregate_cells_pending, 0u);
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool held = false, release = false;
+  ScopedOverride hook(Storage::step_for_testing, [&](std::string_view task, int) {
+    if (task != "aggregate write") return;
+    std::unique_lock<std::mutex> lock(mu);
+    held = true;
+    cv.notify_all();
+    cv.wait(lock, [&] { return release; });
+  });
+  const auto let_go = [&] {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+    cv.notify_all();
+  };
+  std::future<Status> batch = std::async(std::launch::async, [&] { return purged->flush(); });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60), [&] { return held; }));
+  }
+  std::future<Result<PurgeReceipt>> purge =
+      std::async(std::launch::async, [&] { return purged->purge_community_contributions(u); });
+  const bool returned = purge.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
+  const std::size_t differ_while_held = returned ? count_shared_differences(*purged, *reference) : 0;
+  const std::uint64_t writes_while_held = purged->stats().aggregate_writes;
+  let_go();
+  ASSERT_TRUE(returned) << "the purge waited for the writer's batch";
+  Result<PurgeReceipt> r = purge.get();
+  ASSERT_OK(r);
+  EXPECT_GT(r->entries_removed, 0u);
+  EXPECT_EQ(differ_while_held, 0u) << "reads during the held batch still counted the purged user";
+  EXPECT_EQ(writes_while_held, 1u);  // only the flush at the leave; the held batch had not landed
+  ASSERT_OK(batch.get());
+  EXPECT_EQ(purged->stats().aggregate_cells_pending, 0u);
+  EXPECT_EQ(count_shared_differences(*purged, *reference), 0u);
+  expect_healthy(*purged, "after the purge beside the batch");
+  ASSERT_OK(purged->close());
+  purged = open_db(dir.sub("purged"), manual_writes());
+  EXPECT_EQ(count_shared_differences(*purged, *reference), 0u);
 }
 
 TEST(Purge, ReceiptsAreKeptOldestFirstAcrossRestartsAndASecondPurgeWritesNothing) {

@@ -44,7 +44,7 @@ namespace {
 constexpr std::uint64_t kItems = 1000;   // item ids 1..kItems
 constexpr std::uint64_t kCohorts = 500;  // cohort ids 1..kCohorts
 
-constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--single-purges N] [--light] [--dir PATH] [--keep]
+constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--single-purges N] [--purge-after-ms N] [--light] [--dir PATH] [--keep]
 
 Runs a workload on an embedded tidal Db and checks the leave guarantees.
   --users N        users (ids 1..N), each joins 1-3 communities   (default 100000)
@@ -56,6 +56,8 @@ Runs a workload on an embedded tidal Db and checks the leave guarantees.
   --single-purges N  purge every Nth of the users purged at the end
                    alone, right after its leave, on a thread of its
                    own while signals flow; 0: none                (default 10)
+  --purge-after-ms N  purge each of those users N ms after its leave
+                   returned (default 0: at once)
   --light          a light fan-out: each user joins 2 communities,
                    each signal names 1 cohort
   --dir PATH       Db directory, wiped and recreated at start     (default ./tidal-demo-data)
@@ -69,6 +71,7 @@ struct Config {
   std::uint64_t signals = 2'000'000;
   std::uint64_t threads = 2;
   std::uint64_t single_purges = 10;  // every Nth purged user, purged alone while signals flow; 0: none
+  std::uint64_t purge_after_ms = 0;  // how long after its leave each single purge starts
   bool light = false;                // 2 communities per user, 1 cohort per signal (else 1-3 and 0-4)
   std::string dir = "./tidal-demo-data";
   bool keep = false;
@@ -274,6 +277,8 @@ std::optional<Config> parse_args(int argc, char** argv, int* exit_code) {
       ok = number(&cfg.threads);
     } else if (arg == "--single-purges") {
       ok = number(&cfg.single_purges, /*zero_ok=*/true);
+    } else if (arg == "--purge-after-ms") {
+      ok = number(&cfg.purge_after_ms, /*zero_ok=*/true);
     } else if (arg == "--keep") {
       cfg.keep = true;
     } else if (arg == "--light") {
@@ -406,7 +411,7 @@ struct Workload {
   // thread of its own, so leaves run beside purges.
   std::mutex purge_mu;
   std::condition_variable purge_cv;
-  std::deque<std::uint64_t> to_purge;  // guarded by purge_mu
+  std::deque<std::pair<std::uint64_t, SteadyClock::time_point>> to_purge;  // (user, when); guarded by purge_mu
   bool leaves_over = false;            // guarded by purge_mu
   std::atomic<std::uint64_t> purges_started{0}, purges_ended{0};
   std::vector<double> purge_ms;        // written by the purger only
@@ -531,7 +536,7 @@ void leaver_thread(Workload& w) {
         (i - first) % w.cfg.single_purges == 0) {
       {
         std::lock_guard<std::mutex> lock(w.purge_mu);
-        w.to_purge.push_back(w.leavers[i]);
+        w.to_purge.emplace_back(w.leavers[i], SteadyClock::now() + std::chrono::milliseconds(w.cfg.purge_after_ms));
       }
       w.purge_cv.notify_all();
     }
@@ -547,17 +552,19 @@ void leaver_thread(Workload& w) {
 }
 
 // The purger: purges each user the leaver hands it, alone, as soon as it
-// can, timing each call.
+// can (--purge-after-ms after the leave), timing each call.
 void purger_thread(Workload& w) {
   for (;;) {
     std::uint64_t user;
+    SteadyClock::time_point when;
     {
       std::unique_lock<std::mutex> lock(w.purge_mu);
       w.purge_cv.wait(lock, [&] { return !w.to_purge.empty() || w.leaves_over; });
       if (w.to_purge.empty()) return;
-      user = w.to_purge.front();
+      std::tie(user, when) = w.to_purge.front();
       w.to_purge.pop_front();
     }
+    std::this_thread::sleep_until(when);
     w.purges_started.fetch_add(1);
     const auto start = SteadyClock::now();
     tidal::Result<tidal::PurgeReceipt> r = w.db.purge_community_contributions(user);
@@ -628,9 +635,10 @@ void print_report(Workload& w, const tidal::Stats& st) {
   if (!w.purge_ms.empty()) {
     std::vector<double>& ms = w.purge_ms;
     std::sort(ms.begin(), ms.end());
-    std::printf("  single purges (one user a call, on their own thread): %zu (%llu while signals flowed), %llu ledger "
-                "entries removed; latency p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
-                ms.size(), static_cast<unsigned long long>(w.purges_while_flowing),
+    std::printf("  single purges (one user a call, on their own thread, %llu ms after its leave): %zu (%llu while "
+                "signals flowed), %llu ledger entries removed; latency p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
+                static_cast<unsigned long long>(w.cfg.purge_after_ms), ms.size(),
+                static_cast<unsigned long long>(w.purges_while_flowing),
                 static_cast<unsigned long long>(w.purged_entries), ms[ms.size() / 2], ms[ms.size() * 99 / 100],
                 ms.back());
   }

@@ -5,12 +5,15 @@
 //   1. with the users registered as being purged (a rejoin of one of them
 //      waits; their stripes are held only to check that they are Left and
 //      register them, so leaves, joins and exits of any user never wait for
-//      the state engine), inside StateStore::exclusive, once per batch of
-//      kPurgeBatchUsers users (so a bulk purge holds the writer back for
-//      one batch at a time): the pending aggregate updates are written first (a Left user's gate is
-//      closed and leave waited out every signal that passed it, so none of
-//      the user's contributions is still in memory afterwards and none
-//      arrives), then the user's ledger is read and one atomic, fsynced
+//      the state engine), inside StateStore::exclusive_for, once per batch
+//      of kPurgeBatchUsers users (so a bulk purge holds the writer back for
+//      one batch at a time): while a write buffer may still hold a
+//      contribution of one of the users (each leave notes the buffer that
+//      can hold its user's last one; its gate is closed and it waited out
+//      every signal that passed it, so none arrives after), the pending
+//      aggregate updates are written first, under the drain lock; once
+//      none may, the batch runs beside the writer's batch under way, ahead
+//      of its ingestion. Then the user's ledger is read and one atomic, fsynced
 //      ingestion of SST files (storage/ingest_batch.h) holds a negative
 //      merge operand per cell the user touched (the exact sum of its entries
 //      for that cell), a range deletion of the ledger prefix [user BE][0x13],
@@ -22,9 +25,10 @@
 //      key is deleted from the key store (users engine), and the writer
 //      forgets it.
 //      Merge operands commute, so the writer's later batches (other users'
-//      cells) compose with it in any order; the drain lock keeps the
-//      writer's batches (and their change-feed seqs) from interleaving with
-//      the purge's ledger read and write.
+//      cells) compose with it in any order; the state store's store lock
+//      keeps the writer's ingestions (and the drain lock, with a change
+//      feed, its batches and their seqs) from interleaving with the purge's
+//      ledger read and write.
 //   2. physical erasure, with no stripe and no drain lock held (a leave or
 //      rejoin of the user does not wait for it: a rejoined user's fresh
 //      ledger is above the range tombstone, and their new key replaces the

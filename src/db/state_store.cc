@@ -427,7 +427,8 @@ Status StateStore::write_frozen_locked(int frozen) {
   }
   if (s.ok()) last_epoch_ = epoch;
   std::uint64_t keys = 0, bytes = 0;
-  if (s.ok()) s = write_batch_files(&cells, epoch, what, &keys, &bytes);
+  std::unique_lock<std::mutex> store(store_mu_, std::defer_lock);  // held from the ingestion to the readers' switch
+  if (s.ok()) s = write_batch_files(&cells, epoch, what, &store, &keys, &bytes);
   if (!s.ok()) {
     write_failures_.fetch_add(1, std::memory_order_relaxed);
     return s;  // the frozen buffer stays live: readers still see it, the next drain retries it
@@ -438,13 +439,14 @@ Status StateStore::write_frozen_locked(int frozen) {
     storage_->db(Storage::Engine::State)->ReleaseSnapshot(frozen_snapshot_);
     frozen_snapshot_ = nullptr;
   }
-  buffer.clear();
-  entries_[frozen].store(0, std::memory_order_relaxed);
   stored_through_ = frozen_buffer_;
   {
     std::lock_guard<std::mutex> lock(leavers_mu_);
     std::erase_if(leavers_, [&](const auto& leaver) { return leaver.second <= stored_through_; });
   }
+  store.unlock();
+  buffer.clear();
+  entries_[frozen].store(0, std::memory_order_relaxed);
   writes_.fetch_add(1, std::memory_order_relaxed);
   cells_written_.fetch_add(keys, std::memory_order_relaxed);
   batch_bytes_.fetch_add(bytes, std::memory_order_relaxed);
@@ -460,6 +462,14 @@ Status StateStore::write_frozen_locked(int frozen) {
 
 Status StateStore::resolve_ledger_keys(const std::vector<std::uint64_t>& users, std::vector<const UserKey*>* keys,
                                        std::vector<std::pair<std::uint64_t, UserKey>>* created) {
+  {
+    std::lock_guard<std::mutex> lock(forgotten_mu_);
+    for (const auto& [user, revoke] : forgotten_) {
+      ledger_keys_.erase(user);
+      if (revoke) revoked_keys_.insert(user);
+    }
+    forgotten_.clear();
+  }
   // Each lookup asks for a slot this far ahead (LedgerKeyTable).
   constexpr std::size_t kAhead = 16;
   keys->assign(users.size(), nullptr);
@@ -494,7 +504,8 @@ Status StateStore::resolve_ledger_keys(const std::vector<std::uint64_t>& users, 
 }
 
 Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch,
-                                     const std::string& what, std::uint64_t* keys, std::uint64_t* bytes) {
+                                     const std::string& what, std::unique_lock<std::mutex>* store,
+                                     std::uint64_t* keys, std::uint64_t* bytes) {
   // An SST file takes its entries in key order. An aggregate key is
   // [kind][owner BE][item BE], so (kind, a, b) order is its byte order; the
   // aggregates (kind <= Community) come first. A ledger cell's key is
@@ -635,6 +646,8 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     if (!a.ok()) return a.status();
     appended = *a;
   }
+  Storage::test_step("aggregate write", 1);  // built, not yet ingested
+  store->lock();  // a write beside this batch (exclusive_for) lands before it
   if (Status s = files.ingest(what, &feed_file); !s.ok()) return s;
   if (feed_ != nullptr) feed_->committed(appended);
   for (const auto& [user, k] : created) ledger_keys_.insert(user, k);  // stored now
@@ -721,27 +734,41 @@ Status StateStore::verify(VerifyReport* report) const {
 Status StateStore::exclusive(const std::function<Status()>& fn) { return exclusive_for({}, fn); }
 
 Status StateStore::exclusive_for(std::span<const std::uint64_t> leavers, const std::function<Status()>& fn) {
-  const auto due = std::chrono::steady_clock::now();
-  std::lock_guard<std::mutex> drain(drain_mu_);
-  // Under drain_mu_, stored_through_ and frozen_live_ hold still (and the
-  // batch that set stored_through_ pruned the leavers it covers). A failed
-  // batch still frozen is written first whoever is in it: until it is,
-  // readers see the stored state of its swap, not what fn writes.
-  bool pending = leavers.empty() || frozen_live_;
-  {
-    std::lock_guard<std::mutex> lock(leavers_mu_);
-    for (std::uint64_t u : leavers) {
-      const auto it = leavers_.find(u);
-      if (it != leavers_.end() && it->second > stored_through_) {
-        pending = true;
-        break;
-      }
+  if (!leavers.empty() && feed_ == nullptr) {
+    std::unique_lock<std::mutex> store(store_mu_);
+    // Under store_mu_, stored_through_ holds still, and the batch that set
+    // it pruned the leavers it covers.
+    const bool pending = [&] {
+      std::lock_guard<std::mutex> lock(leavers_mu_);
+      return std::any_of(leavers.begin(), leavers.end(), [&](std::uint64_t u) {
+        const auto it = leavers_.find(u);
+        return it != leavers_.end() && it->second > stored_through_;
+      });
+    }();
+    if (!pending) {
+      Status s = fn();
+      refresh_frozen_snapshot();
+      return s;
     }
   }
-  if (pending) {
-    if (Status s = drain_all_locked(due); !s.ok()) return s;
-  }
+  const auto due = std::chrono::steady_clock::now();
+  std::lock_guard<std::mutex> drain(drain_mu_);
+  if (Status s = drain_all_locked(due); !s.ok()) return s;
+  std::lock_guard<std::mutex> store(store_mu_);
   return fn();
+}
+
+void StateStore::refresh_frozen_snapshot() {
+  std::unique_lock<std::shared_mutex> view(view_mu_);
+  if (!frozen_live_) return;
+  rocksdb::DB* db = storage_->db(Storage::Engine::State);
+  db->ReleaseSnapshot(frozen_snapshot_);
+  frozen_snapshot_ = db->GetSnapshot();
+}
+
+void StateStore::forget_key(std::uint64_t user, bool revoke) {
+  std::lock_guard<std::mutex> lock(forgotten_mu_);
+  forgotten_.emplace_back(user, revoke);
 }
 
 void StateStore::note_leave(std::uint64_t user, std::uint64_t buffer) {
@@ -756,6 +783,7 @@ void StateStore::forget_leave(std::uint64_t user) {
 
 Status StateStore::between_batches(const std::function<Status()>& fn) {
   std::lock_guard<std::mutex> drain(drain_mu_);
+  std::lock_guard<std::mutex> store(store_mu_);
   return fn();
 }
 

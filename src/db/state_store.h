@@ -217,9 +217,17 @@ class StateStore {
   // into the buffers, up to their bound. The drain's error, fn not run,
   // when the drain fails.
   Status exclusive(const std::function<Status()>& fn);
-  // As exclusive(), but drains only when a buffer that may hold a
-  // contribution of one of `leavers` is not yet stored (a purge of users
-  // who left a batch ago does not write the others' pending signals first).
+  // As exclusive(), for a write about `leavers` only (a purge): while a
+  // buffer that may hold a contribution of one of them is not yet stored,
+  // exactly as exclusive(). Once none may (the purge of users who left a
+  // batch ago), fn neither drains nor waits for the writer's batch under
+  // way: it runs beside it, holding back only the batch's ingestion (which
+  // is ordered after fn's, and readers of the frozen buffer then pair it
+  // with a snapshot that includes fn's write). fn must not touch what a
+  // batch of the writer may hold: the leavers' cells are all stored, and
+  // the writer's copies of their ledger keys are only forgotten (applied
+  // at its next batch). A Db with a change feed always takes the drain
+  // lock: the feed's seqs are assigned as the writer builds its batch.
   // A leaver's buffer is the one note_leave() named, until its batch is
   // written; a leaver not noted has nothing pending: they left before this
   // StateStore started (its buffers began empty), or while no signal was
@@ -240,18 +248,17 @@ class StateStore {
   Status between_batches(const std::function<Status()>& fn);
 
   // Forgets the writer's copy of `user`'s ledger key, once a purge deleted
-  // the stored one: the user's next contribution gets a new key. Only
-  // inside exclusive(), whose drain lock keeps the writer out.
-  void forget_ledger_key(std::uint64_t user) { ledger_keys_.erase(user); }
+  // the stored one: the user's next contribution gets a new key. Inside
+  // exclusive() or exclusive_for(); the writer applies it before it looks
+  // up the keys of its next batch, which is the first that can hold a
+  // contribution of the user's after the purge.
+  void forget_ledger_key(std::uint64_t user) { forget_key(user, /*revoke=*/false); }
   // As forget_ledger_key, when the purge could not delete the stored key
   // (or cannot tell whether its batch was written): the writer does not
   // read it again, and the user's next contribution gets a new key that
   // replaces it in the key store. The erasure deletes the old key only
   // while it is still the stored one (Db::Impl::erase_purged).
-  void revoke_ledger_key(std::uint64_t user) {
-    ledger_keys_.erase(user);
-    revoked_keys_.insert(user);
-  }
+  void revoke_ledger_key(std::uint64_t user) { forget_key(user, /*revoke=*/true); }
 
  private:
   // kind 1-3: an aggregate (a = owner, b = item). kind 4-5 (cohort or
@@ -277,6 +284,11 @@ class StateStore {
   }
   void wake_writer();
   void run_writer();
+  void forget_key(std::uint64_t user, bool revoke);
+  // Sets frozen_snapshot_ to one taken now, while the frozen buffer is live:
+  // after a write beside the writer's batch (exclusive_for), before the
+  // batch's ingestion. Caller holds store_mu_.
+  void refresh_frozen_snapshot();
   // Reads the compaction debt, measures the base rate and publishes the
   // interval admit() spaces signals by (or the hard stop). Writer thread only.
   void look_at_debt();
@@ -296,10 +308,11 @@ class StateStore {
   Status flush_due(std::chrono::steady_clock::time_point due);
   Status write_frozen_locked(int frozen);
   // Writes the frozen buffer's cells (sorting them into key order) as one
-  // SST file per column family and ingests them together; counts the keys
-  // and the bytes (keys and values) of the aggregates and the ledger.
+  // SST file per column family and ingests them together, taking `store`
+  // (store_mu_) for the ingestion and leaving it held; counts the keys and
+  // the bytes (keys and values) of the aggregates and the ledger.
   Status write_batch_files(std::vector<std::pair<Cell, Units>>* cells, std::uint64_t epoch, const std::string& what,
-                           std::uint64_t* keys, std::uint64_t* bytes);
+                           std::unique_lock<std::mutex>* store, std::uint64_t* keys, std::uint64_t* bytes);
   // The ledger keys of `users` (ascending, distinct), in (*keys)[i]: the
   // writer's copy, else the key store's (read in one MultiGet), else a new
   // one (added to `created`, which the batch stores; the copy is kept only
@@ -326,8 +339,12 @@ class StateStore {
   const rocksdb::Snapshot* frozen_snapshot_ = nullptr;  // storage without the frozen buffer
 
   std::mutex drain_mu_;  // one drain at a time
+  // One store into the state engine at a time: a batch's ingestion and the
+  // readers' switch to it, or all of a write under exclusive() or
+  // exclusive_for(). Taken after drain_mu_.
+  std::mutex store_mu_;
   // Swaps so far (active_buffer()), and the number of the last buffer whose
-  // batch was written (guarded by drain_mu_): batches are written in the
+  // batch was written (guarded by store_mu_): batches are written in the
   // order of their swaps, so every buffer up to it is stored.
   std::atomic<std::uint64_t> swaps_{0};
   std::uint64_t frozen_buffer_ = 0;  // the frozen buffer's number; under drain_mu_
@@ -348,6 +365,11 @@ class StateStore {
   // Users whose stored key the writer must not use (revoke_ledger_key);
   // guarded by drain_mu_.
   std::unordered_set<std::uint64_t> revoked_keys_;
+  // forget_ledger_key() and revoke_ledger_key() calls (user, revoke) not
+  // yet applied to ledger_keys_ and revoked_keys_: a purge beside the
+  // writer's batch must not move the keys the batch is sealing with.
+  std::mutex forgotten_mu_;
+  std::vector<std::pair<std::uint64_t, bool>> forgotten_;
 
   // Writer thread control and backpressure.
   std::mutex writer_mu_;

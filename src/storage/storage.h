@@ -322,6 +322,9 @@ class Storage {
   //                     (feed/change_feed.cc)
   //   "purge"           1: a purge batch ingested, its ledger keys not
   //                     yet deleted (db/purge.cc)
+  //   "aggregate write" 1: a batch of the state store's writer built, not
+  //                     yet ingested; the writer holds its drain lock
+  //                     (db/state_store.cc)
   //   "finish recovery" 1: the backup's manifest removed, before the
   //                     directory's fsync (db/backup.cc)
   //   "backup"          1: its pending marker written; 2: the state engine
