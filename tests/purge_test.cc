@@ -804,10 +804,6 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
     ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
     if (i % 10 == 9) ASSERT_OK(db.flush());
   }
-  // The key in a table file of its own, which the erasure's compaction
-  // replaces (in a memtable with the purge's deletion, the flush would drop it).
-  Storage& storage = Db::Impl::storage_for_testing(db);
-  ASSERT_TRUE(storage.db(Storage::Engine::Users)->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
   ASSERT_OK(db.leave_community_layer(kLeaver));
   const auto saved = Db::Impl::erasure_wait;
   Db::Impl::erasure_wait = std::chrono::milliseconds(300);

@@ -70,7 +70,6 @@
 #include <rocksdb/options.h>
 #include <rocksdb/sst_file_reader.h>
 #include <rocksdb/table_properties.h>
-#include <rocksdb/utilities/debug.h>
 
 #include "db/erasure_ranges.h"
 #include "db/guarded.h"
@@ -938,32 +937,6 @@ class AutoCompactionsHeld {
   bool off_ = false;
 };
 
-// The sequence numbers of the values (not deletions) `cf` holds for the
-// keys of `ranges`, in its memtables and its files, each found by
-// RocksDB's listing of a range's internal keys; nullopt when there are more
-// ranges or values than it is worth listing (a bulk purge's erasure: every
-// file that overlaps a range then counts).
-std::optional<std::vector<rocksdb::SequenceNumber>> value_versions(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf,
-                                                                   const std::vector<KeyRange>& ranges) {
-  constexpr std::size_t kListedRanges = 64, kListedVersions = 256;
-  if (ranges.size() > kListedRanges) return std::nullopt;
-  std::vector<rocksdb::SequenceNumber> values;
-  std::vector<rocksdb::KeyVersion> versions;
-  for (const auto& [begin, end] : ranges) {
-    versions.clear();
-    // Inclusive of `end`, which the range is not: its versions are left out below.
-    if (!rocksdb::GetAllKeyVersions(db, cf, begin, end, kListedVersions, &versions).ok() ||
-        versions.size() == kListedVersions) {
-      return std::nullopt;
-    }
-    for (const rocksdb::KeyVersion& v : versions) {
-      // Deletions (kTypeDeletion, kTypeSingleDeletion, kTypeDeletionWithTimestamp) hold no key.
-      if (v.user_key < end && v.type != 0x0 && v.type != 0x7 && v.type != 0x14) values.push_back(v.sequence);
-    }
-  }
-  return values;
-}
-
 // The key store's erasure, in the calling thread: compacts in place, each
 // at its own level, every file of `cf` whose keys overlap one of `ranges`
 // (sorted, disjoint), and the purged keys' values in them are dropped
@@ -973,24 +946,15 @@ std::optional<std::vector<rocksdb::SequenceNumber>> value_versions(rocksdb::DB* 
 // each level-0 input, and a level-0 file of the key store spans all of it
 // (the keys made since the last flush, of users anywhere): a single purge at
 // 1M users then rewrote the whole key store (47 MB) in a tenth of its
-// erasures, its p99 step (bench/README.md, "Session 34"). Of those files,
-// only the ones whose sequence numbers span a value of a purged key are
-// compacted, when the values could be listed (value_versions): a key is in
-// one file, and the other levels' files that overlap its range were
-// compacted for nothing. Called with `cf`'s automatic compactions held
-// back, so no file or sequence number changes meanwhile. `replaced` gets
+// erasures, its p99 step (bench/README.md, "Session 34"). `replaced` gets
 // the names of the files the compactions replaced.
 Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf,
                         const std::vector<KeyRange>& ranges, std::vector<std::string>* replaced) {
-  const std::optional<std::vector<rocksdb::SequenceNumber>> values = value_versions(db, cf, ranges);
-  const auto holds_one = [&](const rocksdb::SstFileMetaData& f) {
+  const auto overlaps = [&](const rocksdb::SstFileMetaData& f) {
     // The first range that ends after the file's smallest key.
     auto r = std::upper_bound(ranges.begin(), ranges.end(), f.smallestkey,
                               [](const std::string& key, const KeyRange& range) { return key < range.second; });
-    if (r == ranges.end() || r->first > f.largestkey) return false;
-    return !values || std::any_of(values->begin(), values->end(), [&](rocksdb::SequenceNumber v) {
-      return f.smallest_seqno <= v && v <= f.largest_seqno;
-    });
+    return r != ranges.end() && r->first <= f.largestkey;
   };
   rocksdb::ColumnFamilyMetaData before;
   db->GetColumnFamilyMetaData(cf, &before);
@@ -1007,7 +971,7 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
     for (const rocksdb::LevelMetaData& level : before.levels) {
       std::vector<std::string> inputs;
       for (const rocksdb::SstFileMetaData& f : level.files) {
-        if (holds_one(f)) inputs.push_back(f.name);
+        if (overlaps(f)) inputs.push_back(f.name);
       }
       if (inputs.empty()) continue;
       levels.push_back(std::async(std::launch::async, [&, inputs = std::move(inputs), at = level.level] {
