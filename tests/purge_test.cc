@@ -283,7 +283,7 @@ TEST(Purge, APurgeStoresThePendingSignalsOnlyWhileOneOfItsUsersMayHaveSomeThere)
 // returns meanwhile, and reads, which pair the held batch's buffer with a
 // snapshot of the stored state, already leave the user out; once the batch
 // lands, nothing of it was lost.
-TEST(Purge, APurgeOfAStoredUserDoesNotWaitForTheWritersBatchUnderWay) {
+TEST(PurgeConcurrentTest, APurgeOfAStoredUserDoesNotWaitForTheWritersBatchUnderWay) {
   TempDir dir;
   const Workload w;
   const std::uint64_t u = 13;
