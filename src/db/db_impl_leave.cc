@@ -104,7 +104,6 @@ Status Db::Impl::rejoin_community_layer(std::uint64_t user_id) {
           const CommunityMembership active{user_id, MembershipStatus::Active, current.left_at_ns};
           if (Status s = write_membership(user_id, active, *at, "rejoin_community_layer", &seq); !s.ok()) return s;
           leave_status_.insert_or_assign(user_id, active);
-          state_->forget_leave(user_id);
           gate_.open(user_id);
           rejoins_.fetch_add(1, std::memory_order_relaxed);
           return Status::OK();
@@ -344,10 +343,7 @@ Status Db::Impl::write_bulk(const std::vector<std::uint64_t>& todo, MembershipSt
     if (journal_) *seq = *w;
     for (const CommunityMembership& m : written) {
       leave_status_.insert_or_assign(m.user_id, m);
-      if (!leave) {
-        state_->forget_leave(m.user_id);
-        gate_.open(m.user_id);
-      }
+      if (!leave) gate_.open(m.user_id);
     }
     (leave ? leaves_ : rejoins_).fetch_add(written.size(), std::memory_order_relaxed);
   }

@@ -1118,8 +1118,9 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
   // family's own compactions are held back (or exclusive), and its flushes
   // write what came after the flush above.
   std::vector<std::string> waiting;
+  const rocksdb::Options cf_options = db->GetOptions(cf);
   for (std::string& name : *obsolete) {
-    rocksdb::SstFileReader reader(db->GetOptions(cf));
+    rocksdb::SstFileReader reader(cf_options);
     const rocksdb::Status opened = reader.Open(dir + "/" + name);
     if (opened.IsCorruption()) continue;  // being written
     // Unreadable (or deleted meanwhile: the loop below sees it gone): waited for.

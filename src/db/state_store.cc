@@ -776,11 +776,6 @@ void StateStore::note_leave(std::uint64_t user, std::uint64_t buffer) {
   leavers_.insert_or_assign(user, buffer);
 }
 
-void StateStore::forget_leave(std::uint64_t user) {
-  std::lock_guard<std::mutex> lock(leavers_mu_);
-  leavers_.erase(user);
-}
-
 Status StateStore::between_batches(const std::function<Status()>& fn) {
   std::lock_guard<std::mutex> drain(drain_mu_);
   std::lock_guard<std::mutex> store(store_mu_);

@@ -239,9 +239,9 @@ class StateStore {
   std::uint64_t active_buffer() const { return swaps_.load(std::memory_order_acquire) + 1; }
   // Notes that `user`'s contributions are all in buffers numbered up to
   // `buffer` (a leave, after its grace period: every leave of a Db that
-  // accepts signals must note it), or forgets it (a rejoin).
+  // accepts signals must note it; a later leave's note replaces it, and the
+  // batch that stores the buffer drops it).
   void note_leave(std::uint64_t user, std::uint64_t buffer);
-  void forget_leave(std::uint64_t user);
   // Runs `fn` while holding the drain lock, without draining first: fn sees
   // the stored aggregates and the change feed at one batch boundary (what
   // the buffers hold is in neither, and lands after fn). A re-seed's snapshot.
