@@ -616,6 +616,60 @@ TEST(SealedLedger, APurgesErasureRewritesOnlyTheKeyStoreFilesThatHoldTheKey) {
   EXPECT_EQ(o->cohort_weight_removed, 1.5);
 }
 
+// A purge flushes the users engine (its WALs, its memtables) only while they
+// may hold one of its users' keys: a key stored since the last such flush,
+// or any key in the first purge after an open. A purge of a user whose key
+// is in SST files already leaves the WAL and the memtables as they are,
+// and its key is gone from every file all the same.
+TEST(SealedLedger, APurgeFlushesTheUsersEngineOnlyWhileItsWalsMayHoldAPurgedKey) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  auto db = open_db(path, manual_writes());
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+  // The users engine's WAL now: a flush switches to a new one.
+  const auto wal = [&] {
+    std::unique_ptr<rocksdb::LogFile> log;
+    EXPECT_TRUE(users->GetCurrentWalFile(&log).ok());
+    return log == nullptr ? 0 : log->LogNumber();
+  };
+  const auto signal = [&](std::uint64_t u) {
+    ASSERT_OK(db->join_community(u, 77));
+    ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
+  };
+  // Purges `u`; true when it flushed the users engine. Its key is gone.
+  const auto purge = [&](std::uint64_t u) {
+    const testing::ErasureScan held = scan_files(path, u);
+    EXPECT_EQ(held.user_keys.size(), 1u) << held.summary();
+    EXPECT_OK(db->leave_community_layer(u));
+    const std::uint64_t before = wal();
+    Result<PurgeReceipt> r = db->purge_community_contributions(u);
+    EXPECT_OK(r);
+    if (r.ok()) {
+      EXPECT_EQ(r->entries_removed, 2u);
+    }
+    for (const std::string& f : scan_files(path, u, held.user_keys).found) {
+      ADD_FAILURE() << "user " << u << ", after the purge: " << f;
+    }
+    return wal() != before;
+  };
+  const std::uint64_t a = 11, b = 12, c = 13, d = 14;
+  signal(a);
+  signal(b);
+  ASSERT_OK(db->flush());  // a's and b's keys stored, in the WAL
+  EXPECT_TRUE(purge(a)) << "a's key was in the WAL, and the purge did not flush it";
+  EXPECT_FALSE(purge(b)) << "b's key was in an SST file since a's purge, and b's purge flushed the users engine";
+  signal(c);
+  ASSERT_OK(db->flush());  // c's key, in the WAL
+  EXPECT_TRUE(purge(c)) << "c's key was in the WAL, and the purge did not flush it";
+  signal(d);
+  ASSERT_OK(db->flush());
+  db.reset();  // a clean close flushes: d's key is in an SST file
+  db = open_db(path, manual_writes());
+  users = Db::Impl::storage_for_testing(*db).db(Storage::Engine::Users);
+  EXPECT_TRUE(purge(d)) << "the first purge after an open did not flush the users engine";
+}
+
 // Backups carry the key store of their moment: one made after a purge holds
 // no trace of the purged user's key; one made before holds it, and its
 // restore erases it again (the journal's purge, replayed) before it serves.

@@ -638,7 +638,13 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
         !s.ok()) {
       return s;
     }
-    for (const auto& [user, k] : created) revoked_keys_.erase(user);
+    std::vector<std::uint64_t> users;
+    users.reserve(created.size());
+    for (const auto& [user, k] : created) {
+      revoked_keys_.erase(user);
+      users.push_back(user);
+    }
+    storage_->note_keys_stored(users);
   }
   ChangeFeed::Appended appended;
   if (feed_done.valid()) {

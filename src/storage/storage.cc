@@ -1088,11 +1088,51 @@ Status Storage::flush() {
 
 Status Storage::flush_past_wals(Engine engine) {
   if (read_only_ || db(engine) == nullptr) return Status::OK();
+  std::uint64_t number = 0;  // of this flush, begun before its memtables switch
+  if (engine == Engine::Users) {
+    std::lock_guard<std::mutex> lock(stored_keys_mu_);
+    number = ++flushes_begun_;
+  }
   rocksdb::WriteBatch marker;
   marker.Put(engine == Engine::Users ? meta() : state_meta(), kCleanCloseKey, "");
   Status written = write(engine, &marker, WriteMode::NoWal, "the marker of a flush past the WALs");
   Status flushed = flush(engine);
-  return written.ok() ? flushed : written;
+  if (!written.ok()) return written;
+  if (flushed.ok() && engine == Engine::Users) {
+    std::lock_guard<std::mutex> lock(stored_keys_mu_);
+    flushed_ = std::max(flushed_, number);
+  }
+  return flushed;
+}
+
+void Storage::note_keys_stored(const std::vector<std::uint64_t>& users) {
+  std::lock_guard<std::mutex> lock(stored_keys_mu_);
+  noted_keys_ += users.size();
+  if (noted_keys_ > kMaxNotedKeys) {
+    stored_keys_.assign(1, StoredKeys{flushes_begun_, true, {}});
+    noted_keys_ = 0;
+  } else {
+    stored_keys_.push_back(StoredKeys{flushes_begun_, false, users});
+  }
+}
+
+bool Storage::keys_may_be_in_wals(const std::vector<std::uint64_t>& users) {
+  std::vector<std::uint64_t> sorted(users);
+  std::sort(sorted.begin(), sorted.end());
+  std::lock_guard<std::mutex> lock(stored_keys_mu_);
+  // A flush begun after a note took its keys out of the WALs and memtables.
+  std::erase_if(stored_keys_, [&](const StoredKeys& k) {
+    if (k.flushes_begun >= flushed_) return false;
+    noted_keys_ -= k.users.size();
+    return true;
+  });
+  for (const StoredKeys& k : stored_keys_) {
+    if (k.everyone) return true;
+    for (std::uint64_t u : k.users) {
+      if (std::binary_search(sorted.begin(), sorted.end(), u)) return true;
+    }
+  }
+  return false;
 }
 
 Status Storage::flush(Engine engine) {

@@ -226,6 +226,18 @@ class Storage {
   // (the engine's clean_close) gives the flush something to write.
   Status flush_past_wals(Engine engine);
 
+  // Whether the users engine's WALs or memtables may still hold the ledger
+  // key of one of `users` (format 4): one stored since the start of the
+  // last flush_past_wals of that engine that succeeded, or any key while
+  // none has since this open (a crash's WAL). An erasure flushes the engine
+  // only then (Db::Impl::erase_ranges): its flush was a single purge's
+  // second-longest step, for keys long in SST files (bench/README.md,
+  // "Session 36"). The state store's writer notes each batch of keys it
+  // stored (note_keys_stored); past kMaxNotedKeys users the notes fold into
+  // "any key", so that a Db that never purges keeps no list that grows.
+  void note_keys_stored(const std::vector<std::uint64_t>& users);
+  bool keys_may_be_in_wals(const std::vector<std::uint64_t>& users);
+
   // How far the state engine's compactions are behind: what admission
   // control reads (StateStore). RocksDB's own write stalls are off in the
   // state engine (its writer must never meet a stop condition), so this is
@@ -418,6 +430,19 @@ class Storage {
   mutable std::atomic<std::uint64_t> scan_generation_{0};
   mutable std::atomic<int> scans_holding_{0};
   mutable ScanProgress scan_progress_;
+  // Keys stored, by the number of flush_past_wals(Users) begun before:
+  // those a flush begun later took out of the WALs (keys_may_be_in_wals).
+  struct StoredKeys {
+    std::uint64_t flushes_begun;
+    bool everyone;  // any key (at open, or the notes folded)
+    std::vector<std::uint64_t> users;
+  };
+  static constexpr std::size_t kMaxNotedKeys = std::size_t{1} << 20;  // 8 MiB of users
+  std::mutex stored_keys_mu_;
+  std::uint64_t flushes_begun_ = 0;                                // guarded by stored_keys_mu_
+  std::uint64_t flushed_ = 0;  // the last flush that succeeded, by number; guarded by stored_keys_mu_
+  std::vector<StoredKeys> stored_keys_{{0, true, {}}};             // guarded by stored_keys_mu_
+  std::size_t noted_keys_ = 0;                                     // guarded by stored_keys_mu_
 };
 
 // The largest timestamp recorded in the clock-floor records of both engines'
