@@ -670,6 +670,68 @@ TEST(SealedLedger, APurgeFlushesTheUsersEngineOnlyWhileItsWalsMayHoldAPurgedKey)
   EXPECT_TRUE(purge(d)) << "the first purge after an open did not flush the users engine";
 }
 
+// The erasure compacts only the key store's files that can hold a purged
+// key: a file all of whose entries came after the key was written (a
+// level-0 file of keys made later, spanning the purged key's range) stays
+// as it is, unless the purged key is among them.
+TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesWrittenAfterThePurgedKey) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  Options options = manual_writes();
+  options.sync_writes = false;
+  auto db = open_db(path, options);
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+  constexpr std::uint64_t kStride = 0x0000'4000'0000'0001ULL;
+  const auto signal = [&](std::uint64_t u) {
+    ASSERT_OK(db->join_community(u, 77));
+    ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
+  };
+  const auto purge = [&](std::uint64_t u) {
+    const testing::ErasureScan held = scan_files(path, u);
+    ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
+    ASSERT_OK(db->leave_community_layer(u));
+    Result<PurgeReceipt> r = db->purge_community_contributions(u);
+    ASSERT_OK(r);
+    EXPECT_EQ(r->entries_removed, 2u);
+    for (const std::string& f : scan_files(path, u, held.user_keys).found) {
+      ADD_FAILURE() << "user " << u << ", after the purge: " << f;
+    }
+  };
+  const auto level0 = [&] {
+    rocksdb::ColumnFamilyMetaData meta;
+    users->GetColumnFamilyMetaData(storage.keys(), &meta);
+    std::set<std::string> out;
+    for (const auto& f : meta.levels[0].files) out.insert(f.name);
+    return out;
+  };
+  // Old keys, in SST files after a first purge.
+  for (std::uint64_t i = 1; i <= 1'000; ++i) signal(i * kStride);
+  ASSERT_OK(db->flush());
+  purge(500 * kStride);
+  const std::set<std::string> older = level0();
+  // New keys, spread the same way, flushed into a level-0 file.
+  for (std::uint64_t i = 1; i <= 1'000; ++i) signal(i * kStride + 1);
+  ASSERT_OK(db->flush());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
+  std::set<std::string> newer;
+  for (const std::string& f : level0()) {
+    if (older.count(f) == 0) newer.insert(f);
+  }
+  ASSERT_FALSE(newer.empty());
+  purge(700 * kStride);
+  for (const std::string& f : newer) {
+    EXPECT_EQ(level0().count(f), 1u) << "level-0 file " << f << ", written after the purged key, was rewritten";
+  }
+  purge(700 * kStride + 1);
+  for (const std::string& f : newer) {
+    EXPECT_EQ(level0().count(f), 0u) << "level-0 file " << f << ", which held the purged key, is still live";
+  }
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+}
+
 // Backups carry the key store of their moment: one made after a purge holds
 // no trace of the purged user's key; one made before holds it, and its
 // restore erases it again (the journal's purge, replayed) before it serves.

@@ -302,11 +302,12 @@ class Db::Impl {
   // At a writable open: finishes every erasure still marked.
   Status complete_pending_erasures();
   // Makes sure no SST or WAL file holds a record in the ranges of `cf` (the
-  // key store, or format 3's ledger): flushes its engine (unless
-  // `flush_wals` is false: no memtable or live WAL can hold one),
-  // force-compacts them, and waits until the files that held them are
+  // key store, or format 3's ledger): flushes its engine (unless no
+  // memtable or live WAL can hold one: `written`), force-compacts the files
+  // that can hold them, and waits until the files that held them are
   // deleted.
-  Status erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector<KeyRange>& ranges, bool flush_wals);
+  Status erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector<KeyRange>& ranges,
+                      const Storage::KeysWritten& written);
   // The engine's SST files that are not live (sorted names).
   Result<std::vector<std::string>> obsolete_files(Storage::Engine engine) const;
 

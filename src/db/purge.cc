@@ -864,11 +864,12 @@ Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
         u == std::numeric_limits<std::uint64_t>::max() ? key_store_end(u) : encode_key_store_key(u + 1));
   }
   // The key store's WALs are flushed only when one may still hold a purged
-  // key: a key deletion there names just the user (as the key store's
-  // deletions left in its level-0 files do), and the compaction's filter
-  // sees it in the memtable.
-  if (Status s = erase_ranges(storage_->keys(), key_ranges, storage_->keys_may_be_in_wals(users)); !s.ok()) return s;
-  if (Status s = erase_ranges(storage_->ledger(), ledger_ranges, /*flush_wals=*/true); !s.ok()) return s;
+  // key (a key deletion there names just the user, as the key store's
+  // deletions left in its level-0 files do, and the compaction's filter
+  // sees it in the memtable), and only its files that can hold a purged
+  // key are compacted.
+  if (Status s = erase_ranges(storage_->keys(), key_ranges, storage_->keys_written(users)); !s.ok()) return s;
+  if (Status s = erase_ranges(storage_->ledger(), ledger_ranges, Storage::KeysWritten{}); !s.ok()) return s;
   // Erased: the marks go, except those of users whose next purge wrote its
   // batch (and its mark) after this erasure began: that purge's own
   // erasure removes it. Under marks_mu_, which a purge takes before its
@@ -950,11 +951,18 @@ class AutoCompactionsHeld {
 // each level-0 input, and a level-0 file of the key store spans all of it
 // (the keys made since the last flush, of users anywhere): a single purge at
 // 1M users then rewrote the whole key store (47 MB) in a tenth of its
-// erasures, its p99 step (bench/README.md, "Session 34"). `replaced` gets
-// the names of the files the compactions replaced.
+// erasures, its p99 step (bench/README.md, "Session 34"). A file whose
+// entries all came after `written_by` holds no purged key, and is left
+// alone: once a purge no longer flushed the engine, the level-0 files
+// (each a flush of keys made anywhere) were compacted in place into one
+// that grew to 9 MB and that each single purge rewrote (bench/README.md,
+// "Session 36"). `replaced` gets the names of the files the compactions
+// replaced.
 Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf,
-                        const std::vector<KeyRange>& ranges, std::vector<std::string>* replaced) {
+                        const std::vector<KeyRange>& ranges, std::uint64_t written_by,
+                        std::vector<std::string>* replaced) {
   const auto overlaps = [&](const rocksdb::SstFileMetaData& f) {
+    if (f.smallest_seqno > written_by) return false;
     // The first range that ends after the file's smallest key.
     auto r = std::upper_bound(ranges.begin(), ranges.end(), f.smallestkey,
                               [](const std::string& key, const KeyRange& range) { return key < range.second; });
@@ -1013,7 +1021,7 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
 }  // namespace
 
 Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector<KeyRange>& ranges,
-                              bool flush_wals) {
+                              const Storage::KeysWritten& written) {
   if (cf == nullptr || ranges.empty()) return Status::OK();
   const bool key_store = cf == storage_->keys();
   const Storage::Engine engine = key_store ? Storage::Engine::Users : Storage::Engine::State;
@@ -1035,10 +1043,10 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
   // them, before RocksDB deleted them) leaves that number where it was, and
   // the logs stayed on disk, the purged key in them, until some later
   // flush (seen in CrashTest.PurgesAreAllOrNothing...). Not needed when the
-  // purged keys were all in SST files already (Storage::keys_may_be_in_wals):
+  // purged keys were all in SST files already (Storage::keys_written):
   // a WAL that held one was then behind the last flush, and the wait for
   // the stale WALs below still sees it deleted.
-  if (flush_wals) {
+  if (written.in_wals) {
     if (Status s = storage_->flush_past_wals(engine); !s.ok()) return s;
   }
   // A compaction keeps what a snapshot older than the purge can still see:
@@ -1081,7 +1089,7 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
     // its small files).
     AutoCompactionsHeld held(db, cf);
     if (Status s = held.start(erasure_wait); !s.ok()) return s;
-    if (Status s = compact_in_place(*storage_, db, cf, ranges, &replaced); !s.ok()) return s;
+    if (Status s = compact_in_place(*storage_, db, cf, ranges, written.by, &replaced); !s.ok()) return s;
   } else {
     // Format 3's ledger: exclusive (RocksDB waits for every compaction
     // under way), on the engine's compaction thread.

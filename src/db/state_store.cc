@@ -632,19 +632,16 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     // by the next one.
     rocksdb::WriteBatch new_keys;
     for (const auto& [user, k] : created) new_keys.Put(storage_->keys(), encode_key_store_key(user), k.encode());
-    if (Status s = storage_->write(Storage::Engine::Users, &new_keys, Storage::WriteMode::Sync,
-                                   what + ": the ledger keys of " + std::to_string(created.size()) +
-                                       " users new to the ledger");
+    std::vector<std::uint64_t> users;
+    users.reserve(created.size());
+    for (const auto& [user, k] : created) users.push_back(user);
+    if (Status s = storage_->store_keys(&new_keys, users,
+                                        what + ": the ledger keys of " + std::to_string(created.size()) +
+                                            " users new to the ledger");
         !s.ok()) {
       return s;
     }
-    std::vector<std::uint64_t> users;
-    users.reserve(created.size());
-    for (const auto& [user, k] : created) {
-      revoked_keys_.erase(user);
-      users.push_back(user);
-    }
-    storage_->note_keys_stored(users);
+    for (const auto& [user, k] : created) revoked_keys_.erase(user);
   }
   ChangeFeed::Appended appended;
   if (feed_done.valid()) {

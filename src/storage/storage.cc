@@ -1088,10 +1088,11 @@ Status Storage::flush() {
 
 Status Storage::flush_past_wals(Engine engine) {
   if (read_only_ || db(engine) == nullptr) return Status::OK();
-  std::uint64_t number = 0;  // of this flush, begun before its memtables switch
+  std::uint64_t number = 0, seq = 0;  // of this flush, begun before its memtables switch
   if (engine == Engine::Users) {
     std::lock_guard<std::mutex> lock(stored_keys_mu_);
     number = ++flushes_begun_;
+    seq = users_.db->GetLatestSequenceNumber();
   }
   rocksdb::WriteBatch marker;
   marker.Put(engine == Engine::Users ? meta() : state_meta(), kCleanCloseKey, "");
@@ -1100,23 +1101,30 @@ Status Storage::flush_past_wals(Engine engine) {
   if (!written.ok()) return written;
   if (flushed.ok() && engine == Engine::Users) {
     std::lock_guard<std::mutex> lock(stored_keys_mu_);
-    flushed_ = std::max(flushed_, number);
+    if (number > flushed_) {
+      flushed_ = number;
+      flushed_seq_ = seq;
+    }
   }
   return flushed;
 }
 
-void Storage::note_keys_stored(const std::vector<std::uint64_t>& users) {
+Status Storage::store_keys(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& users,
+                           const std::string& what) {
+  Status s = write(Engine::Users, batch, WriteMode::Sync, what);
   std::lock_guard<std::mutex> lock(stored_keys_mu_);
+  const std::uint64_t by = users_.db->GetLatestSequenceNumber();
   noted_keys_ += users.size();
   if (noted_keys_ > kMaxNotedKeys) {
-    stored_keys_.assign(1, StoredKeys{flushes_begun_, true, {}});
+    stored_keys_.assign(1, StoredKeys{flushes_begun_, by, true, {}});
     noted_keys_ = 0;
   } else {
-    stored_keys_.push_back(StoredKeys{flushes_begun_, false, users});
+    stored_keys_.push_back(StoredKeys{flushes_begun_, by, false, users});
   }
+  return s;
 }
 
-bool Storage::keys_may_be_in_wals(const std::vector<std::uint64_t>& users) {
+Storage::KeysWritten Storage::keys_written(const std::vector<std::uint64_t>& users) {
   std::vector<std::uint64_t> sorted(users);
   std::sort(sorted.begin(), sorted.end());
   std::lock_guard<std::mutex> lock(stored_keys_mu_);
@@ -1126,13 +1134,16 @@ bool Storage::keys_may_be_in_wals(const std::vector<std::uint64_t>& users) {
     noted_keys_ -= k.users.size();
     return true;
   });
+  KeysWritten out{false, flushed_seq_};
   for (const StoredKeys& k : stored_keys_) {
-    if (k.everyone) return true;
-    for (std::uint64_t u : k.users) {
-      if (std::binary_search(sorted.begin(), sorted.end(), u)) return true;
+    if (k.everyone || std::any_of(k.users.begin(), k.users.end(), [&](std::uint64_t u) {
+          return std::binary_search(sorted.begin(), sorted.end(), u);
+        })) {
+      out.in_wals = true;
+      out.by = std::max(out.by, k.by);
     }
   }
-  return false;
+  return out;
 }
 
 Status Storage::flush(Engine engine) {

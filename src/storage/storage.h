@@ -36,6 +36,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -226,17 +227,30 @@ class Storage {
   // (the engine's clean_close) gives the flush something to write.
   Status flush_past_wals(Engine engine);
 
-  // Whether the users engine's WALs or memtables may still hold the ledger
-  // key of one of `users` (format 4): one stored since the start of the
-  // last flush_past_wals of that engine that succeeded, or any key while
-  // none has since this open (a crash's WAL). An erasure flushes the engine
-  // only then (Db::Impl::erase_ranges): its flush was a single purge's
-  // second-longest step, for keys long in SST files (bench/README.md,
-  // "Session 36"). The state store's writer notes each batch of keys it
-  // stored (note_keys_stored); past kMaxNotedKeys users the notes fold into
-  // "any key", so that a Db that never purges keeps no list that grows.
-  void note_keys_stored(const std::vector<std::uint64_t>& users);
-  bool keys_may_be_in_wals(const std::vector<std::uint64_t>& users);
+  // Where the ledger keys of `users` can be (format 4), as far as this open
+  // saw them stored: whether the users engine's WALs or memtables may still
+  // hold one, and a sequence number no key of theirs was written after, so
+  // that no SST file all of whose entries came later holds one (a
+  // compaction keeps sequence numbers, or sets them to 0). A key stored
+  // since the start of the last flush_past_wals of that engine that
+  // succeeded is in the WALs, and was written by the sequence number read
+  // after its write; any other by the one read at that flush's start. Any
+  // key may be anywhere while no flush has succeeded since this open (a
+  // crash's WAL). An erasure flushes the engine only for keys in the WALs,
+  // and compacts only the files that can hold one (Db::Impl::erase_ranges):
+  // a single purge flushed the engine and rewrote the key store's whole
+  // level 0 for keys long in the last level (bench/README.md, "Session 36").
+  struct KeysWritten {
+    bool in_wals = true;
+    std::uint64_t by = std::numeric_limits<std::uint64_t>::max();
+  };
+  KeysWritten keys_written(const std::vector<std::uint64_t>& users);
+  // Writes (synced) `batch`, the new ledger keys of `users`, into the key
+  // store, and notes them for keys_written whether or not the write
+  // succeeded (a failed write may still be durable). Past kMaxNotedKeys
+  // users the notes fold into "any key", so that a Db that never purges
+  // keeps no list that grows.
+  Status store_keys(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& users, const std::string& what);
 
   // How far the state engine's compactions are behind: what admission
   // control reads (StateStore). RocksDB's own write stalls are off in the
@@ -430,18 +444,21 @@ class Storage {
   mutable std::atomic<std::uint64_t> scan_generation_{0};
   mutable std::atomic<int> scans_holding_{0};
   mutable ScanProgress scan_progress_;
-  // Keys stored, by the number of flush_past_wals(Users) begun before:
-  // those a flush begun later took out of the WALs (keys_may_be_in_wals).
+  // Keys stored, by the number of flush_past_wals(Users) begun before them:
+  // those a flush begun later took out of the WALs (keys_written).
   struct StoredKeys {
     std::uint64_t flushes_begun;
-    bool everyone;  // any key (at open, or the notes folded)
+    std::uint64_t by;  // the sequence number read after their write
+    bool everyone;     // any key (at open, or the notes folded)
     std::vector<std::uint64_t> users;
   };
   static constexpr std::size_t kMaxNotedKeys = std::size_t{1} << 20;  // 8 MiB of users
   std::mutex stored_keys_mu_;
-  std::uint64_t flushes_begun_ = 0;                                // guarded by stored_keys_mu_
-  std::uint64_t flushed_ = 0;  // the last flush that succeeded, by number; guarded by stored_keys_mu_
-  std::vector<StoredKeys> stored_keys_{{0, true, {}}};             // guarded by stored_keys_mu_
+  std::uint64_t flushes_begun_ = 0;  // guarded by stored_keys_mu_
+  // The last flush that succeeded, by number, and the sequence number at its start.
+  std::uint64_t flushed_ = 0;      // guarded by stored_keys_mu_
+  std::uint64_t flushed_seq_ = 0;  // guarded by stored_keys_mu_
+  std::vector<StoredKeys> stored_keys_{{0, std::numeric_limits<std::uint64_t>::max(), true, {}}};  // guarded
   std::size_t noted_keys_ = 0;                                     // guarded by stored_keys_mu_
 };
 
