@@ -893,6 +893,63 @@ TEST(Purge, TheErasureDoesNotWaitForAUsersPartitionCompactionUnderWay) {
   ASSERT_OK(db.close());
 }
 
+// The key store's erasure runs beside the key store's other compactions.
+// One under way that holds the file with the purged key (here stalled at
+// its output's sync, having read the key before the purge) makes the
+// erasure's compaction of that file give up; the erasure picks its files
+// again once that compaction is done, and compacts what it wrote: on
+// return no file holds the key.
+TEST(Purge, TheKeyStoresErasureCompactsAgainWhatACompactionBesideItWrote) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60761ULL;
+  auto fault = reliability::FaultEnv::make();
+  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
+  ASSERT_OK(opened);
+  Db& db = **opened;
+  Storage& storage = Db::Impl::storage_for_testing(db);
+  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+  ASSERT_OK(db.join_community(kLeaver, 9));
+  for (std::uint64_t i = 0; i < 30; ++i) ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
+  ASSERT_OK(db.flush());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
+  ASSERT_OK(db.leave_community_layer(kLeaver));
+  const testing::ErasureScan held = scan_files(path, kLeaver);
+  ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
+  // A compaction of the key store, stalled at its output's sync.
+  fault.fs->hold_syncs_under(path + "/0", /*first_sst_only=*/true);
+  rocksdb::Status compacted;
+  std::thread compaction([&] {
+    rocksdb::CompactRangeOptions options;
+    options.exclusive_manual_compaction = false;
+    options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+    compacted = users->CompactRange(options, storage.keys(), nullptr, nullptr);
+  });
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (fault.fs->held_syncs() == 0 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_GT(fault.fs->held_syncs(), 0u) << "the key store's compaction never reached its sync";
+  std::atomic<bool> released{false};
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    released = true;
+    fault.fs->release_syncs();
+  });
+  Result<PurgeReceipt> r = db.purge_community_contributions(kLeaver);
+  const bool returned_after_release = released;
+  release.join();
+  compaction.join();
+  ASSERT_OK(r);
+  EXPECT_EQ(r->entries_removed, 60u);
+  EXPECT_TRUE(r->erasure_complete);
+  EXPECT_TRUE(returned_after_release) << "the purge returned while the compaction beside it still held the key";
+  EXPECT_TRUE(compacted.ok()) << compacted.ToString();
+  for (const std::string& f : scan_files(path, kLeaver, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+  expect_healthy(db, "after the purge beside the key store's compaction");
+  ASSERT_OK(db.close());
+}
+
 // A purge during a verify() neither waits for the check nor fails: the
 // erasure asks the check to let go of its snapshot (and then of the files
 // it reads), and the check starts over. Here every step of the check (1,024
