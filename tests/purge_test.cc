@@ -839,6 +839,44 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
   ASSERT_OK(db.close());
 }
 
+// A compaction of all of `cf` into the last level, in a thread of its own,
+// stalled at its first output's sync (`fault`'s file system holds it) until
+// release(); join() waits for its end.
+class StalledCompaction {
+ public:
+  StalledCompaction(reliability::FaultEnv& fault, const std::string& path, rocksdb::DB* db,
+                    rocksdb::ColumnFamilyHandle* cf)
+      : fault_(fault) {
+    fault_.fs->hold_syncs_under(path + "/0", /*first_sst_only=*/true);
+    thread_ = std::thread([this, db, cf] {
+      rocksdb::CompactRangeOptions options;
+      options.exclusive_manual_compaction = false;
+      options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+      status_ = db->CompactRange(options, cf, nullptr, nullptr);
+    });
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (fault_.fs->held_syncs() == 0 && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  ~StalledCompaction() {
+    release();
+    join();
+  }
+  bool stalled() const { return fault_.fs->held_syncs() > 0; }
+  void release() { fault_.fs->release_syncs(); }
+  // The compaction's status, once ended.
+  rocksdb::Status join() {
+    if (thread_.joinable()) thread_.join();
+    return status_;
+  }
+
+ private:
+  reliability::FaultEnv& fault_;
+  std::thread thread_;
+  rocksdb::Status status_;
+};
+
 // RocksDB keeps a file a compaction replaced while a compaction of the same
 // engine that began before the file was written is under way (its "pending
 // outputs"): in the users engine, the users partition's, which run for
@@ -862,31 +900,19 @@ TEST(Purge, TheErasureDoesNotWaitForAUsersPartitionCompactionUnderWay) {
   for (std::uint64_t u = 201; u <= 400; ++u) ASSERT_OK(db.join_community(u, 9));
   ASSERT_OK(db.leave_community_layer(kLeaver));
   ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.users()).ok());
-  // A compaction of the users partition, stalled at its output's sync.
-  fault.fs->hold_syncs_under(path + "/0", /*first_sst_only=*/true);
-  rocksdb::Status compacted;
-  std::thread compaction([&] {
-    rocksdb::CompactRangeOptions options;
-    options.exclusive_manual_compaction = false;
-    options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
-    compacted = users->CompactRange(options, storage.users(), nullptr, nullptr);
-  });
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (fault.fs->held_syncs() == 0 && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  ASSERT_GT(fault.fs->held_syncs(), 0u) << "the users partition's compaction never reached its sync";
+  StalledCompaction compaction(fault, path, users, storage.users());
+  ASSERT_TRUE(compaction.stalled()) << "the users partition's compaction never reached its sync";
   const auto saved = Db::Impl::erasure_wait;
   Db::Impl::erasure_wait = std::chrono::milliseconds(2'000);
   Result<PurgeReceipt> r = db.purge_community_contributions(kLeaver);
   Db::Impl::erasure_wait = saved;
-  const std::uint64_t still_held = fault.fs->held_syncs();
-  fault.fs->release_syncs();
-  compaction.join();
+  const bool still_held = compaction.stalled();
+  compaction.release();
+  const rocksdb::Status compacted = compaction.join();
   ASSERT_OK(r);
   EXPECT_EQ(r->entries_removed, 60u);
   EXPECT_TRUE(r->erasure_complete);
-  EXPECT_GT(still_held, 0u) << "the compaction ended before the purge did: the test proved nothing";
+  EXPECT_TRUE(still_held) << "the compaction ended before the purge did: the test proved nothing";
   EXPECT_TRUE(compacted.ok()) << compacted.ToString();
   for (const std::string& f : scan_files(path, kLeaver).found) ADD_FAILURE() << "after the purge: " << f;
   expect_healthy(db, "after the purge beside the stalled compaction");
@@ -916,30 +942,18 @@ TEST(Purge, TheKeyStoresErasureCompactsAgainWhatACompactionBesideItWrote) {
   ASSERT_OK(db.leave_community_layer(kLeaver));
   const testing::ErasureScan held = scan_files(path, kLeaver);
   ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
-  // A compaction of the key store, stalled at its output's sync.
-  fault.fs->hold_syncs_under(path + "/0", /*first_sst_only=*/true);
-  rocksdb::Status compacted;
-  std::thread compaction([&] {
-    rocksdb::CompactRangeOptions options;
-    options.exclusive_manual_compaction = false;
-    options.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
-    compacted = users->CompactRange(options, storage.keys(), nullptr, nullptr);
-  });
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (fault.fs->held_syncs() == 0 && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  ASSERT_GT(fault.fs->held_syncs(), 0u) << "the key store's compaction never reached its sync";
+  StalledCompaction compaction(fault, path, users, storage.keys());
+  ASSERT_TRUE(compaction.stalled()) << "the key store's compaction never reached its sync";
   std::atomic<bool> released{false};
   std::thread release([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     released = true;
-    fault.fs->release_syncs();
+    compaction.release();
   });
   Result<PurgeReceipt> r = db.purge_community_contributions(kLeaver);
   const bool returned_after_release = released;
   release.join();
-  compaction.join();
+  const rocksdb::Status compacted = compaction.join();
   ASSERT_OK(r);
   EXPECT_EQ(r->entries_removed, 60u);
   EXPECT_TRUE(r->erasure_complete);
