@@ -839,6 +839,20 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
   ASSERT_OK(db.close());
 }
 
+// A Db on `fault`'s Env (manual writes) in which `user`, in community 9,
+// has 30 signals stored (cohort 4: 60 ledger entries in all); null, with
+// the failure reported, when a step fails.
+std::unique_ptr<Db> open_with_stored_user(reliability::FaultEnv& fault, const std::string& path, std::uint64_t user) {
+  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
+  EXPECT_OK(opened);
+  if (!opened.ok()) return nullptr;
+  Status s = (*opened)->join_community(user, 9);
+  for (std::uint64_t i = 0; i < 30 && s.ok(); ++i) s = (*opened)->signal_with_context({user, i, 1.5}, {{4}}).status();
+  if (s.ok()) s = (*opened)->flush();
+  EXPECT_OK(s);
+  return s.ok() ? std::move(*opened) : nullptr;
+}
+
 // A compaction of all of `cf` into the last level, in a thread of its own,
 // stalled at its first output's sync (`fault`'s file system holds it) until
 // release(); join() waits for its end.
@@ -887,14 +901,11 @@ TEST(Purge, TheErasureDoesNotWaitForAUsersPartitionCompactionUnderWay) {
   const std::string path = dir.sub("db");
   constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60760ULL;
   auto fault = reliability::FaultEnv::make();
-  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
-  ASSERT_OK(opened);
-  Db& db = **opened;
+  std::unique_ptr<Db> opened = open_with_stored_user(fault, path, kLeaver);
+  ASSERT_NE(opened, nullptr);
+  Db& db = *opened;
   Storage& storage = Db::Impl::storage_for_testing(db);
   rocksdb::DB* users = storage.db(Storage::Engine::Users);
-  ASSERT_OK(db.join_community(kLeaver, 9));
-  for (std::uint64_t i = 0; i < 30; ++i) ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
-  ASSERT_OK(db.flush());
   for (std::uint64_t u = 1; u <= 200; ++u) ASSERT_OK(db.join_community(u, 9));
   ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.users()).ok());
   for (std::uint64_t u = 201; u <= 400; ++u) ASSERT_OK(db.join_community(u, 9));
@@ -930,14 +941,11 @@ TEST(Purge, TheKeyStoresErasureCompactsAgainWhatACompactionBesideItWrote) {
   const std::string path = dir.sub("db");
   constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60761ULL;
   auto fault = reliability::FaultEnv::make();
-  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
-  ASSERT_OK(opened);
-  Db& db = **opened;
+  std::unique_ptr<Db> opened = open_with_stored_user(fault, path, kLeaver);
+  ASSERT_NE(opened, nullptr);
+  Db& db = *opened;
   Storage& storage = Db::Impl::storage_for_testing(db);
   rocksdb::DB* users = storage.db(Storage::Engine::Users);
-  ASSERT_OK(db.join_community(kLeaver, 9));
-  for (std::uint64_t i = 0; i < 30; ++i) ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
-  ASSERT_OK(db.flush());
   ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
   ASSERT_OK(db.leave_community_layer(kLeaver));
   const testing::ErasureScan held = scan_files(path, kLeaver);
