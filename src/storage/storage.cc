@@ -291,16 +291,21 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
 }
 
 // The key store (format 4), in the users engine: a purge erases its purged
-// users' keys by compacting their range, so small files keep that rewrite
-// small (1 MiB instead of RocksDB's 64 MiB), and with dynamic level sizes a
-// young Db's files settle into few levels. It sits in the users engine, not
+// users' keys by compacting in place the files that hold them, so small
+// files keep that rewrite small (256 KiB instead of RocksDB's 64 MiB), and
+// with dynamic level sizes a young Db's files settle into few levels. The
+// keys are random bytes, which no compression shrinks: not compressed (a
+// single purge's rewrite of a 1 MiB Snappy file took 22-26 ms at p50 and
+// 53-85 ms at p99 with signals flowing, of a 256 KiB plain one 10 and 43
+// ms; bench/README.md, "Session 37"). It sits in the users engine, not
 // beside the ledger in the state engine, because RocksDB deletes a file
 // replaced by a compaction only once every compaction of the engine that
 // began before the file was written has ended: in the state engine the
 // erasure of a bulk purge waited 9.7 s for the aggregates' and the sealed
 // ledger's compactions (bench/README.md, "Format 4").
 void set_key_store_options(rocksdb::ColumnFamilyOptions* options) {
-  options->target_file_size_base = 1 << 20;
+  options->target_file_size_base = 256 << 10;
+  options->compression = rocksdb::kNoCompression;
   // Keys arrive as users first contribute (~1M in the demo's first minutes,
   // 33 bytes each): small memtables flush them soon instead of holding up to
   // 64 MiB of them in memory (RocksDB's default).
