@@ -201,6 +201,12 @@ void FaultFs::clear_faults() {
   fail_wal_append_.store(false);
   fail_wal_sync_.store(false);
   fail_deletes_.store(false);
+  fail_reads_of("");
+}
+
+void FaultFs::fail_reads_of(const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  unreadable_ = path;
 }
 
 void FaultFs::hold_syncs_under(const std::string& prefix, bool first_sst_only) {
@@ -234,6 +240,13 @@ void FaultFs::wait_if_held(const std::string& fname) {
 
 IOStatus FaultFs::check(const char* op, const std::string& fname, bool mutating) {
   if (mutating && power_cut_.load()) return IOStatus::IOError("tidal FaultFs: power is cut: " + std::string(op), fname);
+  if (!mutating) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!unreadable_.empty() && fname == unreadable_) {
+      injected_.fetch_add(1);
+      return IOStatus::IOError("tidal FaultFs: injected read failure (" + std::string(op) + ")", fname);
+    }
+  }
   const std::uint64_t n = ops_.fetch_add(1) + 1;
   const std::uint64_t at = fail_at_.load();
   if (at != 0 && (n == at || (n > at && persistent_.load()))) {

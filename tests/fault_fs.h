@@ -64,6 +64,10 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   // retries at its next purge of obsolete files); cleared by clear_faults.
   void set_fail_deletes(bool on) { fail_deletes_.store(on); }
 
+  // Makes every open and Read of the file at `path` fail (a bad sector
+  // under one file); "" for none. Cleared by clear_faults.
+  void fail_reads_of(const std::string& path);
+
   // Holds every Sync/Fsync of a writable file whose path starts with
   // `prefix` (a stalled disk under one engine) until release_syncs(). With
   // `first_sst_only`, only those of the first such SST file to sync (one
@@ -159,6 +163,7 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   std::atomic<bool> fail_wal_append_{false};
   std::atomic<bool> fail_wal_sync_{false};
   std::atomic<bool> fail_deletes_{false};
+  std::string unreadable_;  // guarded by mu_; "" for none
   std::atomic<std::uint64_t> ops_{0};
   std::atomic<std::uint64_t> arm_base_{0};
   std::atomic<std::uint64_t> fail_at_{0};  // absolute op number; 0 = disarmed

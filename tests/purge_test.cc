@@ -804,6 +804,9 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
     ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
     if (i % 10 == 9) ASSERT_OK(db.flush());
   }
+  // The key in an SST file, which the erasure then compacts (a key still in
+  // a memtable leaves no file with its value: the flush drops it there).
+  ASSERT_OK(Db::Impl::storage_for_testing(db).flush(Storage::Engine::Users));
   ASSERT_OK(db.leave_community_layer(kLeaver));
   const auto saved = Db::Impl::erasure_wait;
   Db::Impl::erasure_wait = std::chrono::milliseconds(300);
@@ -835,6 +838,66 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
   ASSERT_OK(receipts);
   ASSERT_EQ(receipts->size(), 1u);  // the second purge removed nothing and wrote no receipt
   EXPECT_TRUE(receipts->front().erasure_complete);
+  expect_healthy(db, "after the finished erasure");
+  ASSERT_OK(db.close());
+}
+
+// The key store's erasure keeps a value when it cannot read the key's
+// current one (it cannot tell a purged key from a rejoined user's new one):
+// the erasure is then not done, the purge says so, and the next purge
+// finishes it. Here every read of the key store's newest file, which holds
+// the key's deletion, fails during the erasure's compactions in place.
+// Reported done before: the value was in the compaction's output (seen in
+// PurgeFaultSweep at every file operation).
+TEST(Purge, AnErasureThatCannotReadTheKeyStoreKeepsTheValueAndStaysMarked) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60751ULL;
+  auto fault = reliability::FaultEnv::make();
+  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
+  ASSERT_OK(opened);
+  Db& db = **opened;
+  Storage& storage = Db::Impl::storage_for_testing(db);
+  ASSERT_OK(db.join_community(kLeaver, 9));
+  for (std::uint64_t i = 0; i < 10; ++i) ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
+  ASSERT_OK(db.flush());
+  ASSERT_OK(storage.flush(Storage::Engine::Users));  // the key's value in an SST file
+  ASSERT_OK(db.leave_community_layer(kLeaver));
+  std::string unreadable;
+  Storage::step_for_testing = [&](std::string_view task, int step) {
+    if (task != "erasure" || step != 1) return;
+    rocksdb::ColumnFamilyMetaData meta;
+    storage.db(Storage::Engine::Users)->GetColumnFamilyMetaData(storage.keys(), &meta);
+    rocksdb::SequenceNumber newest = 0;
+    for (const rocksdb::LevelMetaData& level : meta.levels) {
+      for (const rocksdb::SstFileMetaData& f : level.files) {
+        if (f.largest_seqno >= newest) {
+          newest = f.largest_seqno;
+          unreadable = f.db_path + f.name;
+        }
+      }
+    }
+    fault.fs->fail_reads_of(unreadable);
+  };
+  Result<PurgeReceipt> first = db.purge_community_contributions(kLeaver);
+  Storage::step_for_testing = nullptr;
+  fault.fs->clear_faults();
+  ASSERT_FALSE(unreadable.empty()) << "the erasure compacted nothing in place";
+  ASSERT_FALSE(first.ok()) << "the erasure could not read " << unreadable << " and reported the purge's erasure done";
+  EXPECT_NE(first.status().message().find("the physical erasure of the ledger bytes did not finish"), std::string::npos)
+      << first.status().to_string();
+  EXPECT_NE(first.status().message().find("could not be read"), std::string::npos) << first.status().to_string();
+  Result<std::vector<PurgeReceipt>> receipts = db.purge_receipts(kLeaver);
+  ASSERT_OK(receipts);
+  ASSERT_EQ(receipts->size(), 1u);
+  EXPECT_FALSE(receipts->front().erasure_complete);
+  EXPECT_FALSE(scan_files(path, kLeaver).found.empty()) << "the kept value is on disk";
+
+  Result<PurgeReceipt> second = db.purge_community_contributions(kLeaver);
+  ASSERT_OK(second);
+  EXPECT_EQ(second->entries_removed, 0u);
+  EXPECT_TRUE(second->erasure_complete);
+  for (const std::string& f : scan_files(path, kLeaver).found) ADD_FAILURE() << "after the second purge: " << f;
   expect_healthy(db, "after the finished erasure");
   ASSERT_OK(db.close());
 }

@@ -671,10 +671,14 @@ TEST(SealedLedger, APurgeFlushesTheUsersEngineOnlyWhileItsWalsMayHoldAPurgedKey)
 }
 
 // The erasure compacts only the key store's files that can hold a purged
-// key: a file all of whose entries came after the key was written (a
-// level-0 file of keys made later, spanning the purged key's range) stays
-// as it is, unless the purged key is among them.
-TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesWrittenAfterThePurgedKey) {
+// key. Two rules tell it a file cannot:
+//   - its filter of the users whose keys it holds rules the purged user out
+//     (a level-0 file written before the key, spanning its range);
+//   - all of its entries came after the key was written (a level-0 file of
+//     keys made later, spanning the purged key's range), which the erasure
+//     needs when the filter does not rule the user out (~1 % of users).
+// Such a file stays as it is; one that holds the purged key is replaced.
+TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesThatCannotHoldAPurgedKey) {
   TempDir dir;
   const std::string path = dir.sub("db");
   Options options = manual_writes();
@@ -705,21 +709,75 @@ TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesWrittenAfterThePurgedKey)
     for (const auto& f : meta.levels[0].files) out.insert(f.name);
     return out;
   };
-  // Old keys, in SST files after a first purge.
+  // Into SST files, out of the WALs: the purges then do not flush (a
+  // fourth level-0 file would have RocksDB compact them all away).
+  const auto flush_keys = [&] {
+    ASSERT_OK(db->flush());
+    ASSERT_OK(storage.flush_past_wals(Storage::Engine::Users));
+  };
+  // Whether the filters of all `files` leave open that they hold u's key.
+  const auto filters_allow = [&](const std::set<std::string>& files, std::uint64_t u) {
+    rocksdb::TablePropertiesCollection properties;
+    EXPECT_TRUE(users->GetPropertiesOfAllTables(storage.keys(), &properties).ok());
+    std::size_t allow = 0;
+    for (const auto& [file, p] : properties) {
+      if (files.count("/" + std::filesystem::path(file).filename().string()) == 0) continue;
+      EXPECT_TRUE(p->user_collected_properties.count("tidal.key_values")) << file << " has no filter";
+      if (Storage::may_hold_keys_of(*p, {u})) ++allow;
+    }
+    return allow == files.size();
+  };
+  const auto after = [&](const std::set<std::string>& before) {
+    std::set<std::string> out;
+    for (const std::string& f : level0()) {
+      if (before.count(f) == 0) out.insert(f);
+    }
+    return out;
+  };
+  // Old keys, in level-0 files after a first purge.
   for (std::uint64_t i = 1; i <= 1'000; ++i) signal(i * kStride);
-  ASSERT_OK(db->flush());
+  flush_keys();
   purge(500 * kStride);
   const std::set<std::string> older = level0();
-  // New keys, spread the same way, flushed into a level-0 file.
+  ASSERT_FALSE(older.empty());
+  // A key written after them, in their range, which their filters rule
+  // out (as they do ~99 % of users), in a level-0 file of its own.
+  std::uint64_t p = 0;
+  for (std::uint64_t i = 600; p == 0 && i < 700; ++i) {
+    if (!filters_allow(older, i * kStride + 2)) p = i * kStride + 2;
+  }
+  ASSERT_NE(p, 0u) << "the older files' filters rule out none of 100 users";
+  signal(p);
+  flush_keys();
+  const std::set<std::string> with_p = after(older);
+  ASSERT_FALSE(with_p.empty());
+  purge(p);
+  for (const std::string& f : older) {
+    EXPECT_EQ(level0().count(f), 1u) << "level-0 file " << f << ", whose filter rules out the purged key, was rewritten";
+  }
+  for (const std::string& f : with_p) {
+    EXPECT_EQ(level0().count(f), 0u) << "level-0 file " << f << ", which held the purged key, is still live";
+  }
+  // New keys, spread the same way, flushed into a level-0 file, after the
+  // others went to the last level.
+  ASSERT_TRUE(users->CompactRange(rocksdb::CompactRangeOptions(), storage.keys(), nullptr, nullptr).ok());
+  ASSERT_TRUE(level0().empty());
+  const std::set<std::string> before_newer = level0();
+  // (Not past the WALs: the purges' bound on when the older keys were
+  // written stays before these.)
   for (std::uint64_t i = 1; i <= 1'000; ++i) signal(i * kStride + 1);
   ASSERT_OK(db->flush());
   ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
-  std::set<std::string> newer;
-  for (const std::string& f : level0()) {
-    if (older.count(f) == 0) newer.insert(f);
-  }
+  const std::set<std::string> newer = after(before_newer);
   ASSERT_FALSE(newer.empty());
-  purge(700 * kStride);
+  // An old key that the newer file's filter does not rule out (a false
+  // positive): only the order of the writes tells the erasure to leave it.
+  std::uint64_t q = 0;
+  for (std::uint64_t i = 1; q == 0 && i <= 1'000; ++i) {
+    if (i != 500 && filters_allow(newer, i * kStride)) q = i * kStride;
+  }
+  ASSERT_NE(q, 0u) << "the newer file's filter ruled out all 999 older users (expected ~1 % false positives)";
+  purge(q);
   for (const std::string& f : newer) {
     EXPECT_EQ(level0().count(f), 1u) << "level-0 file " << f << ", written after the purged key, was rewritten";
   }

@@ -304,10 +304,11 @@ class Db::Impl {
   // Makes sure no SST or WAL file holds a record in the ranges of `cf` (the
   // key store, or format 3's ledger): flushes its engine (unless no
   // memtable or live WAL can hold one: `written`), force-compacts the files
-  // that can hold them, and waits until the files that held them are
-  // deleted.
+  // that can hold them (of the key store, only those that may hold a key
+  // of `users`, the ranges' users, sorted), and waits until the files that
+  // held them are deleted.
   Status erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector<KeyRange>& ranges,
-                      const Storage::KeysWritten& written);
+                      const std::vector<std::uint64_t>& users, const Storage::KeysWritten& written);
   // The engine's SST files that are not live (sorted names).
   Result<std::vector<std::string>> obsolete_files(Storage::Engine engine) const;
 

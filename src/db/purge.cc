@@ -868,8 +868,8 @@ Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
   // deletions left in its level-0 files do, and the compaction's filter
   // sees it in the memtable), and only its files that can hold a purged
   // key are compacted.
-  if (Status s = erase_ranges(storage_->keys(), key_ranges, storage_->keys_written(users)); !s.ok()) return s;
-  if (Status s = erase_ranges(storage_->ledger(), ledger_ranges, Storage::KeysWritten{}); !s.ok()) return s;
+  if (Status s = erase_ranges(storage_->keys(), key_ranges, users, storage_->keys_written(users)); !s.ok()) return s;
+  if (Status s = erase_ranges(storage_->ledger(), ledger_ranges, users, Storage::KeysWritten{}); !s.ok()) return s;
   // Erased: the marks go, except those of users whose next purge wrote its
   // batch (and its mark) after this erasure began: that purge's own
   // erasure removes it. Under marks_mu_, which a purge takes before its
@@ -929,16 +929,26 @@ bool still_at(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::vecto
 // "Session 36"). `replaced` gets the names of the files the compactions
 // replaced.
 Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf,
-                        const std::vector<KeyRange>& ranges, std::uint64_t written_by, std::chrono::milliseconds wait,
-                        std::vector<std::string>* replaced) {
+                        const std::vector<KeyRange>& ranges, const std::vector<std::uint64_t>& users,
+                        std::uint64_t written_by, std::chrono::milliseconds wait, std::vector<std::string>* replaced) {
   const auto name_of = [](const std::string& path) { return std::filesystem::path(path).filename().string(); };
   std::vector<std::string> ours;  // the files these compactions wrote: they hold no purged key (sorted)
+  std::map<std::string, std::shared_ptr<const rocksdb::TableProperties>> properties;  // of the live files, by name
   const auto overlaps = [&](const rocksdb::SstFileMetaData& f) {
     if (f.smallest_seqno > written_by || std::binary_search(ours.begin(), ours.end(), name_of(f.name))) return false;
     // The first range that ends after the file's smallest key.
     auto r = std::upper_bound(ranges.begin(), ranges.end(), f.smallestkey,
                               [](const std::string& key, const KeyRange& range) { return key < range.second; });
-    return r != ranges.end() && r->first <= f.largestkey;
+    if (r == ranges.end() || r->first > f.largestkey) return false;
+    // The users whose keys can be in the file's key range, and whether its
+    // filter rules them all out (unknown file: compacted).
+    auto p = properties.find(name_of(f.name));
+    if (p == properties.end() || p->second == nullptr) return true;
+    auto first = std::lower_bound(users.begin(), users.end(), f.smallestkey,
+                                  [](std::uint64_t u, const std::string& key) { return encode_key_store_key(u) < key; });
+    auto last = std::upper_bound(first, users.end(), f.largestkey,
+                                 [](const std::string& key, std::uint64_t u) { return key < encode_key_store_key(u); });
+    return Storage::may_hold_keys_of(*p->second, std::vector<std::uint64_t>(first, last));
   };
   rocksdb::ColumnFamilyMetaData before;
   db->GetColumnFamilyMetaData(cf, &before);
@@ -947,6 +957,7 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
   rocksdb::CompactionOptions options;
   options.output_file_size_limit = db->GetOptions(cf).target_file_size_base;
   Storage::KeysErased erasing(storage, ranges);
+  Storage::test_step("erasure", 1);
   // RocksDB's own compactions of the column family run beside these. One
   // that holds a file named here, or writes into its range, makes
   // CompactFiles give up (Aborted); one that has replaced a file named here,
@@ -961,6 +972,14 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
   // p99; bench/README.md, "Session 36".)
   const auto deadline = std::chrono::steady_clock::now() + wait;
   for (;;) {
+    rocksdb::TablePropertiesCollection by_path;
+    if (Status s = from_rocksdb(db->GetPropertiesOfAllTables(cf, &by_path),
+                                "table properties of the " + cf->GetName() + " files");
+        !s.ok()) {
+      return s;
+    }
+    properties.clear();
+    for (auto& [path, p] : by_path) properties.emplace(name_of(path), std::move(p));
     rocksdb::ColumnFamilyMetaData now;
     db->GetColumnFamilyMetaData(cf, &now);
     // The levels' compactions run side by side, each on its own level's
@@ -1001,6 +1020,11 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
     }
     std::sort(ours.begin(), ours.end());
     if (!failed.ok()) return failed;
+    if (erasing.unread() > 0) {
+      return Status::IOError("compaction of the purged " + cf->GetName() + " ranges: " +
+                             std::to_string(erasing.unread()) +
+                             " values were kept because the key store could not be read for their current value");
+    }
     if (!again) break;
     if (std::chrono::steady_clock::now() >= deadline) {
       return Status::IOError("compaction of the purged " + cf->GetName() + " ranges: RocksDB's own compactions kept "
@@ -1031,7 +1055,7 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
 }  // namespace
 
 Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector<KeyRange>& ranges,
-                              const Storage::KeysWritten& written) {
+                              const std::vector<std::uint64_t>& users, const Storage::KeysWritten& written) {
   if (cf == nullptr || ranges.empty()) return Status::OK();
   const bool key_store = cf == storage_->keys();
   const Storage::Engine engine = key_store ? Storage::Engine::Users : Storage::Engine::State;
@@ -1090,7 +1114,7 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
   std::vector<std::string> replaced;  // the key store's files its erasure compacted (sorted)
   if (key_store) {
     // The key store: compacted in this thread (CompactFiles), file by file.
-    if (Status s = compact_in_place(*storage_, db, cf, ranges, written.by, erasure_wait, &replaced); !s.ok()) {
+    if (Status s = compact_in_place(*storage_, db, cf, ranges, users, written.by, erasure_wait, &replaced); !s.ok()) {
       return s;
     }
   } else {

@@ -290,6 +290,71 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   options->hard_pending_compaction_bytes_limit = 0;
 }
 
+// The key store's table property that Storage::may_hold_keys_of reads: a
+// Bloom filter of the users whose keys (values) a file holds, 10 bits a user
+// and 7 probes of one 64-bit hash (double hashing), at least 64 bits. A key
+// of another length (none is written) leaves the file without the filter.
+constexpr char kKeyValuesProperty[] = "tidal.key_values";
+constexpr int kKeyValuesProbes = 7;
+
+std::uint64_t key_values_hash(std::uint64_t user) {
+  // SplitMix64's finalizer: user ids are often sequential.
+  user = (user ^ (user >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  user = (user ^ (user >> 27)) * 0x94d049bb133111ebULL;
+  return user ^ (user >> 31);
+}
+
+template <typename Bit>
+bool key_values_probe(std::uint64_t hash, std::uint64_t bits, Bit bit) {
+  const std::uint64_t step = (hash >> 32) | 1;
+  for (int i = 0; i < kKeyValuesProbes; ++i, hash += step) {
+    if (!bit(hash % bits)) return false;
+  }
+  return true;
+}
+
+class KeyValuesCollector : public rocksdb::TablePropertiesCollector {
+ public:
+  rocksdb::Status AddUserKey(const rocksdb::Slice& key, const rocksdb::Slice& /*value*/, rocksdb::EntryType type,
+                             rocksdb::SequenceNumber /*seq*/, std::uint64_t /*file_size*/) override {
+    if (type == rocksdb::kEntryDelete || type == rocksdb::kEntrySingleDelete ||
+        type == rocksdb::kEntryDeleteWithTimestamp || type == rocksdb::kEntryRangeDeletion) {
+      return rocksdb::Status::OK();
+    }
+    if (key.size() != 8) other_ = true;
+    else hashes_.push_back(key_values_hash(get_u64_be(key.data())));
+    return rocksdb::Status::OK();
+  }
+  rocksdb::Status Finish(rocksdb::UserCollectedProperties* properties) override {
+    if (other_) return rocksdb::Status::OK();
+    std::string filter(std::max<std::size_t>(8, (hashes_.size() * 10 + 7) / 8), '\0');
+    const std::uint64_t bits = filter.size() * 8;
+    for (std::uint64_t h : hashes_) {
+      key_values_probe(h, bits, [&](std::uint64_t b) {
+        filter[b / 8] = static_cast<char>(filter[b / 8] | (1 << (b % 8)));
+        return true;
+      });
+    }
+    properties->emplace(kKeyValuesProperty, std::move(filter));
+    return rocksdb::Status::OK();
+  }
+  rocksdb::UserCollectedProperties GetReadableProperties() const override { return {}; }
+  const char* Name() const override { return "tidal.KeyValues"; }
+
+ private:
+  std::vector<std::uint64_t> hashes_;
+  bool other_ = false;
+};
+
+class KeyValuesCollectorFactory : public rocksdb::TablePropertiesCollectorFactory {
+ public:
+  rocksdb::TablePropertiesCollector* CreateTablePropertiesCollector(
+      rocksdb::TablePropertiesCollectorFactory::Context /*context*/) override {
+    return new KeyValuesCollector();
+  }
+  const char* Name() const override { return "tidal.KeyValues"; }
+};
+
 // The key store (format 4), in the users engine: a purge erases its purged
 // users' keys by compacting in place the files that hold them, so small
 // files keep that rewrite small (256 KiB instead of RocksDB's 64 MiB), and
@@ -311,6 +376,8 @@ void set_key_store_options(rocksdb::ColumnFamilyOptions* options) {
   // 64 MiB of them in memory (RocksDB's default).
   options->write_buffer_size = 4 << 20;
   options->level_compaction_dynamic_level_bytes = true;
+  // Which users' keys each file holds (Storage::may_hold_keys_of).
+  options->table_properties_collector_factories.push_back(std::make_shared<KeyValuesCollectorFactory>());
 }
 
 // The users engine's Env: its files go through the base Env's file system,
@@ -514,22 +581,24 @@ class SealedRecordReclaim : public rocksdb::CompactionFilterFactory {
 // The key store's erasure filter (Storage::KeysErased). It acts only in
 // manual compactions, and only while an erasure has named its ranges; it
 // keeps a value that is still the key's current one (a key made after a
-// rejoin), and every value on a read error. A value it drops becomes a
-// deletion (RocksDB's kRemove), which a compaction into the last level
-// drops in turn.
+// rejoin), and every value whose current key it cannot read, which it
+// counts: the erasure then fails, and stays marked (an injected read
+// failure once let a purge report its erasure done with the value kept:
+// PurgeFaultSweep). A value it drops becomes a deletion (RocksDB's
+// kRemove), which a compaction into the last level drops in turn.
 class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
  public:
   explicit KeyStoreErasure(const Storage* storage) : storage_(storage) {}
   void begin(const std::vector<std::pair<std::string, std::string>>& ranges) {
     std::unique_lock<std::shared_mutex> lock(mu_);
     ranges_ = ranges;
-    dropped_.store(0, std::memory_order_relaxed);
+    unread_.store(0, std::memory_order_relaxed);
   }
   void end() {
     std::unique_lock<std::shared_mutex> lock(mu_);
     ranges_.clear();
   }
-  std::uint64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
+  std::uint64_t unread() const { return unread_.load(std::memory_order_relaxed); }
 
   std::unique_ptr<rocksdb::CompactionFilter> CreateCompactionFilter(
       const rocksdb::CompactionFilter::Context& context) override {
@@ -563,16 +632,28 @@ class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
     const rocksdb::Status s = storage_->db(Storage::Engine::Users)
                                   ->Get(rocksdb::ReadOptions(), storage_->keys(), rocksdb::Slice(key.data(), key.size()),
                                         current);
-    if (!s.IsNotFound() && !(s.ok() && *current != value)) return false;
-    dropped_.fetch_add(1, std::memory_order_relaxed);
-    return true;
+    if (s.IsNotFound() || (s.ok() && *current != value)) return true;
+    if (!s.ok()) unread_.fetch_add(1, std::memory_order_relaxed);
+    return false;
   }
 
   const Storage* const storage_;
   mutable std::shared_mutex mu_;
   std::vector<std::pair<std::string, std::string>> ranges_;  // guarded by mu_
-  std::atomic<std::uint64_t> dropped_{0};
+  std::atomic<std::uint64_t> unread_{0};
 };
+
+bool Storage::may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& users) {
+  const auto it = file.user_collected_properties.find(kKeyValuesProperty);
+  if (it == file.user_collected_properties.end() || it->second.empty()) return !users.empty();
+  const std::string& filter = it->second;
+  const std::uint64_t bits = filter.size() * 8;
+  return std::any_of(users.begin(), users.end(), [&](std::uint64_t u) {
+    return key_values_probe(key_values_hash(u), bits, [&](std::uint64_t b) {
+      return (static_cast<unsigned char>(filter[b / 8]) >> (b % 8)) & 1;
+    });
+  });
+}
 
 Storage::KeysErased::KeysErased(const Storage& storage,
                                 const std::vector<std::pair<std::string, std::string>>& ranges)
@@ -580,7 +661,7 @@ Storage::KeysErased::KeysErased(const Storage& storage,
   storage_.key_erasure_->begin(ranges);
 }
 Storage::KeysErased::~KeysErased() { storage_.key_erasure_->end(); }
-std::uint64_t Storage::KeysErased::dropped() const { return storage_.key_erasure_->dropped(); }
+std::uint64_t Storage::KeysErased::unread() const { return storage_.key_erasure_->unread(); }
 
 Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const Storage::Config& config) {
   std::unique_lock<std::mutex> registry(g_open_mu);

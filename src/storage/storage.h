@@ -313,12 +313,23 @@ class Storage {
     ~KeysErased();
     KeysErased(const KeysErased&) = delete;
     KeysErased& operator=(const KeysErased&) = delete;
-    // Values dropped so far.
-    std::uint64_t dropped() const;
+    // Values kept because their key's current value could not be read
+    // (the erasure is then not done).
+    std::uint64_t unread() const;
 
    private:
     const Storage& storage_;
   };
+  // Whether a file of the key store, by its table properties, may hold the
+  // key (a value, not a deletion) of one of `users`. Each file the key
+  // store writes keeps a Bloom filter of the users whose keys it holds
+  // (~1 % false positives, no false negatives), so that an erasure
+  // compacts only the files that may hold a purged key: a level-0 file
+  // spans the whole key store, and a small one that a purge had compacted
+  // in place stayed there, compacted again, for nothing, beside the file
+  // with the key in most single purges (bench/README.md, "Session 37"). A
+  // file without the filter (written before it existed) may hold any key.
+  static bool may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& users);
   // What the checks under way have done, for Stats.
   struct ScanProgress {
     std::atomic<std::uint64_t> records_read{0};      // by the checks under way
@@ -348,6 +359,8 @@ class Storage {
   //                     (feed/change_feed.cc)
   //   "purge"           1: a purge batch ingested, its ledger keys not
   //                     yet deleted (db/purge.cc)
+  //   "erasure"         1: the key store's erasure armed, before its
+  //                     compactions in place (db/purge.cc)
   //   "aggregate write" 1: a batch of the state store's writer built, not
   //                     yet ingested; the writer holds its drain lock
   //                     (db/state_store.cc)
