@@ -788,6 +788,20 @@ TEST(Purge, TheErasureHoldsNoLockStripeAndARejoinDuringItKeepsItsFreshLedger) {
   for (const std::string& f : scan_files(path, kLeaver).found) ADD_FAILURE() << "after the second purge: " << f;
 }
 
+// A Db on `fault`'s Env (manual writes) in which `user`, in community 9,
+// has 30 signals stored (cohort 4: 60 ledger entries in all); null, with
+// the failure reported, when a step fails.
+std::unique_ptr<Db> open_with_stored_user(reliability::FaultEnv& fault, const std::string& path, std::uint64_t user) {
+  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
+  EXPECT_OK(opened);
+  if (!opened.ok()) return nullptr;
+  Status s = (*opened)->join_community(user, 9);
+  for (std::uint64_t i = 0; i < 30 && s.ok(); ++i) s = (*opened)->signal_with_context({user, i, 1.5}, {{4}}).status();
+  if (s.ok()) s = (*opened)->flush();
+  EXPECT_OK(s);
+  return s.ok() ? std::move(*opened) : nullptr;
+}
+
 // An erasure that did not finish (here: RocksDB cannot delete the obsolete
 // files, a fault it survives) is reported, marked on the receipt, and
 // finished by the user's next purge, which has nothing left to remove.
@@ -796,14 +810,9 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
   const std::string path = dir.sub("db");
   constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60750ULL;
   auto fault = reliability::FaultEnv::make();
-  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
-  ASSERT_OK(opened);
-  Db& db = **opened;
-  ASSERT_OK(db.join_community(kLeaver, 9));
-  for (std::uint64_t i = 0; i < 30; ++i) {
-    ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
-    if (i % 10 == 9) ASSERT_OK(db.flush());
-  }
+  std::unique_ptr<Db> opened = open_with_stored_user(fault, path, kLeaver);
+  ASSERT_NE(opened, nullptr);
+  Db& db = *opened;
   // The key in an SST file, which the erasure then compacts (a key still in
   // a memtable leaves no file with its value: the flush drops it there).
   ASSERT_OK(Db::Impl::storage_for_testing(db).flush(Storage::Engine::Users));
@@ -854,13 +863,10 @@ TEST(Purge, AnErasureThatCannotReadTheKeyStoreKeepsTheValueAndStaysMarked) {
   const std::string path = dir.sub("db");
   constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60751ULL;
   auto fault = reliability::FaultEnv::make();
-  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
-  ASSERT_OK(opened);
-  Db& db = **opened;
+  std::unique_ptr<Db> opened = open_with_stored_user(fault, path, kLeaver);
+  ASSERT_NE(opened, nullptr);
+  Db& db = *opened;
   Storage& storage = Db::Impl::storage_for_testing(db);
-  ASSERT_OK(db.join_community(kLeaver, 9));
-  for (std::uint64_t i = 0; i < 10; ++i) ASSERT_OK(db.signal_with_context({kLeaver, i, 1.5}, {{4}}));
-  ASSERT_OK(db.flush());
   ASSERT_OK(storage.flush(Storage::Engine::Users));  // the key's value in an SST file
   ASSERT_OK(db.leave_community_layer(kLeaver));
   std::string unreadable;
@@ -900,20 +906,6 @@ TEST(Purge, AnErasureThatCannotReadTheKeyStoreKeepsTheValueAndStaysMarked) {
   for (const std::string& f : scan_files(path, kLeaver).found) ADD_FAILURE() << "after the second purge: " << f;
   expect_healthy(db, "after the finished erasure");
   ASSERT_OK(db.close());
-}
-
-// A Db on `fault`'s Env (manual writes) in which `user`, in community 9,
-// has 30 signals stored (cohort 4: 60 ledger entries in all); null, with
-// the failure reported, when a step fails.
-std::unique_ptr<Db> open_with_stored_user(reliability::FaultEnv& fault, const std::string& path, std::uint64_t user) {
-  Result<std::unique_ptr<Db>> opened = Db::Impl::open(path, manual_writes(), fault.env.get());
-  EXPECT_OK(opened);
-  if (!opened.ok()) return nullptr;
-  Status s = (*opened)->join_community(user, 9);
-  for (std::uint64_t i = 0; i < 30 && s.ok(); ++i) s = (*opened)->signal_with_context({user, i, 1.5}, {{4}}).status();
-  if (s.ok()) s = (*opened)->flush();
-  EXPECT_OK(s);
-  return s.ok() ? std::move(*opened) : nullptr;
 }
 
 // A compaction of all of `cf` into the last level, in a thread of its own,

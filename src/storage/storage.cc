@@ -361,7 +361,7 @@ class KeyValuesCollectorFactory : public rocksdb::TablePropertiesCollectorFactor
 // with dynamic level sizes a young Db's files settle into few levels. The
 // keys are random bytes, which no compression shrinks: not compressed (a
 // single purge's rewrite of a 1 MiB Snappy file took 22-26 ms at p50 and
-// 53-85 ms at p99 with signals flowing, of a 256 KiB plain one 10 and 43
+// 55-85 ms at p99 with signals flowing, of a 256 KiB plain one 10 and 43
 // ms; bench/README.md, "Session 37"). It sits in the users engine, not
 // beside the ledger in the state engine, because RocksDB deletes a file
 // replaced by a compaction only once every compaction of the engine that

@@ -327,8 +327,9 @@ class Storage {
   // compacts only the files that may hold a purged key: a level-0 file
   // spans the whole key store, and a small one that a purge had compacted
   // in place stayed there, compacted again, for nothing, beside the file
-  // with the key in most single purges (bench/README.md, "Session 37"). A
-  // file without the filter (written before it existed) may hold any key.
+  // with the key in 197 of 500 single purges at 1M users (bench/README.md,
+  // "Session 37"). A file without the filter (written before it existed)
+  // may hold any key.
   static bool may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& users);
   // What the checks under way have done, for Stats.
   struct ScanProgress {
