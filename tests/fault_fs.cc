@@ -207,6 +207,7 @@ void FaultFs::clear_faults() {
 void FaultFs::fail_reads_of(const std::string& path) {
   std::lock_guard<std::mutex> lock(mu_);
   unreadable_ = path;
+  reads_fail_.store(!path.empty());
 }
 
 void FaultFs::hold_syncs_under(const std::string& prefix, bool first_sst_only) {
@@ -240,7 +241,7 @@ void FaultFs::wait_if_held(const std::string& fname) {
 
 IOStatus FaultFs::check(const char* op, const std::string& fname, bool mutating) {
   if (mutating && power_cut_.load()) return IOStatus::IOError("tidal FaultFs: power is cut: " + std::string(op), fname);
-  if (!mutating) {
+  if (!mutating && reads_fail_.load()) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!unreadable_.empty() && fname == unreadable_) {
       injected_.fetch_add(1);

@@ -164,6 +164,7 @@ class FaultFs : public rocksdb::FileSystemWrapper {
   std::atomic<bool> fail_wal_sync_{false};
   std::atomic<bool> fail_deletes_{false};
   std::string unreadable_;  // guarded by mu_; "" for none
+  std::atomic<bool> reads_fail_{false};  // unreadable_ is not "": reads take mu_ only then
   std::atomic<std::uint64_t> ops_{0};
   std::atomic<std::uint64_t> arm_base_{0};
   std::atomic<std::uint64_t> fail_at_{0};  // absolute op number; 0 = disarmed

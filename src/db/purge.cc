@@ -55,6 +55,7 @@
 // the receipt is the one the journal names.
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cstring>
 #include <cstdlib>
 #include <filesystem>
@@ -914,8 +915,9 @@ bool still_at(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::vecto
 
 // The key store's erasure, in the calling thread: compacts in place, each
 // at its own level, every file of `cf` whose keys overlap one of `ranges`
-// (sorted, disjoint), and the purged keys' values in them are dropped
-// (Storage::KeysErased). The deletions of those keys stay where they are
+// (sorted, disjoint; the keys of `users`, sorted) and that may hold one of
+// their keys by its filter (Storage::may_hold_keys_of), and the purged
+// keys' values in them are dropped (Storage::KeysErased). The deletions of those keys stay where they are
 // (level 0 or a memtable): a compaction of the values' files together with
 // theirs into the last level had RocksDB add every file under the range of
 // each level-0 input, and a level-0 file of the key store spans all of it
@@ -934,6 +936,7 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
   const auto name_of = [](const std::string& path) { return std::filesystem::path(path).filename().string(); };
   std::vector<std::string> ours;  // the files these compactions wrote: they hold no purged key (sorted)
   std::map<std::string, std::shared_ptr<const rocksdb::TableProperties>> properties;  // of the live files, by name
+  assert(std::is_sorted(users.begin(), users.end()));
   const auto overlaps = [&](const rocksdb::SstFileMetaData& f) {
     if (f.smallest_seqno > written_by || std::binary_search(ours.begin(), ours.end(), name_of(f.name))) return false;
     // The first range that ends after the file's smallest key.
@@ -972,14 +975,13 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
   // p99; bench/README.md, "Session 36".)
   const auto deadline = std::chrono::steady_clock::now() + wait;
   for (;;) {
+    // Unreadable properties (of any file): every file that overlaps the
+    // ranges is compacted.
     rocksdb::TablePropertiesCollection by_path;
-    if (Status s = from_rocksdb(db->GetPropertiesOfAllTables(cf, &by_path),
-                                "table properties of the " + cf->GetName() + " files");
-        !s.ok()) {
-      return s;
-    }
     properties.clear();
-    for (auto& [path, p] : by_path) properties.emplace(name_of(path), std::move(p));
+    if (db->GetPropertiesOfAllTables(cf, &by_path).ok()) {
+      for (auto& [path, p] : by_path) properties.emplace(name_of(path), std::move(p));
+    }
     rocksdb::ColumnFamilyMetaData now;
     db->GetColumnFamilyMetaData(cf, &now);
     // The levels' compactions run side by side, each on its own level's

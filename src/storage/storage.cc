@@ -9,6 +9,7 @@
 #include <rocksdb/filter_policy.h>
 #include <rocksdb/slice_transform.h>
 #include <rocksdb/table.h>
+#include <rocksdb/table_properties.h>
 #include <rocksdb/threadpool.h>
 
 #include <fcntl.h>
@@ -290,11 +291,16 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   options->hard_pending_compaction_bytes_limit = 0;
 }
 
-// The key store's table property that Storage::may_hold_keys_of reads: a
-// Bloom filter of the users whose keys (values) a file holds, 10 bits a user
-// and 7 probes of one 64-bit hash (double hashing), at least 64 bits. A key
-// of another length (none is written) leaves the file without the filter.
-constexpr char kKeyValuesProperty[] = "tidal.key_values";
+// The key store's table property that Storage::may_hold_keys_of reads
+// (docs/FORMAT.md): the number of values (entries that are not deletions)
+// the file holds, 8 bytes big-endian, then a Bloom filter of their users,
+// 10 bits a value and 7 probes of one 64-bit hash (double hashing), at
+// least 64 bits. A key of another length (none is written) leaves the file
+// without the property. The name carries the layout's version: a reader
+// treats a file without this name as one that may hold any key, so a new
+// layout must have a new name, or its filters would rule out keys the files
+// hold.
+constexpr char kKeyValuesProperty[] = "tidal.key_values.v1";
 constexpr int kKeyValuesProbes = 7;
 
 std::uint64_t key_values_hash(std::uint64_t user) {
@@ -321,21 +327,24 @@ class KeyValuesCollector : public rocksdb::TablePropertiesCollector {
         type == rocksdb::kEntryDeleteWithTimestamp || type == rocksdb::kEntryRangeDeletion) {
       return rocksdb::Status::OK();
     }
-    if (key.size() != 8) other_ = true;
+    if (key.size() != kKeyStoreKeySize) other_ = true;
     else hashes_.push_back(key_values_hash(get_u64_be(key.data())));
     return rocksdb::Status::OK();
   }
   rocksdb::Status Finish(rocksdb::UserCollectedProperties* properties) override {
     if (other_) return rocksdb::Status::OK();
-    std::string filter(std::max<std::size_t>(8, (hashes_.size() * 10 + 7) / 8), '\0');
-    const std::uint64_t bits = filter.size() * 8;
+    std::string property;
+    put_u64_be(&property, hashes_.size());
+    const std::size_t bytes = std::max<std::size_t>(8, (hashes_.size() * 10 + 7) / 8);
+    property.resize(8 + bytes, '\0');
+    char* filter = property.data() + 8;
     for (std::uint64_t h : hashes_) {
-      key_values_probe(h, bits, [&](std::uint64_t b) {
+      key_values_probe(h, bytes * 8, [&](std::uint64_t b) {
         filter[b / 8] = static_cast<char>(filter[b / 8] | (1 << (b % 8)));
         return true;
       });
     }
-    properties->emplace(kKeyValuesProperty, std::move(filter));
+    properties->emplace(kKeyValuesProperty, std::move(property));
     return rocksdb::Status::OK();
   }
   rocksdb::UserCollectedProperties GetReadableProperties() const override { return {}; }
@@ -644,9 +653,15 @@ class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
 };
 
 bool Storage::may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& users) {
+  if (users.empty()) return false;
   const auto it = file.user_collected_properties.find(kKeyValuesProperty);
-  if (it == file.user_collected_properties.end() || it->second.empty()) return !users.empty();
-  const std::string& filter = it->second;
+  // A filter that saw fewer values than the file holds (RocksDB skips its
+  // collectors for an entry it cannot parse) may rule out a key it holds.
+  if (it == file.user_collected_properties.end() || it->second.size() < 16 ||
+      get_u64_be(it->second.data()) != file.num_entries - file.num_deletions) {
+    return true;
+  }
+  const std::string_view filter = std::string_view(it->second).substr(8);
   const std::uint64_t bits = filter.size() * 8;
   return std::any_of(users.begin(), users.end(), [&](std::uint64_t u) {
     return key_values_probe(key_values_hash(u), bits, [&](std::uint64_t b) {

@@ -50,6 +50,7 @@
 #include <rocksdb/db.h>
 #include <rocksdb/env.h>
 #include <rocksdb/sst_file_writer.h>
+#include <rocksdb/table_properties.h>
 #include <rocksdb/write_batch.h>
 
 #include "storage/format.h"
