@@ -4,8 +4,10 @@
 //     and range tombstones and in every WAL's batches (and its bytes past
 //     them);
 //   - the user's ledger key (format 4, storage/sealed_ledger.h), as the key
-//     store's SST files and WAL name it: its 32 bytes in any file's raw
-//     bytes or any SST's values;
+//     store's SST files and WAL hold it (its wrapped key, and the key of
+//     its bucket that unwraps it): the files still holding both, or the
+//     bucket key's 32 bytes or the user key's in any file's raw bytes or
+//     any SST's values;
 //   - the user's sealed ledger records (named by the key's pseudonym) that
 //     open with a key the Db's files still hold (a purge leaves the records
 //     where they are: they must not open).
@@ -161,9 +163,11 @@ inline std::string read_file(const std::filesystem::path& p) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-// What scan_files found. `user_keys`: the user's ledger keys (the key
-// store's value, 33 bytes) the files hold; pass them to a later scan, which
-// then looks for them even where no key store record names the user.
+// What scan_files found. `user_keys`: the user's ledger keys the files
+// hold, each as UserKey::encode() (33 bytes) then the key of the bucket
+// that wrapped it (BucketKey::encode(), 37 bytes); pass them to a later
+// scan, which then looks for them even where no key store record names the
+// user.
 struct ErasureScan {
   std::size_t ssts = 0, wals = 0, sst_keys = 0;
   std::size_t sealed_records = 0;  // the user's sealed records on disk, readable or not
@@ -263,6 +267,10 @@ inline ErasureScan scan_files_settled(const std::string& path, std::uint64_t use
   return all;
 }
 
+// A user's key and the bucket key that wrapped it, as ErasureScan::user_keys
+// holds them.
+inline std::string held_key_text(const UserKey& key, const BucketKey& bucket) { return key.encode() + bucket.encode(); }
+
 inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, std::vector<std::string> keys) {
   ErasureScan out;
   const std::string prefix = encode_key_prefix(EntityId(user), Tag::ContributionLedger);
@@ -271,8 +279,20 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
     std::string name, key, value;
   };
   std::vector<Record> sealed;  // every sealed ledger record on disk
-  std::vector<UserKey> held;   // every key the key store's files hold
+  std::vector<std::pair<std::string, std::string>> wrapped;  // every wrapped key on disk (key, value)
+  std::vector<std::pair<std::uint16_t, BucketKey>> buckets;  // every bucket key on disk
   std::vector<std::pair<std::string, std::string>> raw;  // (name, bytes) of every file but the SSTs' values
+  const auto add_bucket = [&](std::string_view key, std::string_view value) {
+    if (key.size() != kBucketKeySize) return;
+    if (std::optional<BucketKey> k = BucketKey::decode(value)) {
+      buckets.emplace_back(static_cast<std::uint16_t>(static_cast<unsigned char>(key[0]) << 8 |
+                                                      static_cast<unsigned char>(key[1])),
+                           std::move(*k));
+    }
+  };
+  const auto add_wrapped = [&](std::string_view key, std::string_view value) {
+    if (decode_key_store_key(key) && wrapped_key_generation(value)) wrapped.emplace_back(key, value);
+  };
   const std::error_code walk_ec = walk_files(path, [&](const std::string& name, const std::filesystem::directory_entry& entry) {
     std::error_code ec;
     const std::uintmax_t size = entry.file_size(ec);
@@ -301,11 +321,10 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
       for (it->SeekToFirst(); it->Valid(); it->Next()) {
         ++out.sst_keys;
         if (it->key().starts_with(prefix)) out.found.push_back(name + ": key " + hex(it->key().ToString()));
-        if (family == "keys") {
-          if (std::optional<UserKey> k = UserKey::decode(it->value().ToString())) {
-            held.push_back(*k);
-            if (it->key() == key_store_key) keys.push_back(it->value().ToString());
-          }
+        if (family == "wrapped_keys") {
+          add_wrapped(it->key().ToStringView(), it->value().ToStringView());
+        } else if (family == "bucket_keys") {
+          add_bucket(it->key().ToStringView(), it->value().ToStringView());
         } else if (family == "sealed_ledger") {
           sealed.push_back({name, it->key().ToString(), it->value().ToString()});
         }
@@ -331,30 +350,34 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
                          op.value.find(prefix) != std::string::npos;
         }
         if (holds_prefix) out.found.push_back(name + ": WAL holds the prefix");
-        // The key store's puts (users engine): an 8-byte key (the user, BE)
-        // and a 33-byte value that decodes as a key.
+        // The key store's puts (users engine): a wrapped key (a 10-byte key,
+        // a 66-byte value of version 2) or a bucket key (2 bytes, 37 of
+        // version 1).
         for (const WalOp& op : ops) {
           if (op.key == key_store_key) {
             out.wal_records.push_back(name + ": " + op.kind + " of the user's key-store key, sequence " +
                                       std::to_string(op.sequence) + ", column family " + std::to_string(op.family));
           }
-          if (op.kind != 'P' || op.key.size() != 8) continue;
-          if (std::optional<UserKey> k = UserKey::decode(op.value)) {
-            held.push_back(*k);
-            if (op.key == key_store_key) keys.push_back(op.value);
-          }
+          if (op.kind != 'P') continue;
+          add_wrapped(op.key, op.value);
+          add_bucket(op.key, op.value);
         }
         if (!torn.empty()) out.wal_records.push_back(name + ": read up to " + torn);
         // Past the last whole batch (a batch being written, a torn tail): a
-        // search of the bytes, which may only add a key to look for.
-        for (std::size_t at = bytes.find("\x21\x01", whole); at != std::string::npos; at = bytes.find("\x21\x01", at + 1)) {
-          if (at < whole + 9 || bytes[at - 9] != '\x08' || at + 34 > bytes.size()) continue;
-          if (std::optional<UserKey> k = UserKey::decode(std::string_view(bytes).substr(at + 1, 33))) {
-            held.push_back(*k);
-            if (std::string_view(bytes).substr(at - 8, 8) == key_store_key) {
-              keys.push_back(bytes.substr(at + 1, 33));
-              out.wal_records.push_back(name + ": the user's key-store key and a key in the bytes at " +
-                                        std::to_string(at - 8) + ", past the last whole batch");
+        // search of the bytes for a put's key length, key, value length and
+        // version, which may only add a key to look for.
+        const std::string_view tail = std::string_view(bytes).substr(whole);
+        for (std::size_t at = tail.find("\x25\x01"); at != std::string::npos; at = tail.find("\x25\x01", at + 1)) {
+          if (at >= 3 && tail[at - 3] == '\x02' && at + 1 + kBucketValueSize <= tail.size()) {
+            add_bucket(tail.substr(at - 2, 2), tail.substr(at + 1, kBucketValueSize));
+          }
+        }
+        for (std::size_t at = tail.find("\x42\x02"); at != std::string::npos; at = tail.find("\x42\x02", at + 1)) {
+          if (at >= 11 && tail[at - 11] == '\x0a' && at + 1 + kWrappedKeySize <= tail.size()) {
+            add_wrapped(tail.substr(at - 10, 10), tail.substr(at + 1, kWrappedKeySize));
+            if (tail.substr(at - 10, 10) == key_store_key) {
+              out.wal_records.push_back(name + ": the user's key-store key and a wrapped key in the bytes at " +
+                                        std::to_string(whole + at - 10) + ", past the last whole batch");
             }
           }
         }
@@ -370,18 +393,45 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
     return out;
   }
   if (walk_ec) out.walk_error = walk_ec.message();
+  // Every key the files hold: each wrapped key that a bucket key in the
+  // files unwraps.
+  std::vector<UserKey> held;
+  std::sort(buckets.begin(), buckets.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  for (const auto& [key, value] : wrapped) {
+    const std::uint64_t u = *decode_key_store_key(key);
+    auto b = std::lower_bound(buckets.begin(), buckets.end(), key_bucket(u),
+                              [](const auto& x, std::uint16_t bucket) { return x.first < bucket; });
+    for (; b != buckets.end() && b->first == key_bucket(u); ++b) {
+      if (std::optional<UserKey> k = b->second.unwrap(u, value)) {
+        if (u == user) keys.push_back(held_key_text(*k, b->second));
+        held.push_back(std::move(*k));
+      }
+    }
+  }
   std::sort(keys.begin(), keys.end());
   keys.erase(std::unique(keys.begin(), keys.end()), keys.end());
   out.user_keys = keys;
   for (const std::string& k : keys) {
-    const std::optional<UserKey> key = UserKey::decode(k);
-    if (!key) {
-      ADD_FAILURE() << "not a ledger key: " << k.size() << " bytes";
+    const std::optional<UserKey> key = UserKey::decode(std::string_view(k).substr(0, kKeyStoreValueSize));
+    const std::optional<BucketKey> bucket = BucketKey::decode(std::string_view(k).substr(kKeyStoreValueSize));
+    if (!key || !bucket) {
+      ADD_FAILURE() << "not a ledger key and its bucket key: " << k.size() << " bytes";
       continue;
     }
-    const std::string_view secret = key->bytes_for_testing();
     for (const auto& [name, bytes] : raw) {
-      if (bytes.find(secret) != std::string::npos) out.found.push_back(name + ": holds the user's ledger key");
+      if (bytes.find(key->bytes_for_testing()) != std::string::npos) {
+        out.found.push_back(name + ": holds the user's ledger key");
+      }
+      if (bytes.find(bucket->bytes_for_testing()) != std::string::npos) {
+        out.found.push_back(name + ": holds the bucket key (generation " + std::to_string(bucket->generation()) +
+                            ") that wrapped the user's ledger key");
+      }
+    }
+    for (const UserKey& h : held) {
+      if (h.bytes_for_testing() == key->bytes_for_testing()) {
+        out.found.push_back("the files hold the user's ledger key, wrapped, and the bucket key that unwraps it");
+        break;
+      }
     }
     std::string plain;
     for (const Record& r : sealed) {

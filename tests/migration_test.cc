@@ -193,7 +193,7 @@ void expect_all_values(const std::string& path, const std::vector<std::string>& 
     }
     ASSERT_OK((*db)->close());
   }
-  EXPECT_EQ(families(path), (std::vector<std::string>{"by_tag", "default", "keys", "users"})) << when;
+  EXPECT_EQ(families(path), (std::vector<std::string>{"bucket_keys", "by_tag", "default", "users", "wrapped_keys"})) << when;
 }
 
 TEST(MigrationTest, AReadOnlyOpenOfFormat2IsRefusedNamingTheCommand) {

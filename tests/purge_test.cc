@@ -851,11 +851,11 @@ TEST(Purge, AnErasureThatDidNotFinishIsFinishedByTheNextPurge) {
   ASSERT_OK(db.close());
 }
 
-// The key store's erasure keeps a value when it cannot read the key's
-// current one (it cannot tell a purged key from a rejoined user's new one):
-// the erasure is then not done, the purge says so, and the next purge
-// finishes it. Here every read of the key store's newest file, which holds
-// the key's deletion, fails during the erasure's compactions in place.
+// The key store's erasure keeps a bucket key when it cannot read the
+// bucket's current one (it cannot tell a replaced key from the current
+// one): the erasure is then not done, the purge says so, and the next purge
+// finishes it. Here every read of the bucket keys' newest file, which holds
+// the bucket's new key, fails during the erasure's compactions in place.
 // Reported done before: the value was in the compaction's output (seen in
 // PurgeFaultSweep at every file operation).
 TEST(Purge, AnErasureThatCannotReadTheKeyStoreKeepsTheValueAndStaysMarked) {
@@ -867,13 +867,18 @@ TEST(Purge, AnErasureThatCannotReadTheKeyStoreKeepsTheValueAndStaysMarked) {
   ASSERT_NE(opened, nullptr);
   Db& db = *opened;
   Storage& storage = Db::Impl::storage_for_testing(db);
-  ASSERT_OK(storage.flush(Storage::Engine::Users));  // the key's value in an SST file
+  // The bucket's key in an SST file, out of the WALs: the erasure then
+  // compacts only files written before the bucket's new key.
+  ASSERT_OK(storage.flush_past_wals(Storage::Engine::Users));
   ASSERT_OK(db.leave_community_layer(kLeaver));
   std::string unreadable;
   Storage::step_for_testing = [&](std::string_view task, int step) {
     if (task != "erasure" || step != 1) return;
+    // The new key into a file of its own (as a flush of RocksDB's own
+    // would put it), the one the erasure's filter reads it from.
+    ASSERT_TRUE(storage.db(Storage::Engine::Users)->Flush(rocksdb::FlushOptions(), storage.bucket_keys()).ok());
     rocksdb::ColumnFamilyMetaData meta;
-    storage.db(Storage::Engine::Users)->GetColumnFamilyMetaData(storage.keys(), &meta);
+    storage.db(Storage::Engine::Users)->GetColumnFamilyMetaData(storage.bucket_keys(), &meta);
     rocksdb::SequenceNumber newest = 0;
     for (const rocksdb::LevelMetaData& level : meta.levels) {
       for (const rocksdb::SstFileMetaData& f : level.files) {
@@ -985,12 +990,12 @@ TEST(Purge, TheErasureDoesNotWaitForAUsersPartitionCompactionUnderWay) {
   ASSERT_OK(db.close());
 }
 
-// The key store's erasure runs beside the key store's other compactions.
-// One under way that holds the file with the purged key (here stalled at
-// its output's sync, having read the key before the purge) makes the
-// erasure's compaction of that file give up; the erasure picks its files
-// again once that compaction is done, and compacts what it wrote: on
-// return no file holds the key.
+// The key store's erasure runs beside the bucket keys' other compactions.
+// One under way that holds the file with the replaced bucket key (here
+// stalled at its output's sync, having read the key before the purge)
+// makes the erasure's compaction of that file give up; the erasure picks
+// its files again once that compaction is done, and compacts what it
+// wrote: on return no file holds the key.
 TEST(Purge, TheKeyStoresErasureCompactsAgainWhatACompactionBesideItWrote) {
   TempDir dir;
   const std::string path = dir.sub("db");
@@ -1001,11 +1006,11 @@ TEST(Purge, TheKeyStoresErasureCompactsAgainWhatACompactionBesideItWrote) {
   Db& db = *opened;
   Storage& storage = Db::Impl::storage_for_testing(db);
   rocksdb::DB* users = storage.db(Storage::Engine::Users);
-  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.bucket_keys()).ok());
   ASSERT_OK(db.leave_community_layer(kLeaver));
   const testing::ErasureScan held = scan_files(path, kLeaver);
   ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
-  StalledCompaction compaction(fault, path, users, storage.keys());
+  StalledCompaction compaction(fault, path, users, storage.bucket_keys());
   ASSERT_TRUE(compaction.stalled()) << "the key store's compaction never reached its sync";
   std::atomic<bool> released{false};
   std::thread release([&] {

@@ -26,11 +26,15 @@
 namespace tidal::testing {
 
 struct RawDb {
-  // tidal's column families. kKeys (format 4's key store) is in the users
-  // engine. In format 2 the state ones are in the users engine too, and
-  // there is no kStateMeta, kReceipts, kKeys, kSealedLedger or kSealedIndex.
-  // kLedger is format 3's unsealed ledger (read by format 4, never written).
-  enum Cf { kMeta, kUsers, kByTag, kStateMeta, kAggregates, kLedger, kReceipts, kKeys, kSealedLedger, kSealedIndex };
+  // tidal's column families. kKeys and kBucketKeys (format 4's key store:
+  // the wrapped keys, the bucket keys) are in the users engine. In format 2
+  // the state ones are in the users engine too, and there is no
+  // kStateMeta, kReceipts, kKeys, kSealedLedger, kSealedIndex or
+  // kBucketKeys. kLedger is format 3's unsealed ledger (read by format 4,
+  // never written).
+  enum Cf {
+    kMeta, kUsers, kByTag, kStateMeta, kAggregates, kLedger, kReceipts, kKeys, kSealedLedger, kSealedIndex, kBucketKeys
+  };
   enum class Layout { Format3, Format2 };
 
   explicit RawDb(const std::string& path, Layout layout = Layout::Format3) : layout_(layout) {
@@ -39,7 +43,7 @@ struct RawDb {
       return;
     }
     const bool fresh = !std::filesystem::exists(path + "/CURRENT");
-    if (!open(path, {"default", "users", "by_tag", "keys"}, &users_)) return;
+    if (!open(path, {"default", "users", "by_tag", "wrapped_keys", "bucket_keys"}, &users_)) return;
     if (fresh) {
       EXPECT_TRUE(users_.db->Put(rocksdb::WriteOptions(), users_.handles[0], kDbFormatKey, kDbFormat).ok());
     }
@@ -57,8 +61,8 @@ struct RawDb {
   rocksdb::DB* db(Cf which) const { return engine(which).db.get(); }
   rocksdb::ColumnFamilyHandle* cf(Cf which) const {
     static constexpr std::size_t kNone = ~std::size_t{0};
-    static constexpr std::size_t kFormat3[] = {0, 1, 2, 0, 1, 2, 3, 3, 4, 5};
-    static constexpr std::size_t kFormat2[] = {0, 1, 2, kNone, 3, 4, kNone, kNone, kNone, kNone};
+    static constexpr std::size_t kFormat3[] = {0, 1, 2, 0, 1, 2, 3, 3, 4, 5, 4};
+    static constexpr std::size_t kFormat2[] = {0, 1, 2, kNone, 3, 4, kNone, kNone, kNone, kNone, kNone};
     const std::size_t i = (layout_ == Layout::Format2 ? kFormat2 : kFormat3)[which];
     return i == kNone ? nullptr : engine(which).handles[i];
   }
@@ -69,7 +73,7 @@ struct RawDb {
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
   };
   const Engine& engine(Cf which) const {
-    return layout_ == Layout::Format3 && which >= kStateMeta && which != kKeys ? state_ : users_;
+    return layout_ == Layout::Format3 && which >= kStateMeta && which != kKeys && which != kBucketKeys ? state_ : users_;
   }
   // Opens `path` with `names` first, then any other column family it has
   // (the change feed's), which a read-write open must name.

@@ -414,34 +414,128 @@ TEST(SealedLedger, PeriodicCompactionReclaimsThePurgedUsersRecords) {
   EXPECT_TRUE(v->ok()) << v->problems.front();
 }
 
+// A closed Db at `path` holding one user's contribution.
+void make_db_with_a_contribution(const std::string& path) {
+  auto db = open_db(path, manual_writes());
+  ASSERT_OK(db->join_community(1, 77));
+  ASSERT_OK(db->signal_with_context({1, 2, 1.5}, {{4}}));
+  ASSERT_OK(db->close());
+}
+
+// The column families of the RocksDB database in `dir`, sorted.
+std::vector<std::string> column_families(const std::string& dir) {
+  std::vector<std::string> names;
+  EXPECT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), dir, &names).ok());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 // A Db written by format 4's first development builds keyed the sealed
 // ledger by pseudonym, with no index: this version would find none of its
 // records, so it refuses the Db, and changes nothing.
 TEST(SealedLedger, ADbOfTheDevelopmentLayoutIsRefused) {
   TempDir dir;
   const std::string path = dir.sub("db");
-  {
-    auto db = open_db(path, manual_writes());
-    ASSERT_OK(db->join_community(1, 77));
-    ASSERT_OK(db->signal_with_context({1, 2, 1.5}, {{4}}));
-    ASSERT_OK(db->close());
-  }
+  make_db_with_a_contribution(path);
   {
     RawDb raw(path);
     ASSERT_TRUE(raw.ok());
     ASSERT_TRUE(raw.db(RawDb::kSealedIndex)->DropColumnFamily(raw.cf(RawDb::kSealedIndex)).ok());
   }
-  const auto families = [&] {
-    std::vector<std::string> names;
-    EXPECT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), path + "/state", &names).ok());
-    return names;
-  };
-  const std::vector<std::string> before = families();
+  const std::vector<std::string> before = column_families(path + "/state");
   Result<std::unique_ptr<Db>> db = Db::open(path, manual_writes());
   ASSERT_FALSE(db.ok());
   EXPECT_EQ(db.status().code(), StatusCode::InvalidArgument);
   EXPECT_NE(db.status().message().find("development build of format 4"), std::string::npos) << db.status().message();
-  EXPECT_EQ(families(), before) << "the refused open created a column family";
+  EXPECT_EQ(column_families(path + "/state"), before) << "the refused open created a column family";
+}
+
+// The key store of development builds before the bucket keys kept each
+// user's key unwrapped, in a column family "keys": refused, unchanged.
+TEST(SealedLedger, ADbOfTheUnwrappedKeyStoreIsRefused) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  make_db_with_a_contribution(path);
+  {
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    rocksdb::ColumnFamilyHandle* keys = nullptr;
+    ASSERT_TRUE(raw.db(RawDb::kMeta)->CreateColumnFamily(rocksdb::ColumnFamilyOptions(), "keys", &keys).ok());
+    EXPECT_TRUE(raw.db(RawDb::kMeta)->DestroyColumnFamilyHandle(keys).ok());
+  }
+  const std::vector<std::string> before = column_families(path);
+  Result<std::unique_ptr<Db>> db = Db::open(path, manual_writes());
+  ASSERT_FALSE(db.ok());
+  EXPECT_EQ(db.status().code(), StatusCode::InvalidArgument);
+  EXPECT_NE(db.status().message().find("key store was written by a development build of format 4"), std::string::npos)
+      << db.status().message();
+  EXPECT_NE(db.status().message().find(path), std::string::npos) << db.status().message();
+  EXPECT_EQ(column_families(path), before) << "the refused open changed the column families";
+  Options read_only = manual_writes();
+  read_only.read_only = true;
+  EXPECT_EQ(Db::open(path, read_only).status().code(), StatusCode::InvalidArgument);
+}
+
+// A bucket key unwraps only what it wrapped, for the user it was wrapped
+// for: not another generation's key, not another user's record, not a
+// changed byte.
+TEST(SealedLedger, AWrappedKeyUnwrapsOnlyWithItsBucketKeyForItsUser) {
+  Result<UserKey> key = UserKey::generate();
+  ASSERT_OK(key);
+  Result<BucketKey> bucket = BucketKey::generate(7);
+  ASSERT_OK(bucket);
+  const std::uint64_t u = 0x0102030405060708ULL;
+  std::string wrapped;
+  ASSERT_OK(bucket->wrap(u, *key, &wrapped));
+  ASSERT_EQ(wrapped.size(), kWrappedKeySize);
+  EXPECT_EQ(wrapped_key_generation(wrapped), 7u);
+  std::optional<UserKey> back = bucket->unwrap(u, wrapped);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->bytes_for_testing(), key->bytes_for_testing());
+  EXPECT_EQ(back->pseudonym(), key->pseudonym());
+  EXPECT_EQ(wrapped.find(key->bytes_for_testing()), std::string::npos) << "the wrapped value holds the key in clear";
+  // Another user's key-store record, another key of the same generation,
+  // the next generation, a changed byte anywhere: nothing.
+  EXPECT_FALSE(bucket->unwrap(u + 1, wrapped).has_value());
+  Result<BucketKey> other = BucketKey::generate(7);
+  ASSERT_OK(other);
+  EXPECT_FALSE(other->unwrap(u, wrapped).has_value());
+  Result<BucketKey> next = BucketKey::generate(8);
+  ASSERT_OK(next);
+  EXPECT_FALSE(next->unwrap(u, wrapped).has_value());
+  for (std::size_t i = 0; i < wrapped.size(); ++i) {
+    std::string changed = wrapped;
+    changed[i] = static_cast<char>(changed[i] ^ 0x20);
+    EXPECT_FALSE(bucket->unwrap(u, changed).has_value()) << "byte " << i << " changed";
+  }
+  // Wrapped again with the next generation's key: it unwraps to the same
+  // key with that one only; a value that does not unwrap is refused.
+  std::vector<std::string> again;
+  EXPECT_EQ(bucket->rewrap(*next, {u, u + 1}, {wrapped, wrapped}, &again).code(), StatusCode::Corruption)
+      << "a value of another user was wrapped again";
+  ASSERT_OK(bucket->rewrap(*next, {u}, {wrapped}, &again));
+  ASSERT_EQ(again.size(), 1u);
+  EXPECT_EQ(wrapped_key_generation(again[0]), 8u);
+  const std::optional<UserKey> rewrapped = next->unwrap(u, again[0]);
+  ASSERT_TRUE(rewrapped.has_value());
+  EXPECT_EQ(rewrapped->bytes_for_testing(), key->bytes_for_testing());
+  EXPECT_FALSE(bucket->unwrap(u, again[0]).has_value());
+  EXPECT_FALSE(next->unwrap(u + 1, again[0]).has_value());
+  std::string changed = wrapped;
+  changed[30] = static_cast<char>(changed[30] ^ 1);
+  EXPECT_EQ(bucket->rewrap(*next, {u}, {changed}, &again).code(), StatusCode::Corruption);
+  // The stored bucket key decodes to one that unwraps the same.
+  const std::optional<BucketKey> decoded = BucketKey::decode(bucket->encode());
+  ASSERT_TRUE(decoded.has_value());
+  EXPECT_EQ(decoded->generation(), 7u);
+  EXPECT_TRUE(decoded->unwrap(u, wrapped).has_value());
+  EXPECT_FALSE(BucketKey::decode(bucket->encode().substr(1)).has_value());
+  // Every user id maps to one bucket, whose key begins its key-store key.
+  EXPECT_EQ(encode_key_store_key(u).substr(0, 2), encode_bucket_key(key_bucket(u)));
+  EXPECT_EQ(decode_key_store_key(encode_key_store_key(u)), u);
+  std::string wrong_bucket = encode_key_store_key(u);
+  wrong_bucket[0] = static_cast<char>(wrong_bucket[0] ^ 1);
+  EXPECT_FALSE(decode_key_store_key(wrong_bucket).has_value());
 }
 
 // The scan itself (tests/erasure_scan.h) reads a WAL's batches whole: the
@@ -459,13 +553,18 @@ TEST(SealedLedger, TheErasureScanReadsAWalsBatchesAcrossItsBlocks) {
   std::unique_ptr<rocksdb::DB> db(raw);
   Result<UserKey> key = UserKey::generate();
   ASSERT_OK(key);
+  Result<BucketKey> bucket = BucketKey::generate(3);
+  ASSERT_OK(bucket);
+  std::string wrapped;
+  ASSERT_OK(bucket->wrap(u, *key, &wrapped));
   // Batch: a 12-byte header, then [type][3-byte length][filler][0-byte
-  // value's length] and [type][8][the key-store key]...: that key starts at
+  // value's length] and [type][10][the key-store key]...: that key starts at
   // 12 + (1 + 3 + 32738 + 1) + 2 = 32757 of the block's 32761 bytes.
   rocksdb::WriteBatch batch;
   ASSERT_TRUE(batch.Put(std::string(32738, 'x'), "").ok());
-  ASSERT_TRUE(batch.Put(encode_key_store_key(u), key->encode()).ok());
+  ASSERT_TRUE(batch.Put(encode_key_store_key(u), wrapped).ok());
   ASSERT_TRUE(batch.Put(encode_key_prefix(EntityId(u), Tag::ContributionLedger) + "entry", "1").ok());
+  ASSERT_TRUE(batch.Put(encode_bucket_key(key_bucket(u)), bucket->encode()).ok());
   ASSERT_TRUE(db->Write(rocksdb::WriteOptions(), &batch).ok());
   std::string wal;  // the one WAL
   for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
@@ -473,14 +572,19 @@ TEST(SealedLedger, TheErasureScanReadsAWalsBatchesAcrossItsBlocks) {
   }
   ASSERT_FALSE(wal.empty());
   const testing::ErasureScan scan = scan_files(dir.path(), u);
-  ASSERT_EQ(scan.user_keys, std::vector<std::string>{key->encode()}) << scan.summary();
+  ASSERT_EQ(scan.user_keys, std::vector<std::string>{testing::held_key_text(*key, *bucket)}) << scan.summary();
   std::vector<std::string> found = scan.found;
   std::sort(found.begin(), found.end());
-  EXPECT_EQ(found, (std::vector<std::string>{wal + ": WAL holds the prefix", wal + ": holds the user's ledger key"}))
+  EXPECT_EQ(found, (std::vector<std::string>{wal + ": WAL holds the prefix",
+                                             wal + ": holds the bucket key (generation 3) that wrapped the user's "
+                                                   "ledger key",
+                                             "the files hold the user's ledger key, wrapped, and the bucket key that "
+                                             "unwraps it"}))
       << scan.summary();
-  // A search of the bytes for the put ([8][the key-store key][33]) would
+  // A search of the bytes for the put ([10][the key-store key][66]) would
   // not have found it.
-  EXPECT_EQ(testing::read_file(dir.path() + "/" + wal).find("\x08" + encode_key_store_key(u) + "\x21"), std::string::npos);
+  EXPECT_EQ(testing::read_file(dir.path() + "/" + wal).find("\x0a" + encode_key_store_key(u) + "\x42"),
+            std::string::npos);
 }
 
 // docs/CONTRACT.md, P7 in format 4: a rejoined user's new contributions are
@@ -524,12 +628,19 @@ TEST(SealedLedger, ARejoinedUserGetsANewKeyAndEachPurgeErasesItsOwn) {
   EXPECT_TRUE(v->ok()) << v->problems.front();
 }
 
-// A single purge's erasure rewrites only the key store's files that hold the
-// purged key, each at its own level: not the files under a level-0 file's
-// range, which spans the whole key store (keys made since the last flush,
-// of users anywhere). Every other file stays as it was, and the key is gone
-// from every file.
-TEST(SealedLedger, APurgesErasureRewritesOnlyTheKeyStoreFilesThatHoldTheKey) {
+// A user of `bucket` (key_bucket), the first at or after `from`.
+std::uint64_t user_in_bucket(std::uint16_t bucket, std::uint64_t from) {
+  while (key_bucket(from) != bucket) ++from;
+  return from;
+}
+
+// A single purge's erasure rewrites only the bucket keys' files that hold
+// the replaced key of the purged user's bucket, each at its own level: not
+// the files under a level-0 file's range, which spans nearly all buckets.
+// Every other file stays as it was, the old key is gone from every file,
+// and the bucket's other users' keys, wrapped again with its new key,
+// still open their records.
+TEST(SealedLedger, APurgesErasureRewritesOnlyTheBucketKeyFilesThatHoldTheKey) {
   TempDir dir;
   const std::string path = dir.sub("db");
   Options options = manual_writes();
@@ -537,31 +648,37 @@ TEST(SealedLedger, APurgesErasureRewritesOnlyTheKeyStoreFilesThatHoldTheKey) {
   auto db = open_db(path, options);
   Storage& storage = Db::Impl::storage_for_testing(*db);
   rocksdb::DB* users = storage.db(Storage::Engine::Users);
-  // Users spread over the whole key space, each with a key (their first
-  // contribution), the key store compacted into files of the last level.
+  const auto signal = [&](std::uint64_t u, double w) {
+    ASSERT_OK(db->join_community(u, 77));
+    ASSERT_OK(db->signal_with_context({u, 1000 + u % 5, w}, {{4}}));
+  };
+  // Users in most buckets, each with a key (their first contribution), the
+  // bucket keys compacted into files of the last level.
   constexpr std::uint64_t kUsers = 100'000;
-  constexpr std::uint64_t kStride = 0x0000'4000'0000'0001ULL;
-  const auto user = [&](std::uint64_t i) { return i * kStride + 17; };
   for (std::uint64_t i = 1; i <= kUsers; ++i) {
-    ASSERT_OK(db->join_community(user(i), 77));
-    ASSERT_OK(db->signal_with_context({user(i), 1000 + i % 5, 1.5}, {{4}}));
+    signal(i, 1.5);
     if (i % 10'000 == 0) ASSERT_OK(db->flush());
   }
+  const std::uint64_t u = kUsers / 2;
+  const std::uint16_t bucket = key_bucket(u);
+  const std::uint64_t sibling = user_in_bucket(bucket, kUsers + 1);  // u's bucket, u's key store neighbour
+  signal(sibling, 2.5);
   ASSERT_OK(db->flush());
-  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.bucket_keys()).ok());
   rocksdb::CompactRangeOptions all;
   all.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
-  ASSERT_TRUE(users->CompactRange(all, storage.keys(), nullptr, nullptr).ok());
-  // Then new users' keys, spread the same way, flushed into level 0.
-  for (std::uint64_t i = 1; i <= 50; ++i) {
-    ASSERT_OK(db->join_community(user(i * 2'000 - 1) + 1, 77));
-    ASSERT_OK(db->signal_with_context({user(i * 2'000 - 1) + 1, 1000, 0.5}, {{4}}));
-  }
-  ASSERT_OK(db->flush());
-  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
+  ASSERT_TRUE(users->CompactRange(all, storage.bucket_keys(), nullptr, nullptr).ok());
+  // Then new keys of buckets on both sides of u's (one purge gives both
+  // one, and its erasure flushes them into a level-0 file).
+  std::vector<std::uint64_t> sides{user_in_bucket(static_cast<std::uint16_t>(bucket - 700), 1),
+                                   user_in_bucket(static_cast<std::uint16_t>(bucket + 700), 1)};
+  std::sort(sides.begin(), sides.end());
+  for (std::uint64_t x : sides) ASSERT_OK(db->leave_community_layer(x));
+  ASSERT_OK(db->purge_community_contributions(std::span<const std::uint64_t>(sides)));
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.bucket_keys()).ok());
   const auto files = [&] {
     rocksdb::ColumnFamilyMetaData meta;
-    users->GetColumnFamilyMetaData(storage.keys(), &meta);
+    users->GetColumnFamilyMetaData(storage.bucket_keys(), &meta);
     std::vector<std::pair<int, rocksdb::SstFileMetaData>> out;
     for (const auto& level : meta.levels) {
       for (const auto& f : level.files) out.emplace_back(level.level, f);
@@ -571,13 +688,12 @@ TEST(SealedLedger, APurgesErasureRewritesOnlyTheKeyStoreFilesThatHoldTheKey) {
   const auto before = files();
   std::size_t deepest = 0, level0 = 0;
   for (const auto& [level, f] : before) (level == 0 ? level0 : deepest) += 1;
-  ASSERT_GE(deepest, 4u) << "the key store should span several files";
+  ASSERT_GE(deepest, 4u) << "the bucket keys should span several files";
   ASSERT_GE(level0, 1u);
-  const std::uint64_t u = user(kUsers / 2);
-  const std::string key = encode_key_store_key(u);
+  const std::string key = encode_bucket_key(bucket);
   ASSERT_TRUE(std::any_of(before.begin(), before.end(), [&](const auto& lf) {
     return lf.first == 0 && lf.second.smallestkey < key && key < lf.second.largestkey;
-  })) << "a level-0 file should span the purged user's key";
+  })) << "a level-0 file should span the purged user's bucket";
 
   const testing::ErasureScan held = scan_files(path, u);
   ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
@@ -588,7 +704,7 @@ TEST(SealedLedger, APurgesErasureRewritesOnlyTheKeyStoreFilesThatHoldTheKey) {
   EXPECT_TRUE(r->erasure_complete);
   for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
 
-  // Below level 0, only the file whose range holds u is rewritten.
+  // Below level 0, only the file whose range holds the bucket is rewritten.
   std::set<std::string> now;
   for (const auto& [level, f] : files()) now.insert(f.name);
   std::size_t kept = 0;
@@ -596,31 +712,33 @@ TEST(SealedLedger, APurgesErasureRewritesOnlyTheKeyStoreFilesThatHoldTheKey) {
     if (level == 0) continue;
     const bool holds = f.smallestkey <= key && key <= f.largestkey;
     if (holds) {
-      EXPECT_EQ(now.count(f.name), 0u) << "the file that held the key, " << f.name << ", is still live";
+      EXPECT_EQ(now.count(f.name), 0u) << "the file that held the bucket's key, " << f.name << ", is still live";
     } else {
       EXPECT_EQ(now.count(f.name), 1u) << "level-" << level << " file " << f.name
-                                       << ", which does not hold the purged key, was rewritten";
+                                       << ", which does not hold the bucket's key, was rewritten";
       ++kept;
     }
   }
   EXPECT_EQ(kept, deepest - 1);
-  // Everyone else's key still opens their records.
+  // Everyone else's key still opens their records: the sibling's too,
+  // wrapped again with the bucket's new key.
   Result<VerifyReport> v = db->verify();
   ASSERT_OK(v);
   EXPECT_TRUE(v->ok()) << v->problems.front();
-  const std::uint64_t other = user(kUsers / 2 + 1);
-  ASSERT_OK(db->leave_community_layer(other));
-  Result<PurgeReceipt> o = db->purge_community_contributions(other);
+  ASSERT_OK(db->leave_community_layer(sibling));
+  Result<PurgeReceipt> o = db->purge_community_contributions(sibling);
   ASSERT_OK(o);
   EXPECT_EQ(o->entries_removed, 2u);
-  EXPECT_EQ(o->cohort_weight_removed, 1.5);
+  EXPECT_EQ(o->cohort_weight_removed, 2.5);
 }
 
 // A purge flushes the users engine (its WALs, its memtables) only while they
-// may hold one of its users' keys: a key stored since the last such flush,
-// or any key in the first purge after an open. A purge of a user whose key
-// is in SST files already leaves the WAL and the memtables as they are,
-// and its key is gone from every file all the same.
+// may hold a bucket key it replaces: one stored since the last such flush
+// (a bucket's first key, stored with its first user's), or any key in the
+// first purge after an open. The purge's own new bucket key is not one. A
+// purge of a user whose bucket's key is in SST files already leaves the
+// WAL and the memtables as they are, and the replaced key is gone from
+// every file all the same.
 TEST(SealedLedger, APurgeFlushesTheUsersEngineOnlyWhileItsWalsMayHoldAPurgedKey) {
   TempDir dir;
   const std::string path = dir.sub("db");
@@ -656,12 +774,12 @@ TEST(SealedLedger, APurgeFlushesTheUsersEngineOnlyWhileItsWalsMayHoldAPurgedKey)
   const std::uint64_t a = 11, b = 12, c = 13, d = 14;
   signal(a);
   signal(b);
-  ASSERT_OK(db->flush());  // a's and b's keys stored, in the WAL
-  EXPECT_TRUE(purge(a)) << "a's key was in the WAL, and the purge did not flush it";
-  EXPECT_FALSE(purge(b)) << "b's key was in an SST file since a's purge, and b's purge flushed the users engine";
+  ASSERT_OK(db->flush());  // a's and b's keys and their buckets' keys stored, in the WAL
+  EXPECT_TRUE(purge(a)) << "a's bucket's key was in the WAL, and the purge did not flush it";
+  EXPECT_FALSE(purge(b)) << "b's bucket's key was in an SST file since a's purge, and b's purge flushed the users engine";
   signal(c);
-  ASSERT_OK(db->flush());  // c's key, in the WAL
-  EXPECT_TRUE(purge(c)) << "c's key was in the WAL, and the purge did not flush it";
+  ASSERT_OK(db->flush());  // c's bucket's key, in the WAL
+  EXPECT_TRUE(purge(c)) << "c's bucket's key was in the WAL, and the purge did not flush it";
   signal(d);
   ASSERT_OK(db->flush());
   db.reset();  // a clean close flushes: d's key is in an SST file
@@ -670,15 +788,16 @@ TEST(SealedLedger, APurgeFlushesTheUsersEngineOnlyWhileItsWalsMayHoldAPurgedKey)
   EXPECT_TRUE(purge(d)) << "the first purge after an open did not flush the users engine";
 }
 
-// The erasure compacts only the key store's files that can hold a purged
+// The erasure compacts only the bucket keys' files that can hold a replaced
 // key. Two rules tell it a file cannot:
-//   - its filter of the users whose keys it holds rules the purged user out
-//     (a level-0 file written before the key, spanning its range);
-//   - all of its entries came after the key was written (a level-0 file of
-//     keys made later, spanning the purged key's range), which the erasure
-//     needs when the filter does not rule the user out (~1 % of users).
-// Such a file stays as it is; one that holds the purged key is replaced.
-TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesThatCannotHoldAPurgedKey) {
+//   - its filter of the buckets whose keys it holds rules the purged user's
+//     bucket out (a level-0 file written before the bucket's key, spanning
+//     its range);
+//   - all of its entries came after the bucket's replaced key was written
+//     (a level-0 file of keys made later, spanning its range), which the
+//     erasure needs when the filter does not rule the bucket out (~1 %).
+// Such a file stays as it is; one that holds the replaced key is replaced.
+TEST(SealedLedger, AnErasureLeavesAloneTheBucketKeyFilesThatCannotHoldAReplacedKey) {
   TempDir dir;
   const std::string path = dir.sub("db");
   Options options = manual_writes();
@@ -686,7 +805,15 @@ TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesThatCannotHoldAPurgedKey)
   auto db = open_db(path, options);
   Storage& storage = Db::Impl::storage_for_testing(*db);
   rocksdb::DB* users = storage.db(Storage::Engine::Users);
-  constexpr std::uint64_t kStride = 0x0000'4000'0000'0001ULL;
+  // Users of buckets no earlier user has, so that each first signal writes
+  // its bucket's first key.
+  std::set<std::uint16_t> used;
+  std::uint64_t next_id = 1;
+  const auto fresh_user = [&] {
+    while (used.count(key_bucket(next_id)) != 0) ++next_id;
+    used.insert(key_bucket(next_id));
+    return next_id++;
+  };
   const auto signal = [&](std::uint64_t u) {
     ASSERT_OK(db->join_community(u, 77));
     ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
@@ -704,7 +831,7 @@ TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesThatCannotHoldAPurgedKey)
   };
   const auto level0 = [&] {
     rocksdb::ColumnFamilyMetaData meta;
-    users->GetColumnFamilyMetaData(storage.keys(), &meta);
+    users->GetColumnFamilyMetaData(storage.bucket_keys(), &meta);
     std::set<std::string> out;
     for (const auto& f : meta.levels[0].files) out.insert(f.name);
     return out;
@@ -715,16 +842,16 @@ TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesThatCannotHoldAPurgedKey)
     ASSERT_OK(db->flush());
     ASSERT_OK(storage.flush_past_wals(Storage::Engine::Users));
   };
-  // How many of `files` their filters leave open to hold u's key.
+  // How many of `files` their filters leave open to hold the key of u's bucket.
   const auto filters_allowing = [&](const std::set<std::string>& files, std::uint64_t u) {
     rocksdb::TablePropertiesCollection properties;
-    EXPECT_TRUE(users->GetPropertiesOfAllTables(storage.keys(), &properties).ok());
+    EXPECT_TRUE(users->GetPropertiesOfAllTables(storage.bucket_keys(), &properties).ok());
     std::size_t allow = 0, seen = 0;
     for (const auto& [file, p] : properties) {
       if (files.count("/" + std::filesystem::path(file).filename().string()) == 0) continue;
       ++seen;
-      EXPECT_TRUE(p->user_collected_properties.count("tidal.key_values.v1")) << file << " has no filter";
-      if (Storage::may_hold_keys_of(*p, {u})) ++allow;
+      EXPECT_TRUE(p->user_collected_properties.count("tidal.bucket_values.v1")) << file << " has no filter";
+      if (Storage::may_hold_keys_of(*p, {key_bucket(u)})) ++allow;
     }
     EXPECT_EQ(seen, files.size());
     return allow;
@@ -736,34 +863,41 @@ TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesThatCannotHoldAPurgedKey)
     }
     return out;
   };
-  // Old keys, in level-0 files after a first purge.
-  for (std::uint64_t i = 1; i <= 1'000; ++i) signal(i * kStride);
+  // Old bucket keys, in level-0 files after a first purge.
+  std::vector<std::uint64_t> old_users;
+  for (int i = 0; i < 1'000; ++i) {
+    old_users.push_back(fresh_user());
+    signal(old_users.back());
+  }
   flush_keys();
-  purge(500 * kStride);
+  purge(old_users[500]);
   const std::set<std::string> older = level0();
   ASSERT_FALSE(older.empty());
-  // A key written after them, in their range, which their filters rule
-  // out (as they do ~99 % of users), in a level-0 file of its own.
+  // A bucket key written after them, in their range, which their filters
+  // rule out (as they do ~99 % of buckets), in a level-0 file of its own.
   std::uint64_t p = 0;
-  for (std::uint64_t i = 600; p == 0 && i < 700; ++i) {
-    if (filters_allowing(older, i * kStride + 2) == 0) p = i * kStride + 2;
+  for (int i = 0; p == 0 && i < 100; ++i) {
+    const std::uint64_t candidate = fresh_user();
+    if (filters_allowing(older, candidate) == 0) p = candidate;
   }
-  ASSERT_NE(p, 0u) << "the older files' filters rule out none of 100 users";
+  ASSERT_NE(p, 0u) << "the older files' filters rule out none of 100 buckets";
   // What a filter cannot vouch for rules nothing out: one that counted
   // fewer values than its file holds, or one under another layout's name.
   {
     rocksdb::TablePropertiesCollection properties;
-    ASSERT_TRUE(users->GetPropertiesOfAllTables(storage.keys(), &properties).ok());
+    ASSERT_TRUE(users->GetPropertiesOfAllTables(storage.bucket_keys(), &properties).ok());
     for (const auto& [file, held] : properties) {
       if (older.count("/" + std::filesystem::path(file).filename().string()) == 0) continue;
       rocksdb::TableProperties copy = *held;
       ++copy.num_entries;
-      EXPECT_TRUE(Storage::may_hold_keys_of(copy, {p})) << file << ": a filter that missed a value ruled out a key";
+      EXPECT_TRUE(Storage::may_hold_keys_of(copy, {key_bucket(p)}))
+          << file << ": a filter that missed a value ruled out a key";
       copy = *held;
-      auto filter = copy.user_collected_properties.extract("tidal.key_values.v1");
+      auto filter = copy.user_collected_properties.extract("tidal.bucket_values.v1");
       ASSERT_FALSE(filter.empty()) << file;
-      copy.user_collected_properties.emplace("tidal.key_values.v2", filter.mapped());
-      EXPECT_TRUE(Storage::may_hold_keys_of(copy, {p})) << file << ": a filter of another layout ruled out a key";
+      copy.user_collected_properties.emplace("tidal.bucket_values.v2", filter.mapped());
+      EXPECT_TRUE(Storage::may_hold_keys_of(copy, {key_bucket(p)}))
+          << file << ": a filter of another layout ruled out a key";
     }
   }
   signal(p);
@@ -772,36 +906,40 @@ TEST(SealedLedger, AnErasureLeavesAloneTheKeyStoreFilesThatCannotHoldAPurgedKey)
   ASSERT_FALSE(with_p.empty());
   purge(p);
   for (const std::string& f : older) {
-    EXPECT_EQ(level0().count(f), 1u) << "level-0 file " << f << ", whose filter rules out the purged key, was rewritten";
+    EXPECT_EQ(level0().count(f), 1u) << "level-0 file " << f << ", whose filter rules out the purged bucket, was rewritten";
   }
   for (const std::string& f : with_p) {
-    EXPECT_EQ(level0().count(f), 0u) << "level-0 file " << f << ", which held the purged key, is still live";
+    EXPECT_EQ(level0().count(f), 0u) << "level-0 file " << f << ", which held the replaced key, is still live";
   }
-  // New keys, spread the same way, flushed into a level-0 file, after the
-  // others went to the last level.
-  ASSERT_TRUE(users->CompactRange(rocksdb::CompactRangeOptions(), storage.keys(), nullptr, nullptr).ok());
+  // New bucket keys, spread the same way, flushed into a level-0 file,
+  // after the others went to the last level.
+  ASSERT_TRUE(users->CompactRange(rocksdb::CompactRangeOptions(), storage.bucket_keys(), nullptr, nullptr).ok());
   ASSERT_TRUE(level0().empty());
   // (Not past the WALs: the purges' bound on when the older keys were
   // written stays before these.)
-  for (std::uint64_t i = 1; i <= 1'000; ++i) signal(i * kStride + 1);
+  std::vector<std::uint64_t> new_users;
+  for (int i = 0; i < 1'000; ++i) {
+    new_users.push_back(fresh_user());
+    signal(new_users.back());
+  }
   ASSERT_OK(db->flush());
-  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.keys()).ok());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.bucket_keys()).ok());
   const std::set<std::string> newer = level0();
   ASSERT_FALSE(newer.empty());
-  // An old key that the newer file's filter does not rule out (a false
+  // An old bucket that the newer file's filter does not rule out (a false
   // positive): only the order of the writes tells the erasure to leave it.
   std::uint64_t q = 0;
-  for (std::uint64_t i = 1; q == 0 && i <= 1'000; ++i) {
-    if (i != 500 && filters_allowing(newer, i * kStride) == newer.size()) q = i * kStride;
+  for (std::size_t i = 0; q == 0 && i < old_users.size(); ++i) {
+    if (i != 500 && filters_allowing(newer, old_users[i]) == newer.size()) q = old_users[i];
   }
-  ASSERT_NE(q, 0u) << "the newer file's filter ruled out all 999 older users (expected ~1 % false positives)";
+  ASSERT_NE(q, 0u) << "the newer file's filter ruled out all 999 older buckets (expected ~1 % false positives)";
   purge(q);
   for (const std::string& f : newer) {
-    EXPECT_EQ(level0().count(f), 1u) << "level-0 file " << f << ", written after the purged key, was rewritten";
+    EXPECT_EQ(level0().count(f), 1u) << "level-0 file " << f << ", written after the replaced key, was rewritten";
   }
-  purge(700 * kStride + 1);
+  purge(new_users[700]);
   for (const std::string& f : newer) {
-    EXPECT_EQ(level0().count(f), 0u) << "level-0 file " << f << ", which held the purged key, is still live";
+    EXPECT_EQ(level0().count(f), 0u) << "level-0 file " << f << ", which held the replaced key, is still live";
   }
   Result<VerifyReport> v = db->verify();
   ASSERT_OK(v);

@@ -301,14 +301,15 @@ class Db::Impl {
   Status erase_purged(const std::vector<std::uint64_t>& users);
   // At a writable open: finishes every erasure still marked.
   Status complete_pending_erasures();
-  // Makes sure no SST or WAL file holds a record in the ranges of `cf` (the
-  // key store, or format 3's ledger): flushes its engine (unless no
+  // Makes sure no SST or WAL file holds a record in the ranges of `cf` that
+  // is not its current one (the bucket keys: those a purge replaced), nor
+  // any record of them (format 3's ledger): flushes its engine (unless no
   // memtable or live WAL can hold one: `written`), force-compacts the files
-  // that can hold them (of the key store, only those that may hold a key
-  // of `users`, the ranges' users, sorted), and waits until the files that
+  // that can hold them (of the bucket keys, only those that may hold a key
+  // of `ids`, the ranges' buckets, sorted), and waits until the files that
   // held them are deleted.
   Status erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector<KeyRange>& ranges,
-                      const std::vector<std::uint64_t>& users, const Storage::KeysWritten& written);
+                      const std::vector<std::uint64_t>& ids, const Storage::KeysWritten& written);
   // The engine's SST files that are not live (sorted names).
   Result<std::vector<std::string>> obsolete_files(Storage::Engine engine) const;
 

@@ -568,8 +568,7 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
       std::vector<std::uint64_t> marks;  // each purged user's erasure mark value
       std::vector<std::uint64_t> erase;
       std::vector<PurgeReceipt> pending;
-      rocksdb::WriteBatch orphans;  // keys without records
-      std::vector<std::uint64_t> orphaned;
+      std::vector<std::uint64_t> orphaned;  // users whose keys seal no record
       LedgerReader ledger(*storage_);
       for (std::size_t i = begin; i < end; ++i) {
         const std::uint64_t u = users[i];
@@ -593,10 +592,7 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
         // batch of the writer whose ingestion then failed) seals nothing,
         // and goes too.
         if (totals.entries == 0) {
-          if (key->has_value()) {
-            orphans.Delete(storage_->keys(), encode_key_store_key(u));
-            orphaned.push_back(u);
-          }
+          if (key->has_value()) orphaned.push_back(u);
           if (*marked || key->has_value()) erase.push_back(u);
           continue;
         }
@@ -607,8 +603,8 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
         erase.push_back(u);
       }
       if (!orphaned.empty()) {
-        if (Status d = storage_->write(Storage::Engine::Users, &orphans, Storage::WriteMode::Async,
-                                       std::string(what) + ": deleting ledger keys that seal no record");
+        if (Status d = delete_user_keys(*storage_, orphaned, /*sync=*/false,
+                                        std::string(what) + ": deleting ledger keys that seal no record");
             !d.ok()) {
           return d;
         }
@@ -755,15 +751,13 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   }
   if (feed) feed_->committed(appended);
   Storage::test_step("purge", 1);
-  rocksdb::WriteBatch deletes;
+  std::vector<std::uint64_t> keyed;
   for (std::size_t i = 0; i < users.size(); ++i) {
-    if (keys[i]) deletes.Delete(storage_->keys(), encode_key_store_key(users[i]));
+    if (keys[i]) keyed.push_back(users[i]);
   }
-  // Not synced: the erasure flushes the key store, and until then the
-  // marks stay.
-  Status d = deletes.Count() == 0 ? Status::OK()
-                                  : storage_->write(Storage::Engine::Users, &deletes, Storage::WriteMode::Async,
-                                                    what + ": deleting the ledger keys");
+  // Not synced: the erasure flushes the key store when it must, and until
+  // then the marks stay.
+  Status d = delete_user_keys(*storage_, keyed, /*sync=*/false, what + ": deleting the ledger keys");
   // The purge is done either way; an undeleted key is the erasure's to
   // delete (erase_purged), and is never used again.
   for (std::uint64_t u : users) {
@@ -827,10 +821,8 @@ Status Db::Impl::delete_marked_keys(const std::vector<std::uint64_t>& users, std
   // Again with the writer held back, which could store a new key meanwhile.
   return state_->exclusive([&]() -> Status {
     if (Status s = marked_keys(&found); !s.ok() || found.empty()) return s;
-    rocksdb::WriteBatch deletes;
-    for (std::uint64_t u : found) deletes.Delete(storage_->keys(), encode_key_store_key(u));
-    Status s = storage_->write(Storage::Engine::Users, &deletes, Storage::WriteMode::Async,
-                               "deleting the ledger keys of " + std::to_string(found.size()) + " purged users");
+    Status s = delete_user_keys(*storage_, found, /*sync=*/false,
+                                "deleting the ledger keys of " + std::to_string(found.size()) + " purged users");
     for (std::uint64_t u : found) {
       if (s.ok()) state_->forget_ledger_key(u);
       else state_->revoke_ledger_key(u);
@@ -852,24 +844,34 @@ Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
   // A key the purge could not delete, or a crash kept.
   std::vector<std::uint64_t> in_use;
   if (Status s = delete_marked_keys(users, &in_use); !s.ok()) return s;
-  // The users' keys (format 4), and their records of format 3's ledger.
-  // Adjacent users share one range: a bulk purge compacts only their ranges.
-  std::vector<KeyRange> ledger_ranges, key_ranges;
+  // The replaced keys of the users' buckets (format 4), and the users'
+  // records of format 3's ledger. Adjacent users share one range: a bulk
+  // purge compacts only their ranges.
+  std::vector<KeyRange> ledger_ranges, bucket_ranges;
   const auto add = [](std::vector<KeyRange>* ranges, std::string begin, std::string end) {
     if (!ranges->empty() && ranges->back().second == begin) ranges->back().second = std::move(end);
     else ranges->emplace_back(std::move(begin), std::move(end));
   };
+  std::vector<std::uint64_t> buckets;
   for (std::uint64_t u : users) {
     add(&ledger_ranges, ledger_begin(u), ledger_end(u));
-    add(&key_ranges, encode_key_store_key(u),
-        u == std::numeric_limits<std::uint64_t>::max() ? key_store_end(u) : encode_key_store_key(u + 1));
+    buckets.push_back(key_bucket(u));
   }
-  // The key store's WALs are flushed only when one may still hold a purged
-  // key (a key deletion there names just the user, as the key store's
-  // deletions left in its level-0 files do, and the compaction's filter
-  // sees it in the memtable), and only its files that can hold a purged
-  // key are compacted.
-  if (Status s = erase_ranges(storage_->keys(), key_ranges, users, storage_->keys_written(users)); !s.ok()) return s;
+  std::sort(buckets.begin(), buckets.end());
+  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  for (std::uint64_t b : buckets) {
+    // [b] to [b + 1], or past the last bucket: [0xffff] and one byte more.
+    add(&bucket_ranges, encode_bucket_key(static_cast<std::uint16_t>(b)),
+        b + 1 < kKeyBuckets ? encode_bucket_key(static_cast<std::uint16_t>(b + 1))
+                            : encode_bucket_key(static_cast<std::uint16_t>(b)) + '\0');
+  }
+  // The key store's WALs are flushed only when one may still hold a
+  // replaced bucket key (the current keys are not erased), and only its
+  // files that can hold one are compacted.
+  if (Status s = erase_ranges(storage_->bucket_keys(), bucket_ranges, buckets, storage_->keys_written(buckets));
+      !s.ok()) {
+    return s;
+  }
   if (Status s = erase_ranges(storage_->ledger(), ledger_ranges, users, Storage::KeysWritten{}); !s.ok()) return s;
   // Erased: the marks go, except those of users whose next purge wrote its
   // batch (and its mark) after this erasure began: that purge's own
@@ -913,30 +915,30 @@ bool still_at(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::vecto
   });
 }
 
-// The key store's erasure, in the calling thread: compacts in place, each
+// The bucket keys' erasure, in the calling thread: compacts in place, each
 // at its own level, every file of `cf` whose keys overlap one of `ranges`
-// (sorted, disjoint; the keys of `users`, sorted) and that may hold one of
-// their keys by its filter (Storage::may_hold_keys_of), and the purged
-// keys' values in them are dropped (Storage::KeysErased). The deletions of those keys stay where they are
-// (level 0 or a memtable): a compaction of the values' files together with
-// theirs into the last level had RocksDB add every file under the range of
-// each level-0 input, and a level-0 file of the key store spans all of it
-// (the keys made since the last flush, of users anywhere): a single purge at
-// 1M users then rewrote the whole key store (47 MB) in a tenth of its
-// erasures, its p99 step (bench/README.md, "Session 34"). A file whose
-// entries all came after `written_by` holds no purged key, and is left
-// alone: once a purge no longer flushed the engine, the level-0 files
+// (sorted, disjoint; the keys of `buckets`, sorted) and that may hold one
+// of their keys by its filter (Storage::may_hold_keys_of), and the replaced
+// keys in them are dropped (Storage::KeysErased). The current keys stay
+// where they are (level 0 or a memtable): a compaction of the old values'
+// files together with theirs into the last level had RocksDB add every
+// file under the range of each level-0 input, and a level-0 file spans
+// nearly all of it (the keys written since the last flush, anywhere): a
+// single purge at 1M users then rewrote the whole key store (47 MB) in a
+// tenth of its erasures, its p99 step (bench/README.md, "Session 34"). A
+// file whose entries all came after `written_by` holds no replaced key, and
+// is left alone: once a purge no longer flushed the engine, the level-0 files
 // (each a flush of keys made anywhere) were compacted in place into one
 // that grew to 9 MB and that each single purge rewrote (bench/README.md,
 // "Session 36"). `replaced` gets the names of the files the compactions
 // replaced.
 Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf,
-                        const std::vector<KeyRange>& ranges, const std::vector<std::uint64_t>& users,
+                        const std::vector<KeyRange>& ranges, const std::vector<std::uint64_t>& buckets,
                         std::uint64_t written_by, std::chrono::milliseconds wait, std::vector<std::string>* replaced) {
   const auto name_of = [](const std::string& path) { return std::filesystem::path(path).filename().string(); };
   std::vector<std::string> ours;  // the files these compactions wrote: they hold no purged key (sorted)
   std::map<std::string, std::shared_ptr<const rocksdb::TableProperties>> properties;  // of the live files, by name
-  assert(std::is_sorted(users.begin(), users.end()));
+  assert(std::is_sorted(buckets.begin(), buckets.end()));
   const auto overlaps = [&](const rocksdb::SstFileMetaData& f) {
     if (f.smallest_seqno > written_by || std::binary_search(ours.begin(), ours.end(), name_of(f.name))) return false;
     // The first range that ends after the file's smallest key.
@@ -947,10 +949,11 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
     // filter rules them all out (unknown file: compacted).
     auto p = properties.find(name_of(f.name));
     if (p == properties.end() || p->second == nullptr) return true;
-    auto first = std::lower_bound(users.begin(), users.end(), f.smallestkey,
-                                  [](std::uint64_t u, const std::string& key) { return encode_key_store_key(u) < key; });
-    auto last = std::upper_bound(first, users.end(), f.largestkey,
-                                 [](const std::string& key, std::uint64_t u) { return key < encode_key_store_key(u); });
+    const auto key_of = [](std::uint64_t b) { return encode_bucket_key(static_cast<std::uint16_t>(b)); };
+    auto first = std::lower_bound(buckets.begin(), buckets.end(), f.smallestkey,
+                                  [&](std::uint64_t b, const std::string& key) { return key_of(b) < key; });
+    auto last = std::upper_bound(first, buckets.end(), f.largestkey,
+                                 [&](const std::string& key, std::uint64_t b) { return key < key_of(b); });
     return Storage::may_hold_keys_of(*p->second, std::vector<std::uint64_t>(first, last));
   };
   rocksdb::ColumnFamilyMetaData before;
@@ -1057,9 +1060,9 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
 }  // namespace
 
 Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector<KeyRange>& ranges,
-                              const std::vector<std::uint64_t>& users, const Storage::KeysWritten& written) {
+                              const std::vector<std::uint64_t>& ids, const Storage::KeysWritten& written) {
   if (cf == nullptr || ranges.empty()) return Status::OK();
-  const bool key_store = cf == storage_->keys();
+  const bool key_store = cf == storage_->bucket_keys();
   const Storage::Engine engine = key_store ? Storage::Engine::Users : Storage::Engine::State;
   rocksdb::DB* db = storage_->db(engine);
   const std::string dir = key_store ? storage_->path() : storage_->state_path();
@@ -1116,7 +1119,7 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
   std::vector<std::string> replaced;  // the key store's files its erasure compacted (sorted)
   if (key_store) {
     // The key store: compacted in this thread (CompactFiles), file by file.
-    if (Status s = compact_in_place(*storage_, db, cf, ranges, users, written.by, erasure_wait, &replaced); !s.ok()) {
+    if (Status s = compact_in_place(*storage_, db, cf, ranges, ids, written.by, erasure_wait, &replaced); !s.ok()) {
       return s;
     }
   } else {

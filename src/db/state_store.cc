@@ -630,14 +630,9 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   if (!created.empty()) {
     // A key stored without the batch (which then failed) is found and used
     // by the next one.
-    rocksdb::WriteBatch new_keys;
-    for (const auto& [user, k] : created) new_keys.Put(storage_->keys(), encode_key_store_key(user), k.encode());
-    std::vector<std::uint64_t> users;
-    users.reserve(created.size());
-    for (const auto& [user, k] : created) users.push_back(user);
-    if (Status s = storage_->store_keys(&new_keys, users,
-                                        what + ": the ledger keys of " + std::to_string(created.size()) +
-                                            " users new to the ledger");
+    if (Status s = store_user_keys(*storage_, created,
+                                   what + ": the ledger keys of " + std::to_string(created.size()) +
+                                       " users new to the ledger");
         !s.ok()) {
       return s;
     }

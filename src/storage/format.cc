@@ -10,6 +10,18 @@ void put_u64_be(std::string* out, std::uint64_t v) {
   out->append(bytes, 8);
 }
 
+void put_u32_be(std::string* out, std::uint32_t v) {
+  char bytes[4];
+  for (int i = 0; i < 4; ++i) bytes[i] = static_cast<char>((v >> (24 - 8 * i)) & 0xff);
+  out->append(bytes, 4);
+}
+
+std::uint32_t get_u32_be(const char* p) {
+  std::uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v = v << 8 | static_cast<unsigned char>(p[i]);
+  return v;
+}
+
 void put_u64_le(std::string* out, std::uint64_t v) {
   char bytes[8];
   for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((v >> (8 * i)) & 0xff);

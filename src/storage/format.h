@@ -42,8 +42,16 @@ struct DecodedKey {
 
 void put_u64_be(std::string* out, std::uint64_t v);
 void put_u64_le(std::string* out, std::uint64_t v);
+void put_u32_be(std::string* out, std::uint32_t v);
+std::uint32_t get_u32_be(const char* p);
 std::uint64_t get_u64_be(const char* p);
 std::uint64_t get_u64_le(const char* p);
+// SplitMix64's finalizer: a hash of an id that spreads sequential ids.
+inline std::uint64_t mix64(std::uint64_t v) {
+  v = (v ^ (v >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  v = (v ^ (v >> 27)) * 0x94d049bb133111ebULL;
+  return v ^ (v >> 31);
+}
 
 std::string encode_key(EntityId id, Tag tag, std::string_view suffix = {});
 // The 9-byte prefix shared by every key of `id` with `tag`.

@@ -655,7 +655,7 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
     std::vector<UserKey> keys;
     // (No key store: a read-only open of a Db whose users engine lacks it;
     // every sealed record is then a problem.)
-    if (storage.keys() != nullptr) {
+    if (storage.keys() != nullptr && storage.bucket_keys() != nullptr) {
       // 48 bytes a user (48 MB at 1M users), held through the sealed scan:
       // reserved from RocksDB's estimate (and an eighth more), so that the
       // last doubling of a growing vector (its old and new buffers at once,
@@ -663,14 +663,39 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
       const std::uint64_t estimate = storage.estimate_keys(storage.keys());
       keys.reserve(static_cast<std::size_t>(estimate + estimate / 8));
     }
-    auto k = storage.keys() == nullptr ? std::unique_ptr<rocksdb::Iterator>(rocksdb::NewEmptyIterator())
+    auto k = storage.keys() == nullptr || storage.bucket_keys() == nullptr
+                 ? std::unique_ptr<rocksdb::Iterator>(rocksdb::NewEmptyIterator())
                                        : storage.iterator(storage.keys(), /*bulk=*/true, hold->keys_snapshot());
+    // The keys come bucket by bucket: each bucket's key is read (as of the
+    // same snapshot) when its first user's comes.
+    std::optional<std::uint16_t> bucket;
+    std::optional<BucketKey> bucket_key;
+    std::string stored;
     for (k->SeekToFirst(); k->Valid(); k->Next()) {
       if (!hold->step()) return Status::OK();
-      std::optional<UserKey> key = UserKey::decode(view(k->value()));
-      if (!decode_key_store_key(view(k->key())) || !key) {
-        problem("key store key " + hex(view(k->key())) + ": a user's ledger key does not decode (" +
-                std::to_string(k->value().size()) + "-byte value; expected 33 of version 1)");
+      const std::optional<std::uint64_t> user = decode_key_store_key(view(k->key()));
+      if (!user) {
+        problem("key store key " + hex(view(k->key())) + ": not the key of a user's ledger key (10 bytes: the "
+                "user's bucket, then the user id)");
+        continue;
+      }
+      if (bucket != key_bucket(*user)) {
+        bucket = key_bucket(*user);
+        bucket_key.reset();
+        Status b = storage.get(storage.bucket_keys(), encode_bucket_key(*bucket), &stored, hold->keys_snapshot());
+        if (b.ok()) bucket_key = BucketKey::decode(stored);
+        else if (b.code() != StatusCode::NotFound) return b;
+      }
+      std::optional<UserKey> key = bucket_key ? bucket_key->unwrap(*user, view(k->value())) : std::nullopt;
+      if (!key) {
+        problem("key store key " + hex(view(k->key())) + ": user " + std::to_string(*user) +
+                "'s ledger key does not unwrap with the key of bucket " + std::to_string(*bucket) + " (" +
+                (bucket_key ? "generation " + std::to_string(bucket_key->generation())
+                            : std::string("none stored, or it does not decode")) +
+                "; the " + std::to_string(k->value().size()) + "-byte value is of generation " +
+                (wrapped_key_generation(view(k->value())) ? std::to_string(*wrapped_key_generation(view(k->value())))
+                                                           : std::string("none (not a wrapped key)")) +
+                ")");
         continue;
       }
       keys.push_back(std::move(*key));

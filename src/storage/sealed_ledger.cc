@@ -2,11 +2,17 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
+
+#include <rocksdb/db.h>
+#include <rocksdb/snapshot.h>
+#include <rocksdb/write_batch.h>
 
 #include <openssl/crypto.h>
 #include <openssl/err.h>
@@ -23,6 +29,8 @@ namespace {
 
 constexpr unsigned char kKeyVersion = 1;
 constexpr unsigned char kRecordVersion = 1;
+constexpr unsigned char kBucketVersion = 1;
+constexpr unsigned char kWrappedVersion = 2;
 constexpr char kPseudonymLabel[] = "tidal ledger pseudonym v1";
 constexpr char kErasureTagLabel[] = "tidal erasure mark v1";
 
@@ -295,71 +303,365 @@ std::optional<std::vector<LedgerEntry>> decode_sealed_entries(std::string_view p
   return entries;
 }
 
+std::uint16_t key_bucket(std::uint64_t user) { return static_cast<std::uint16_t>(mix64(user) >> 48); }
+
+std::string encode_bucket_key(std::uint16_t bucket) {
+  return {static_cast<char>(bucket >> 8), static_cast<char>(bucket & 0xff)};
+}
+
 std::string encode_key_store_key(std::uint64_t user_id) {
-  std::string out;
+  std::string out = encode_bucket_key(key_bucket(user_id));
   put_u64_be(&out, user_id);
   return out;
 }
 
-std::string key_store_end(std::uint64_t user_id) {
-  std::string out = encode_key_store_key(user_id);
-  out.push_back('\0');  // the next key of any length: below [user_id + 1 BE]
+std::optional<std::uint32_t> wrapped_key_generation(std::string_view value) {
+  if (value.size() != kWrappedKeySize || static_cast<unsigned char>(value[0]) != kWrappedVersion) return std::nullopt;
+  return get_u32_be(value.data() + 1);
+}
+
+Result<BucketKey> BucketKey::generate(std::uint32_t generation) {
+  Result<UserKey> key = UserKey::generate();
+  if (!key.ok()) return key.status();
+  return BucketKey(generation, std::move(*key));
+}
+
+std::optional<BucketKey> BucketKey::decode(std::string_view stored) {
+  if (stored.size() != kBucketValueSize || static_cast<unsigned char>(stored[0]) != kBucketVersion) return std::nullopt;
+  UserKey key;
+  std::memcpy(key.key_.data(), stored.data() + 5, kUserKeySize);
+  return BucketKey(get_u32_be(stored.data() + 1), std::move(key));
+}
+
+std::string BucketKey::encode() const {
+  std::string out(1, static_cast<char>(kBucketVersion));
+  put_u32_be(&out, generation_);
+  out.append(key_.bytes_for_testing());
   return out;
+}
+
+namespace {
+
+// What a wrapped key is sealed under: its wrapped_keys key and the
+// generation of the bucket key.
+std::string wrap_aad(std::uint64_t user, std::uint32_t generation) {
+  std::string aad = encode_key_store_key(user);
+  put_u32_be(&aad, generation);
+  return aad;
+}
+
+}  // namespace
+
+Status BucketKey::wrap(std::uint64_t user, const UserKey& user_key, std::string* value) const {
+  value->assign(1, static_cast<char>(kWrappedVersion));
+  put_u32_be(value, generation_);
+  return key_.seal(wrap_aad(user, generation_), user_key.bytes_for_testing(), value);
+}
+
+Status BucketKey::rewrap(const BucketKey& next, const std::vector<std::uint64_t>& users,
+                         const std::vector<std::string>& values, std::vector<std::string>* out) const {
+  out->assign(values.size(), std::string());
+  const std::unique_ptr<EVP_CIPHER_CTX, CipherCtxDeleter> open(EVP_CIPHER_CTX_new()), seal(EVP_CIPHER_CTX_new());
+  if (open == nullptr || seal == nullptr ||
+      EVP_DecryptInit_ex(open.get(), aes_256_gcm(), nullptr, key_.key_.data(), nullptr) != 1 ||
+      EVP_EncryptInit_ex(seal.get(), aes_256_gcm(), nullptr, next.key_.key_.data(), nullptr) != 1) {
+    return Status::IOError("wrapping ledger keys again failed (OpenSSL AES-256-GCM: " + crypto_error() + ")");
+  }
+  // The same bytes as wrap() and unwrap(): [version][generation] and what
+  // UserKey::seal makes of the key under the additional data.
+  std::array<unsigned char, kUserKeySize> plain{};
+  unsigned char tag[kSealTagSize];
+  int n = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const std::string_view value = values[i];
+    const std::string aad = wrap_aad(users[i], generation_);
+    const auto* in = bytes(value) + 5 + kSealVersionSize;
+    bool ok = wrapped_key_generation(value) == generation_ &&
+              static_cast<unsigned char>(value[5]) == kRecordVersion;
+    if (ok) {
+      std::memcpy(tag, in + kSealNonceSize + kUserKeySize, kSealTagSize);
+      ok = EVP_DecryptInit_ex(open.get(), nullptr, nullptr, nullptr, in) == 1 &&
+           EVP_DecryptUpdate(open.get(), nullptr, &n, bytes(aad), static_cast<int>(aad.size())) == 1 &&
+           EVP_DecryptUpdate(open.get(), nullptr, &n, &kRecordVersion, 1) == 1 &&
+           EVP_DecryptUpdate(open.get(), plain.data(), &n, in + kSealNonceSize, static_cast<int>(kUserKeySize)) == 1 &&
+           EVP_CIPHER_CTX_ctrl(open.get(), EVP_CTRL_GCM_SET_TAG, static_cast<int>(kSealTagSize), tag) == 1 &&
+           EVP_DecryptFinal_ex(open.get(), plain.data() + n, &n) == 1;
+    }
+    if (!ok) {
+      OPENSSL_cleanse(plain.data(), plain.size());
+      return Status::Corruption("the ledger key of user " + std::to_string(users[i]) + " (key store key " +
+                                hex(encode_key_store_key(users[i])) + ") does not unwrap with generation " +
+                                std::to_string(generation_) + " of its bucket's key");
+    }
+    std::string& w = (*out)[i];
+    w.assign(1, static_cast<char>(kWrappedVersion));
+    put_u32_be(&w, next.generation_);
+    w.push_back(static_cast<char>(kRecordVersion));
+    w.resize(kWrappedKeySize);
+    auto* o = reinterpret_cast<unsigned char*>(w.data()) + 5 + kSealVersionSize;
+    const std::string next_aad = wrap_aad(users[i], next.generation_);
+    ok = random_bytes(o, kSealNonceSize) && EVP_EncryptInit_ex(seal.get(), nullptr, nullptr, nullptr, o) == 1 &&
+         EVP_EncryptUpdate(seal.get(), nullptr, &n, bytes(next_aad), static_cast<int>(next_aad.size())) == 1 &&
+         EVP_EncryptUpdate(seal.get(), nullptr, &n, &kRecordVersion, 1) == 1 &&
+         EVP_EncryptUpdate(seal.get(), o + kSealNonceSize, &n, plain.data(), static_cast<int>(kUserKeySize)) == 1 &&
+         EVP_EncryptFinal_ex(seal.get(), o + kSealNonceSize + n, &n) == 1 &&
+         EVP_CIPHER_CTX_ctrl(seal.get(), EVP_CTRL_GCM_GET_TAG, static_cast<int>(kSealTagSize),
+                             o + kSealNonceSize + kUserKeySize) == 1;
+    OPENSSL_cleanse(plain.data(), plain.size());
+    if (!ok) return Status::IOError("wrapping a ledger key again failed (OpenSSL AES-256-GCM: " + crypto_error() + ")");
+  }
+  return Status::OK();
+}
+
+std::optional<UserKey> BucketKey::unwrap(std::uint64_t user, std::string_view value) const {
+  if (wrapped_key_generation(value) != generation_) return std::nullopt;
+  std::string plain;
+  if (!key_.open(wrap_aad(user, generation_), value.substr(5), &plain) || plain.size() != kUserKeySize) {
+    OPENSSL_cleanse(plain.data(), plain.size());
+    return std::nullopt;
+  }
+  UserKey key;
+  std::memcpy(key.key_.data(), plain.data(), kUserKeySize);
+  OPENSSL_cleanse(plain.data(), plain.size());
+  key.derive_pseudonym();
+  return key;
 }
 
 namespace {
 
 std::string user_key_text(std::uint64_t user) { return "the ledger key of user " + std::to_string(user); }
 
-Result<std::optional<UserKey>> decode_user_key(const Storage& storage, std::uint64_t user, std::string_view stored) {
-  std::optional<UserKey> k = UserKey::decode(stored);
+std::string bucket_text(std::uint16_t bucket) { return "the key of bucket " + std::to_string(bucket); }
+
+// The bucket key a bucket_keys value holds; Corruption when it does not
+// decode.
+Result<BucketKey> decode_bucket_key(const Storage& storage, std::uint16_t bucket, std::string_view stored) {
+  std::optional<BucketKey> k = BucketKey::decode(stored);
   if (!k) {
-    return Status::Corruption(user_key_text(user) + " (key store key " + hex(encode_key_store_key(user)) + ") in '" +
-                              storage.path() + "' does not decode (" + std::to_string(stored.size()) +
-                              "-byte value; expected 33 of version 1)");
+    return Status::Corruption(bucket_text(bucket) + " in '" + storage.path() + "' does not decode (" +
+                              std::to_string(stored.size()) + "-byte value; expected " +
+                              std::to_string(kBucketValueSize) + " of version 1)");
+  }
+  return std::move(*k);
+}
+
+// The key `wrapped` (user's wrapped_keys value) holds, unwrapped with
+// `bucket`'s key (null: the bucket has none); Corruption when it does not
+// unwrap.
+Result<std::optional<UserKey>> unwrap_user_key(const Storage& storage, std::uint64_t user, std::string_view wrapped,
+                                               const BucketKey* bucket) {
+  std::optional<UserKey> k = bucket == nullptr ? std::nullopt : bucket->unwrap(user, wrapped);
+  if (!k) {
+    const std::optional<std::uint32_t> g = wrapped_key_generation(wrapped);
+    return Status::Corruption(
+        user_key_text(user) + " (key store key " + hex(encode_key_store_key(user)) + ") in '" + storage.path() +
+        "' does not unwrap: " +
+        (!g ? std::to_string(wrapped.size()) + "-byte value; expected " + std::to_string(kWrappedKeySize) +
+                  " of version 2"
+            : "wrapped with generation " + std::to_string(*g) + " of " + bucket_text(key_bucket(user)) + ", which " +
+                  (bucket == nullptr ? std::string("is not stored")
+                                     : "is at generation " + std::to_string(bucket->generation()) +
+                                           (bucket->generation() == *g ? " (the value was changed)" : ""))));
   }
   return k;
 }
 
-}  // namespace
-
-Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
-                                             const rocksdb::Snapshot* snapshot) {
-  if (storage.keys() == nullptr) return std::optional<UserKey>();  // format 3, read-only
-  std::string stored;
-  Status s = storage.get(storage.keys(), encode_key_store_key(user), &stored, snapshot);
-  if (s.code() == StatusCode::NotFound) return std::optional<UserKey>();
-  if (!s.ok()) return Status(s.code(), "read of " + user_key_text(user) + ": " + s.message());
-  return decode_user_key(storage, user, stored);
-}
-
-Status read_user_keys(const Storage& storage, std::span<const std::uint64_t> users,
-                      std::vector<std::optional<UserKey>>* keys) {
+// The current keys of `buckets` (sorted, distinct) as of `snapshot`, in one
+// MultiGet: (*keys)[i] empty when buckets[i] has none.
+Status read_bucket_keys(const Storage& storage, const std::vector<std::uint16_t>& buckets,
+                        const rocksdb::Snapshot* snapshot, std::vector<std::optional<BucketKey>>* keys) {
   keys->clear();
-  keys->resize(users.size());
-  if (storage.keys() == nullptr || users.empty()) return Status::OK();
+  keys->resize(buckets.size());
   std::vector<std::string> encoded;
-  encoded.reserve(users.size());
-  for (std::uint64_t u : users) encoded.push_back(encode_key_store_key(u));
+  encoded.reserve(buckets.size());
+  for (std::uint16_t b : buckets) encoded.push_back(encode_bucket_key(b));
   std::vector<rocksdb::Slice> slices(encoded.begin(), encoded.end());
-  std::vector<rocksdb::PinnableSlice> values(users.size());
-  std::vector<rocksdb::Status> statuses(users.size());
+  std::vector<rocksdb::PinnableSlice> values(buckets.size());
+  std::vector<rocksdb::Status> statuses(buckets.size());
+  rocksdb::ReadOptions read;
+  read.snapshot = snapshot;
   storage.db(Storage::Engine::Users)
-      ->MultiGet(rocksdb::ReadOptions(), storage.keys(), slices.size(), slices.data(), values.data(), statuses.data(),
+      ->MultiGet(read, storage.bucket_keys(), slices.size(), slices.data(), values.data(), statuses.data(),
                  /*sorted_input=*/true);
-  for (std::size_t i = 0; i < users.size(); ++i) {
+  for (std::size_t i = 0; i < buckets.size(); ++i) {
     if (statuses[i].IsNotFound()) continue;
-    if (!statuses[i].ok()) return from_rocksdb(statuses[i], "read of " + user_key_text(users[i]));
-    Result<std::optional<UserKey>> k = decode_user_key(storage, users[i], values[i].ToStringView());
+    if (!statuses[i].ok()) return from_rocksdb(statuses[i], "read of " + bucket_text(buckets[i]));
+    Result<BucketKey> k = decode_bucket_key(storage, buckets[i], values[i].ToStringView());
     if (!k.ok()) return k.status();
     (*keys)[i] = std::move(*k);
   }
   return Status::OK();
 }
 
+const BucketKey* find_bucket(const std::vector<std::uint16_t>& buckets, const std::vector<std::optional<BucketKey>>& keys,
+                             std::uint16_t bucket) {
+  const auto at = std::lower_bound(buckets.begin(), buckets.end(), bucket);
+  if (at == buckets.end() || *at != bucket) return nullptr;
+  const std::optional<BucketKey>& k = keys[static_cast<std::size_t>(at - buckets.begin())];
+  return k ? &*k : nullptr;
+}
+
+// The snapshot given, or a snapshot of the users engine of its own.
+class ReadPoint {
+ public:
+  ReadPoint(const Storage& storage, const rocksdb::Snapshot* given) : snapshot_(given) {
+    if (given == nullptr) snapshot_ = own_.emplace(storage.db(Storage::Engine::Users)).snapshot();
+  }
+  const rocksdb::Snapshot* snapshot() const { return snapshot_; }
+
+ private:
+  std::optional<rocksdb::ManagedSnapshot> own_;
+  const rocksdb::Snapshot* snapshot_;
+};
+
+}  // namespace
+
+Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
+                                             const rocksdb::Snapshot* snapshot) {
+  if (storage.keys() == nullptr || storage.bucket_keys() == nullptr) return std::optional<UserKey>();  // format 3
+  // The wrapped key and its bucket's key as of one moment: a purge replaces
+  // the bucket key and wraps the key again in one write.
+  const ReadPoint point(storage, snapshot);
+  std::string stored;
+  Status s = storage.get(storage.keys(), encode_key_store_key(user), &stored, point.snapshot());
+  if (s.code() == StatusCode::NotFound) return std::optional<UserKey>();
+  if (!s.ok()) return Status(s.code(), "read of " + user_key_text(user) + ": " + s.message());
+  const std::vector<std::uint16_t> bucket{key_bucket(user)};
+  std::vector<std::optional<BucketKey>> bucket_key;
+  if (Status b = read_bucket_keys(storage, bucket, point.snapshot(), &bucket_key); !b.ok()) return b;
+  return unwrap_user_key(storage, user, stored, bucket_key[0] ? &*bucket_key[0] : nullptr);
+}
+
+Status read_user_keys(const Storage& storage, std::span<const std::uint64_t> users,
+                      std::vector<std::optional<UserKey>>* keys) {
+  keys->clear();
+  keys->resize(users.size());
+  if (storage.keys() == nullptr || storage.bucket_keys() == nullptr || users.empty()) return Status::OK();
+  const ReadPoint point(storage, nullptr);
+  rocksdb::ReadOptions read;
+  read.snapshot = point.snapshot();
+  std::vector<std::string> encoded;
+  encoded.reserve(users.size());
+  for (std::uint64_t u : users) encoded.push_back(encode_key_store_key(u));
+  std::vector<rocksdb::Slice> slices(encoded.begin(), encoded.end());
+  std::vector<rocksdb::PinnableSlice> values(users.size());
+  std::vector<rocksdb::Status> statuses(users.size());
+  // Not in key order: a key begins with the user's bucket.
+  storage.db(Storage::Engine::Users)
+      ->MultiGet(read, storage.keys(), slices.size(), slices.data(), values.data(), statuses.data(),
+                 /*sorted_input=*/false);
+  std::vector<std::uint16_t> buckets;
+  for (std::size_t i = 0; i < users.size(); ++i) {
+    if (statuses[i].IsNotFound()) continue;
+    if (!statuses[i].ok()) return from_rocksdb(statuses[i], "read of " + user_key_text(users[i]));
+    buckets.push_back(key_bucket(users[i]));
+  }
+  std::sort(buckets.begin(), buckets.end());
+  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  std::vector<std::optional<BucketKey>> bucket_keys;
+  if (Status s = read_bucket_keys(storage, buckets, read.snapshot, &bucket_keys); !s.ok()) return s;
+  for (std::size_t i = 0; i < users.size(); ++i) {
+    if (!statuses[i].ok()) continue;
+    Result<std::optional<UserKey>> k = unwrap_user_key(storage, users[i], values[i].ToStringView(),
+                                                       find_bucket(buckets, bucket_keys, key_bucket(users[i])));
+    if (!k.ok()) return k.status();
+    (*keys)[i] = std::move(*k);
+  }
+  return Status::OK();
+}
+
+Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64_t, UserKey>>& created,
+                       const std::string& what) {
+  if (created.empty()) return Status::OK();
+  std::lock_guard<std::mutex> lock(storage.key_writes_mu());
+  std::vector<std::uint16_t> buckets;
+  for (const auto& [user, key] : created) buckets.push_back(key_bucket(user));
+  std::sort(buckets.begin(), buckets.end());
+  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  std::vector<std::optional<BucketKey>> bucket_keys;
+  if (Status s = read_bucket_keys(storage, buckets, nullptr, &bucket_keys); !s.ok()) return s;
+  rocksdb::WriteBatch batch;
+  std::vector<std::uint64_t> made;  // buckets given their first key
+  for (std::size_t i = 0; i < buckets.size(); ++i) {
+    if (bucket_keys[i]) continue;
+    Result<BucketKey> k = BucketKey::generate(1);
+    if (!k.ok()) return k.status();
+    batch.Put(storage.bucket_keys(), encode_bucket_key(buckets[i]), k->encode());
+    bucket_keys[i] = std::move(*k);
+    made.push_back(buckets[i]);
+  }
+  std::string wrapped;
+  for (const auto& [user, key] : created) {
+    if (Status s = find_bucket(buckets, bucket_keys, key_bucket(user))->wrap(user, key, &wrapped); !s.ok()) return s;
+    batch.Put(storage.keys(), encode_key_store_key(user), wrapped);
+  }
+  return storage.write_key_store(&batch, made, /*sync=*/true, what);
+}
+
+Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& users, bool sync, const std::string& what,
+                        std::vector<std::uint64_t>* changed) {
+  if (changed != nullptr) changed->clear();
+  if (storage.keys() == nullptr || storage.bucket_keys() == nullptr || users.empty()) return Status::OK();
+  std::lock_guard<std::mutex> lock(storage.key_writes_mu());
+  std::map<std::uint16_t, std::vector<std::uint64_t>> by_bucket;  // the users to delete, sorted in each
+  for (std::uint64_t u : users) by_bucket[key_bucket(u)].push_back(u);
+  rocksdb::WriteBatch batch;
+  std::vector<std::uint64_t> buckets;  // those given a new key
+  std::vector<std::string> rewrapped;
+  auto it = storage.iterator(storage.keys());
+  for (auto& [bucket, deleted] : by_bucket) {
+    std::sort(deleted.begin(), deleted.end());
+    // The bucket's stored keys: those of `deleted` go, the others are
+    // wrapped again.
+    const std::string prefix = encode_bucket_key(bucket);
+    std::vector<std::uint64_t> kept;  // the other users, and their wrapped keys
+    std::vector<std::string> kept_values;
+    bool found = false;
+    for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+      const std::optional<std::uint64_t> user = decode_key_store_key(it->key().ToStringView());
+      if (!user) {
+        return Status::Corruption("key store key " + hex(it->key().ToStringView()) + " in '" + storage.path() +
+                                  "' does not decode (expected 10 bytes: the bucket, then the user id)");
+      }
+      if (std::binary_search(deleted.begin(), deleted.end(), *user)) {
+        batch.Delete(storage.keys(), it->key());
+        found = true;
+      } else {
+        kept.push_back(*user);
+        kept_values.push_back(it->value().ToString());
+      }
+    }
+    if (Status s = from_rocksdb(it->status(), "read of the key store's " + bucket_text(bucket)); !s.ok()) return s;
+    if (!found) continue;
+    std::vector<std::optional<BucketKey>> old;
+    if (Status s = read_bucket_keys(storage, {bucket}, nullptr, &old); !s.ok()) return s;
+    if (!old[0]) {
+      return Status::Corruption("the key store of '" + storage.path() + "' holds wrapped keys of bucket " +
+                                std::to_string(bucket) + " (user " + std::to_string(deleted.front()) +
+                                "'s among them) but no key of that bucket");
+    }
+    Result<BucketKey> next = BucketKey::generate(old[0]->generation() + 1);
+    if (!next.ok()) return next.status();
+    if (Status s = old[0]->rewrap(*next, kept, kept_values, &rewrapped); !s.ok()) {
+      return Status(s.code(), s.message() + " in '" + storage.path() + "'");
+    }
+    for (std::size_t i = 0; i < kept.size(); ++i) {
+      batch.Put(storage.keys(), encode_key_store_key(kept[i]), rewrapped[i]);
+    }
+    batch.Put(storage.bucket_keys(), prefix, next->encode());
+    buckets.push_back(bucket);
+  }
+  if (buckets.empty()) return Status::OK();
+  Status s = storage.write_key_store(&batch, buckets, sync, what);
+  if (changed != nullptr) *changed = std::move(buckets);
+  return s;
+}
+
 std::optional<std::uint64_t> decode_key_store_key(std::string_view key) {
   if (key.size() != kKeyStoreKeySize) return std::nullopt;
-  return get_u64_be(key.data());
+  const std::uint64_t user = get_u64_be(key.data() + 2);
+  if (key.substr(0, 2) != encode_bucket_key(key_bucket(user))) return std::nullopt;
+  return user;
 }
 
 std::string pseudonym_end(std::string_view pseudonym) {

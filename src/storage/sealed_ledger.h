@@ -4,19 +4,29 @@
 // Every user who contributes to a shared aggregate has a 256-bit key of
 // their own, drawn from the OS CSPRNG (OpenSSL's RAND_bytes) the first time
 // the state store's writer stores a contribution of theirs, and kept in the
-// users engine's "keys" column family (the key store), written (synced)
-// before the first batch it seals is ingested into the state engine. The
-// user's ledger records are sealed with it (AES-256-GCM) and named by a
-// pseudonym derived from it, so that no key of the ledger names the user in
-// clear:
+// users engine's key store, written (synced) before the first batch it seals
+// is ingested into the state engine. The key store holds each user's key
+// sealed (wrapped) with the key of the user's bucket: one of 65,536 bucket
+// keys, the bucket a hash of the user id. The user's ledger records are
+// sealed with the user's key (AES-256-GCM) and named by a pseudonym derived
+// from it, so that no key of the ledger names the user in clear:
 //
-//   keys CF           key   [user_id: 8 BE]                       (8 bytes)
-//                     value [version: 1 = 0x01][key: 32]          (33 bytes)
+//   bucket_keys CF    key   [bucket: 2 BE]                        (2 bytes)
+//                     value [version: 1 = 0x01][generation: 4 BE][bucket key: 32]
+//                                                                 (37 bytes)
+//   wrapped_keys CF   key   [bucket: 2 BE][user_id: 8 BE]         (10 bytes)
+//                     value [version: 2 = 0x02][generation: 4 BE]
+//                           [0x01][nonce: 12][wrapped key: 32][tag: 16]
+//                                                                 (66 bytes)
 //   sealed_ledger CF  key   [epoch: 8 BE][pseudonym: 16]          (24 bytes)
 //                     value [version: 1 = 0x01][nonce: 12][ciphertext][tag: 16]
 //   sealed_index CF   key   [pseudonym: 16][epoch: 8 BE]          (24 bytes)
 //                     value empty
 //
+//   bucket       = the top 16 bits of mix64(user_id) (format.h)
+//   wrapped key  = AES-256-GCM(the bucket key of that generation, nonce,
+//                  the user's key, aad = the wrapped_keys key + the
+//                  generation (BE) + 0x01)
 //   pseudonym  = HMAC-SHA256(key, "tidal ledger pseudonym v1"), first 16 bytes
 //   ciphertext = AES-256-GCM(key, nonce, plaintext,
 //                            aad = the record's key + the version byte);
@@ -37,12 +47,19 @@
 // one user's records in O(their records): a seek of the index, then a point
 // read of each record.
 //
-// A purge deletes the user's key once its batch is ingested, and erases it
-// physically (the key store's files and WAL, in the users engine, whose
-// compactions are few and short: in the state engine, RocksDB's deletion of
-// the replaced files waited for the ledger's and aggregates' compactions
-// under way): from then on the user's records cannot be opened, nor
-// linked to the user. The purge deletes the user's index entries; the
+// A purge deletes the user's key once its batch is ingested: it deletes
+// the wrapped key and gives the user's bucket a new key (the next
+// generation), with which it wraps again the keys of the bucket's other
+// users, in one batch (delete_user_keys); then it erases the bucket's old
+// key physically (the bucket_keys family's files and WAL, in the users
+// engine, whose compactions are few and short: in the state engine,
+// RocksDB's deletion of the replaced files waited for the ledger's and
+// aggregates' compactions under way). From then on the user's wrapped key
+// cannot be unwrapped, so the user's records cannot be opened, nor linked
+// to the user. The erasure rewrites only bucket keys (65,536 of them, ~3.2
+// MB), whatever the number of users: the wrapped keys stay where they are,
+// and their files are compacted as RocksDB sees fit. The purge deletes the
+// user's index entries; the
 // sealed records themselves stay where they are, unreadable ciphertext
 // that nothing indexes (deleting them would rewrite the old files they
 // lie in, the cost per purge the layout exists to avoid), and a ledger
@@ -80,8 +97,12 @@ class Storage;
 
 inline constexpr std::size_t kUserKeySize = 32;
 inline constexpr std::size_t kPseudonymSize = 16;
-inline constexpr std::size_t kKeyStoreKeySize = 8;
-inline constexpr std::size_t kKeyStoreValueSize = 1 + kUserKeySize;
+inline constexpr std::size_t kKeyStoreKeySize = 2 + 8;  // a wrapped_keys key
+inline constexpr std::size_t kKeyStoreValueSize = 1 + kUserKeySize;  // UserKey::encode
+inline constexpr std::size_t kKeyBuckets = 1 << 16;
+inline constexpr std::size_t kBucketKeySize = 2;  // a bucket_keys key
+inline constexpr std::size_t kBucketValueSize = 1 + 4 + kUserKeySize;
+inline constexpr std::size_t kWrappedKeySize = 1 + 4 + 1 + 12 + kUserKeySize + 16;
 inline constexpr std::size_t kSealedLedgerKeySize = 8 + kPseudonymSize;
 inline constexpr std::size_t kSealedIndexKeySize = kPseudonymSize + 8;
 inline constexpr std::size_t kSealVersionSize = 1;
@@ -96,14 +117,15 @@ class UserKey {
  public:
   // A new key from the OS CSPRNG; IOError when it has none to give.
   static Result<UserKey> generate();
-  // From a keys-CF value; empty unless 33 bytes of version 1.
+  // From encode()'s bytes; empty unless 33 bytes of version 1.
   static std::optional<UserKey> decode(std::string_view stored);
 
   UserKey(const UserKey& other) = default;
   UserKey& operator=(const UserKey& other) = default;
   ~UserKey();
 
-  // The keys-CF value.
+  // [version: 1 = 0x01][key: 32]: what a bucket key holds, and what tests
+  // hold of a user's key. Never stored for a user (wrap_user_key).
   std::string encode() const;
   // The 16 bytes that name the user's records: the end of each of their
   // sealed ledger keys, the start of each of their index keys.
@@ -135,6 +157,7 @@ class UserKey {
   }
 
  private:
+  friend class BucketKey;
   UserKey() = default;
   void derive_pseudonym();
 
@@ -142,13 +165,70 @@ class UserKey {
   std::array<unsigned char, kPseudonymSize> pseudonym_{};
 };
 
+// One bucket's key and its generation: the key that wraps the keys of the
+// bucket's users in the key store. A purge replaces it with a new one of
+// the next generation and erases the old one.
+class BucketKey {
+ public:
+  // A new key from the OS CSPRNG, of generation `generation`.
+  static Result<BucketKey> generate(std::uint32_t generation);
+  // From a bucket_keys value; empty unless 37 bytes of version 1.
+  static std::optional<BucketKey> decode(std::string_view stored);
+
+  std::uint32_t generation() const { return generation_; }
+  // The bucket_keys value.
+  std::string encode() const;
+  // `user_key` of `user`, wrapped for the wrapped_keys family (66 bytes).
+  Status wrap(std::uint64_t user, const UserKey& user_key, std::string* value) const;
+  // The key a wrapped_keys value holds: empty when it is not this key's
+  // (another generation, another user's record, or changed).
+  std::optional<UserKey> unwrap(std::uint64_t user, std::string_view value) const;
+  // Each of `values` (the wrapped_keys values of `users`, wrapped with this
+  // key) unwrapped and wrapped again with `next`, into (*out)[i], with one
+  // context keyed once each way: keying one per key cost as much as the
+  // wrapping itself, and a purge at 4M users wraps ~61 keys again.
+  // Corruption naming the user when one does not unwrap.
+  Status rewrap(const BucketKey& next, const std::vector<std::uint64_t>& users,
+                const std::vector<std::string>& values, std::vector<std::string>* out) const;
+  // The raw key, for tests that look for it in files (tests/erasure_scan.h).
+  std::string_view bytes_for_testing() const { return key_.bytes_for_testing(); }
+
+ private:
+  BucketKey(std::uint32_t generation, UserKey key) : generation_(generation), key_(std::move(key)) {}
+  std::uint32_t generation_;
+  UserKey key_;  // an AES-256 key as a user's is (its pseudonym unused)
+};
+
+// The bucket of `user` (the top 16 bits of mix64(user)).
+std::uint16_t key_bucket(std::uint64_t user);
+// [bucket BE].
+std::string encode_bucket_key(std::uint16_t bucket);
+// The generation a wrapped_keys value was wrapped with; empty unless 66
+// bytes of version 2.
+std::optional<std::uint32_t> wrapped_key_generation(std::string_view value);
+
+// Stores the new keys `created` (synced), each wrapped with its bucket's
+// current key; a bucket with none gets one (generation 1) in the same
+// write. Under Storage::key_writes_mu, as every write of the key store is.
+Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64_t, UserKey>>& created,
+                       const std::string& what);
+// Deletes the stored keys of `users` (those that have one): in one write
+// (synced when `sync`), each of their buckets gets a key of the next
+// generation, the keys of the bucket's other users are wrapped again with
+// it, and theirs are deleted. The old bucket keys are then what the
+// erasure removes from the files (Db::Impl::erase_purged). `*buckets`,
+// when given, gets the buckets changed (sorted).
+Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& users, bool sync,
+                        const std::string& what, std::vector<std::uint64_t>* buckets = nullptr);
+
 // The stored ledger key of `user` (as of `snapshot`, when given); empty
 // when the key store holds none (the user never contributed since the
 // Db's format-4 upgrade, or was purged since). Corruption when the record
 // does not decode.
 Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
                                              const rocksdb::Snapshot* snapshot = nullptr);
-// The stored keys of `users` (ascending), in one MultiGet of the key store:
+// The stored keys of `users` (ascending), in two MultiGets of the key
+// store (the wrapped keys, then their buckets' keys) at one snapshot:
 // (*keys)[i] is empty when users[i] has none.
 Status read_user_keys(const Storage& storage, std::span<const std::uint64_t> users,
                       std::vector<std::optional<UserKey>>* keys);
@@ -159,12 +239,10 @@ void put_sealed_entry(std::string* out, const LedgerEntry& entry);
 // truncated, or names a target other than cohort or community.
 std::optional<std::vector<LedgerEntry>> decode_sealed_entries(std::string_view plaintext);
 
-// [user_id BE].
+// [bucket BE][user_id BE]: the wrapped_keys key of `user_id`.
 std::string encode_key_store_key(std::uint64_t user_id);
-// Empty unless 8 bytes.
+// The user id; empty unless 10 bytes whose bucket is the user's.
 std::optional<std::uint64_t> decode_key_store_key(std::string_view key);
-// The first key-store key after `user`'s.
-std::string key_store_end(std::uint64_t user_id);
 // The first key after every index key that starts with `pseudonym`.
 std::string pseudonym_end(std::string_view pseudonym);
 // The epoch and the pseudonym of a sealed ledger key; empty unless 24 bytes.

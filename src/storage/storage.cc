@@ -28,13 +28,19 @@
 #include <mutex>
 #include <shared_mutex>
 #include <system_error>
+#include <unordered_set>
 #include <utility>
 
 namespace tidal {
 namespace {
 
 constexpr char kFeedColumnFamily[] = "feed";
-constexpr char kKeyStoreFamily[] = "keys";
+// Format 4's key store (storage/sealed_ledger.h).
+constexpr char kWrappedKeysFamily[] = "wrapped_keys";
+constexpr char kBucketKeysFamily[] = "bucket_keys";
+// The key store of development builds of 0.4 before the bucket keys: each
+// user's key unwrapped, under [user_id BE]. Not read.
+constexpr char kUnwrappedKeysFamily[] = "keys";
 
 bool is_lock_error(const rocksdb::Status& s) {
   const std::string text = s.ToString();
@@ -291,24 +297,17 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
   options->hard_pending_compaction_bytes_limit = 0;
 }
 
-// The key store's table property that Storage::may_hold_keys_of reads
+// The bucket keys' table property that Storage::may_hold_keys_of reads
 // (docs/FORMAT.md): the number of values (entries that are not deletions)
-// the file holds, 8 bytes big-endian, then a Bloom filter of their users,
-// 10 bits a value and 7 probes of one 64-bit hash (double hashing), at
-// least 64 bits. A key of another length (none is written) leaves the file
-// without the property. The name carries the layout's version: a reader
-// treats a file without this name as one that may hold any key, so a new
-// layout must have a new name, or its filters would rule out keys the files
-// hold.
-constexpr char kKeyValuesProperty[] = "tidal.key_values.v1";
+// the file holds, 8 bytes big-endian, then a Bloom filter of their buckets
+// (mix64 of the bucket number), 10 bits a value and 7 probes of one 64-bit
+// hash (double hashing), at least 64 bits. A key of another length (none is
+// written) leaves the file without the property. The name carries the
+// layout's version: a reader treats a file without this name as one that
+// may hold any key, so a new layout must have a new name, or its filters
+// would rule out keys the files hold.
+constexpr char kKeyValuesProperty[] = "tidal.bucket_values.v1";
 constexpr int kKeyValuesProbes = 7;
-
-std::uint64_t key_values_hash(std::uint64_t user) {
-  // SplitMix64's finalizer: user ids are often sequential.
-  user = (user ^ (user >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  user = (user ^ (user >> 27)) * 0x94d049bb133111ebULL;
-  return user ^ (user >> 31);
-}
 
 template <typename Bit>
 bool key_values_probe(std::uint64_t hash, std::uint64_t bits, Bit bit) {
@@ -327,8 +326,9 @@ class KeyValuesCollector : public rocksdb::TablePropertiesCollector {
         type == rocksdb::kEntryDeleteWithTimestamp || type == rocksdb::kEntryRangeDeletion) {
       return rocksdb::Status::OK();
     }
-    if (key.size() != kKeyStoreKeySize) other_ = true;
-    else hashes_.push_back(key_values_hash(get_u64_be(key.data())));
+    if (key.size() != kBucketKeySize) other_ = true;
+    else hashes_.push_back(mix64(static_cast<std::uint64_t>(static_cast<unsigned char>(key[0])) << 8 |
+                                 static_cast<unsigned char>(key[1])));
     return rocksdb::Status::OK();
   }
   rocksdb::Status Finish(rocksdb::UserCollectedProperties* properties) override {
@@ -364,29 +364,38 @@ class KeyValuesCollectorFactory : public rocksdb::TablePropertiesCollectorFactor
   const char* Name() const override { return "tidal.KeyValues"; }
 };
 
-// The key store (format 4), in the users engine: a purge erases its purged
-// users' keys by compacting in place the files that hold them, so small
-// files keep that rewrite small (256 KiB instead of RocksDB's 64 MiB), and
-// with dynamic level sizes a young Db's files settle into few levels. The
-// keys are random bytes, which no compression shrinks: not compressed (a
-// single purge's rewrite of a 1 MiB Snappy file took 22-26 ms at p50 and
-// 55-85 ms at p99 with signals flowing, of a 256 KiB plain one 10 and 43
-// ms; bench/README.md, "Session 37"). It sits in the users engine, not
-// beside the ledger in the state engine, because RocksDB deletes a file
-// replaced by a compaction only once every compaction of the engine that
-// began before the file was written has ended: in the state engine the
-// erasure of a bulk purge waited 9.7 s for the aggregates' and the sealed
-// ledger's compactions (bench/README.md, "Format 4").
-void set_key_store_options(rocksdb::ColumnFamilyOptions* options) {
+// The bucket keys (format 4), in the users engine: a purge erases the
+// bucket keys it replaced by compacting in place the files that hold them,
+// so small files keep that rewrite small (256 KiB instead of RocksDB's 64
+// MiB), and with dynamic level sizes a young Db's files settle into few
+// levels. The keys are random bytes, which no compression shrinks: not
+// compressed (a single purge's rewrite of a 1 MiB Snappy file took 22-26 ms
+// at p50 and 55-85 ms at p99 with signals flowing, of a 256 KiB plain one
+// 10 and 43 ms; bench/README.md, "Session 37"). They sit in the users
+// engine, not beside the ledger in the state engine, because RocksDB
+// deletes a file replaced by a compaction only once every compaction of the
+// engine that began before the file was written has ended: in the state
+// engine the erasure of a bulk purge waited 9.7 s for the aggregates' and
+// the sealed ledger's compactions (bench/README.md, "Format 4").
+void set_bucket_key_options(rocksdb::ColumnFamilyOptions* options) {
   options->target_file_size_base = 256 << 10;
   options->compression = rocksdb::kNoCompression;
+  options->write_buffer_size = 4 << 20;
+  options->level_compaction_dynamic_level_bytes = true;
+  // Which buckets' keys each file holds (Storage::may_hold_keys_of).
+  options->table_properties_collector_factories.push_back(std::make_shared<KeyValuesCollectorFactory>());
+}
+
+// The wrapped keys: never erased physically (what erases a user's key is
+// the erasure of the bucket key that wrapped it), so RocksDB's own file
+// sizes; random bytes, so not compressed.
+void set_wrapped_key_options(rocksdb::ColumnFamilyOptions* options) {
+  options->compression = rocksdb::kNoCompression;
   // Keys arrive as users first contribute (~1M in the demo's first minutes,
-  // 33 bytes each): small memtables flush them soon instead of holding up to
+  // 66 bytes each): small memtables flush them soon instead of holding up to
   // 64 MiB of them in memory (RocksDB's default).
   options->write_buffer_size = 4 << 20;
   options->level_compaction_dynamic_level_bytes = true;
-  // Which users' keys each file holds (Storage::may_hold_keys_of).
-  options->table_properties_collector_factories.push_back(std::make_shared<KeyValuesCollectorFactory>());
 }
 
 // The users engine's Env: its files go through the base Env's file system,
@@ -639,7 +648,7 @@ class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
                               [](std::string_view k, const auto& range) { return k < range.second; });
     if (r == ranges_.end() || key < r->first) return false;
     const rocksdb::Status s = storage_->db(Storage::Engine::Users)
-                                  ->Get(rocksdb::ReadOptions(), storage_->keys(), rocksdb::Slice(key.data(), key.size()),
+                                  ->Get(rocksdb::ReadOptions(), storage_->bucket_keys(), rocksdb::Slice(key.data(), key.size()),
                                         current);
     if (s.IsNotFound() || (s.ok() && *current != value)) return true;
     if (!s.ok()) unread_.fetch_add(1, std::memory_order_relaxed);
@@ -652,8 +661,8 @@ class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
   std::atomic<std::uint64_t> unread_{0};
 };
 
-bool Storage::may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& users) {
-  if (users.empty()) return false;
+bool Storage::may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& buckets) {
+  if (buckets.empty()) return false;
   const auto it = file.user_collected_properties.find(kKeyValuesProperty);
   // A filter that saw fewer values than the file holds (RocksDB skips its
   // collectors for an entry it cannot parse) may rule out a key it holds.
@@ -663,9 +672,9 @@ bool Storage::may_hold_keys_of(const rocksdb::TableProperties& file, const std::
   }
   const std::string_view filter = std::string_view(it->second).substr(8);
   const std::uint64_t bits = filter.size() * 8;
-  return std::any_of(users.begin(), users.end(), [&](std::uint64_t u) {
-    return key_values_probe(key_values_hash(u), bits, [&](std::uint64_t b) {
-      return (static_cast<unsigned char>(filter[b / 8]) >> (b % 8)) & 1;
+  return std::any_of(buckets.begin(), buckets.end(), [&](std::uint64_t b) {
+    return key_values_probe(mix64(b), bits, [&](std::uint64_t bit) {
+      return (static_cast<unsigned char>(filter[bit / 8]) >> (bit % 8)) & 1;
     });
   });
 }
@@ -728,20 +737,29 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   // Format 4's key store, when there is one: a writable open creates it
   // once the Db's checks passed (create_key_store); a read-only open of a
   // format-3 Db opens it without one.
-  const bool has_keys = listed && contains(existing, kKeyStoreFamily);
-  if (has_keys) descriptors.emplace_back(kKeyStoreFamily, rocksdb::ColumnFamilyOptions(options));
+  if (listed && contains(existing, kUnwrappedKeysFamily)) {
+    return Status::InvalidArgument("cannot open tidal Db at '" + path +
+                                   "': its key store was written by a development build of format 4 (each user's "
+                                   "key unwrapped, in column family '" + kUnwrappedKeysFamily +
+                                   "'); this version cannot read it. Re-create the Db (nothing changed)");
+  }
+  const bool has_wrapped = listed && contains(existing, kWrappedKeysFamily);
+  const bool has_buckets = listed && contains(existing, kBucketKeysFamily);
+  if (has_wrapped) descriptors.emplace_back(kWrappedKeysFamily, rocksdb::ColumnFamilyOptions(options));
+  if (has_buckets) descriptors.emplace_back(kBucketKeysFamily, rocksdb::ColumnFamilyOptions(options));
   // Format 2's state store, still in the users engine: opened to be moved.
   for (const char* name : kLegacyFamilies) {
     if (listed && contains(existing, name)) descriptors.emplace_back(name, rocksdb::ColumnFamilyOptions(options));
   }
   for (auto& d : descriptors) {
     set_table_options(storage->block_cache_, &d.options);
-    if (d.name != "users" && d.name != "by_tag" && d.name != "default" && d.name != kKeyStoreFamily) {
-      set_state_cf_options(d.name, &d.options);
-    }
-    if (d.name == kKeyStoreFamily) {
-      set_key_store_options(&d.options);
+    if (d.name == kWrappedKeysFamily) {
+      set_wrapped_key_options(&d.options);
+    } else if (d.name == kBucketKeysFamily) {
+      set_bucket_key_options(&d.options);
       d.options.compaction_filter_factory = storage->key_erasure_;
+    } else if (d.name != "users" && d.name != "by_tag" && d.name != "default") {
+      set_state_cf_options(d.name, &d.options);
     }
   }
 
@@ -772,11 +790,15 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   }
   storage->users_.db.reset(raw);
   // Destroyed (not dropped) by the end of the open or of the upgrade, or by close().
-  const std::size_t opened = std::size(kUsersFamilies) + (has_keys ? 1 : 0);
-  storage->legacy_.assign(storage->users_.handles.begin() + static_cast<std::ptrdiff_t>(opened),
-                          storage->users_.handles.end());
-  storage->users_.handles.resize(opened);
-  if (!has_keys) storage->users_.handles.push_back(nullptr);
+  const std::size_t fixed = std::size(kUsersFamilies);
+  const std::size_t opened = fixed + (has_wrapped ? 1 : 0) + (has_buckets ? 1 : 0);
+  std::vector<rocksdb::ColumnFamilyHandle*>& handles = storage->users_.handles;
+  storage->legacy_.assign(handles.begin() + static_cast<std::ptrdiff_t>(opened), handles.end());
+  rocksdb::ColumnFamilyHandle* const wrapped = has_wrapped ? handles[fixed] : nullptr;
+  rocksdb::ColumnFamilyHandle* const buckets = has_buckets ? handles[fixed + (has_wrapped ? 1 : 0)] : nullptr;
+  handles.resize(fixed);
+  handles.push_back(wrapped);  // keys()
+  handles.push_back(buckets);  // bucket_keys()
 
   std::string format;
   Status f = storage->get(storage->meta(), kDbFormatKey, &format);
@@ -961,20 +983,24 @@ Status Storage::finish_upgrade() {
 }
 
 Status Storage::create_key_store() {
-  if (users_.handles[3] != nullptr) return Status::OK();
-  rocksdb::ColumnFamilyOptions options(users_.db->GetOptions(users()));
-  set_table_options(block_cache_, &options);
-  set_key_store_options(&options);
-  options.compaction_filter_factory = key_erasure_;
-  rocksdb::ColumnFamilyHandle* handle = nullptr;
-  // Durable (RocksDB's MANIFEST) when it returns.
-  if (Status s = from_rocksdb(users_.db->CreateColumnFamily(options, kKeyStoreFamily, &handle),
-                              "creating the key store of '" + path_ + "'");
-      !s.ok()) {
-    return s;
-  }
-  users_.handles[3] = handle;
-  return Status::OK();
+  const auto create = [&](const char* name, std::size_t at, void (*set)(rocksdb::ColumnFamilyOptions*)) -> Status {
+    if (users_.handles[at] != nullptr) return Status::OK();
+    rocksdb::ColumnFamilyOptions options(users_.db->GetOptions(users()));
+    set_table_options(block_cache_, &options);
+    set(&options);
+    if (at == 4) options.compaction_filter_factory = key_erasure_;
+    rocksdb::ColumnFamilyHandle* handle = nullptr;
+    // Durable (RocksDB's MANIFEST) when it returns.
+    if (Status s = from_rocksdb(users_.db->CreateColumnFamily(options, name, &handle),
+                                "creating the key store of '" + path_ + "' (" + name + ")");
+        !s.ok()) {
+      return s;
+    }
+    users_.handles[at] = handle;
+    return Status::OK();
+  };
+  if (Status s = create(kWrappedKeysFamily, 3, set_wrapped_key_options); !s.ok()) return s;
+  return create(kBucketKeysFamily, 4, set_bucket_key_options);
 }
 
 rocksdb::ColumnFamilyHandle* Storage::legacy(std::string_view name) const {
@@ -1210,38 +1236,45 @@ Status Storage::flush_past_wals(Engine engine) {
   return flushed;
 }
 
-Status Storage::store_keys(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& users,
-                           const std::string& what) {
-  Status s = write(Engine::Users, batch, WriteMode::Sync, what);
+Status Storage::write_key_store(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& buckets, bool sync,
+                                const std::string& what) {
+  Status s = write(Engine::Users, batch, durable_if(sync), what);
+  if (buckets.empty()) return s;
   std::lock_guard<std::mutex> lock(stored_keys_mu_);
   const std::uint64_t by = users_.db->GetLatestSequenceNumber();
-  noted_keys_ += users.size();
+  noted_keys_ += buckets.size();
   if (noted_keys_ > kMaxNotedKeys) {
     stored_keys_.assign(1, StoredKeys{flushes_begun_, by, true, {}});
     noted_keys_ = 0;
   } else {
-    stored_keys_.push_back(StoredKeys{flushes_begun_, by, false, users});
+    stored_keys_.push_back(StoredKeys{flushes_begun_, by, false, buckets});
   }
   return s;
 }
 
-Storage::KeysWritten Storage::keys_written(const std::vector<std::uint64_t>& users) {
-  std::vector<std::uint64_t> sorted(users);
+Storage::KeysWritten Storage::keys_written(const std::vector<std::uint64_t>& buckets) {
+  std::vector<std::uint64_t> sorted(buckets);
   std::sort(sorted.begin(), sorted.end());
   std::lock_guard<std::mutex> lock(stored_keys_mu_);
   // A flush begun after a note took its keys out of the WALs and memtables.
   std::erase_if(stored_keys_, [&](const StoredKeys& k) {
     if (k.flushes_begun >= flushed_) return false;
-    noted_keys_ -= k.users.size();
+    noted_keys_ -= k.buckets.size();
     return true;
   });
+  // Newest first: a bucket's newest note wrote its current key, which is
+  // not erased; the notes before it wrote the keys it replaced.
   KeysWritten out{false, flushed_seq_};
-  for (const StoredKeys& k : stored_keys_) {
-    if (k.everyone || std::any_of(k.users.begin(), k.users.end(), [&](std::uint64_t u) {
-          return std::binary_search(sorted.begin(), sorted.end(), u);
-        })) {
+  std::unordered_set<std::uint64_t> current;  // buckets whose newest note was seen
+  for (auto k = stored_keys_.rbegin(); k != stored_keys_.rend(); ++k) {
+    bool replaced = k->everyone;
+    for (std::uint64_t b : k->buckets) {
+      if (!std::binary_search(sorted.begin(), sorted.end(), b)) continue;
+      if (!current.insert(b).second) replaced = true;
+    }
+    if (replaced) {
       out.in_wals = true;
-      out.by = std::max(out.by, k.by);
+      out.by = std::max(out.by, k->by);
     }
   }
   return out;

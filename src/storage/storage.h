@@ -10,7 +10,9 @@
 //   users       the users partition (docs/FORMAT.md)
 //   by_tag      the index: a copy of the users records of the indexed tags,
 //               keyed tag-first, written in the same WriteBatch
-//   keys        format 4: each contributing user's ledger key (storage/sealed_ledger.h)
+//   wrapped_keys  format 4: each contributing user's ledger key, wrapped
+//               with the key of the user's bucket (storage/sealed_ledger.h)
+//   bucket_keys   format 4: the 65,536 bucket keys
 // The state engine, in <path>/state:
 //   default     meta records of the state store (format, epoch, clock floor
 //               of purges, erasure marks, the change feed's shard and trim)
@@ -129,10 +131,12 @@ class Storage {
   // version (storage/sealed_ledger.h).
   rocksdb::ColumnFamilyHandle* ledger() const { return upgrade_pending_ ? legacy("ledger") : state_.handles[2]; }
   rocksdb::ColumnFamilyHandle* receipts() const { return upgrade_pending_ ? users() : state_.handles[3]; }
-  // Format 4's key store (in the users engine) and sealed ledger (in the
-  // state engine) (storage/sealed_ledger.h); null while upgrade_pending(),
-  // and in a read-only open of a format-3 Db.
+  // Format 4's key store (in the users engine: the users' wrapped keys and
+  // their buckets' keys) and sealed ledger (in the state engine)
+  // (storage/sealed_ledger.h); null while upgrade_pending(), and in a
+  // read-only open of a format-3 Db.
   rocksdb::ColumnFamilyHandle* keys() const { return upgrade_pending_ ? nullptr : users_.handles[3]; }
+  rocksdb::ColumnFamilyHandle* bucket_keys() const { return upgrade_pending_ ? nullptr : users_.handles[4]; }
   rocksdb::ColumnFamilyHandle* sealed_ledger() const { return upgrade_pending_ ? nullptr : state_.handles[4]; }
   rocksdb::ColumnFamilyHandle* sealed_index() const { return upgrade_pending_ ? nullptr : state_.handles[5]; }
   // What keeps the key store in step with the sealed ledger for a reader of
@@ -142,6 +146,12 @@ class Storage {
   // meanwhile, and so sees a purged user's records and key both or
   // neither. Taken after StateStore's drain lock, never before.
   std::shared_mutex& key_store_mu() const { return key_store_mu_; }
+  // Held by every write of the key store (storage/sealed_ledger.h,
+  // store_user_keys and delete_user_keys), which reads a bucket's current
+  // key and writes what it wraps: a new key wrapped with a bucket key that
+  // a purge replaced meanwhile would be lost. Taken last: nothing is
+  // acquired under it.
+  std::mutex& key_writes_mu() const { return key_writes_mu_; }
   // The change feed (docs/FORMAT.md); null until create_feed().
   rocksdb::ColumnFamilyHandle* feed() const {
     if (upgrade_pending_) return legacy("feed");
@@ -228,10 +238,10 @@ class Storage {
   // (the engine's clean_close) gives the flush something to write.
   Status flush_past_wals(Engine engine);
 
-  // Where the ledger keys of `users` can be (format 4), as far as this open
-  // saw them stored: whether the users engine's WALs or memtables may still
-  // hold one, and a sequence number no key of theirs was written after, so
-  // that no SST file all of whose entries came later holds one (a
+  // Where the replaced bucket keys of `buckets` (each one's keys before its
+  // current one) can be (format 4), as far as this open saw them stored: whether the users engine's WALs or memtables may
+  // still hold one, and a sequence number no key of theirs was written
+  // after, so that no SST file all of whose entries came later holds one (a
   // compaction keeps sequence numbers, or sets them to 0). A key stored
   // since the start of the last flush_past_wals of that engine that
   // succeeded is in the WALs, and was written by the sequence number read
@@ -245,13 +255,14 @@ class Storage {
     bool in_wals = true;
     std::uint64_t by = std::numeric_limits<std::uint64_t>::max();
   };
-  KeysWritten keys_written(const std::vector<std::uint64_t>& users);
-  // Writes (synced) `batch`, the new ledger keys of `users`, into the key
-  // store, and notes them for keys_written whether or not the write
-  // succeeded (a failed write may still be durable). Past kMaxNotedKeys
-  // users the notes fold into "any key", so that a Db that never purges
-  // keeps no list that grows.
-  Status store_keys(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& users, const std::string& what);
+  KeysWritten keys_written(const std::vector<std::uint64_t>& buckets);
+  // Writes `batch` into the key store (synced when `sync`), and notes the
+  // bucket keys of `buckets` it writes for keys_written whether or not the
+  // write succeeded (a failed write may still be durable). Past
+  // kMaxNotedKeys buckets the notes fold into "any key", so that a Db that
+  // never purges keeps no list that grows. Under key_writes_mu.
+  Status write_key_store(rocksdb::WriteBatch* batch, const std::vector<std::uint64_t>& buckets, bool sync,
+                         const std::string& what);
 
   // How far the state engine's compactions are behind: what admission
   // control reads (StateStore). RocksDB's own write stalls are off in the
@@ -300,11 +311,11 @@ class Storage {
   // the open: records no index key names, a purged user's (storage.cc,
   // SealedRecordReclaim; docs/PURGE.md, "What erased means").
   std::uint64_t sealed_records_reclaimed() const;
-  // While one lives, a manual compaction of the key store (the erasure's
+  // While one lives, a manual compaction of the bucket keys (the erasure's
   // own, Db::Impl::erase_ranges) drops each value of a key in `ranges`
-  // (sorted, disjoint, [begin, end)) that is not the key store's current
-  // value of that key: a purged user's key, whose deletion is in a newer
-  // file than the compaction's. So the erasure rewrites only the files that
+  // (sorted, disjoint, [begin, end)) that is not the current value of that
+  // key: a bucket key that a purge replaced, whose replacement is in a
+  // newer file than the compaction's. So the erasure rewrites only the files that
   // hold the values, each at its own level, never the files that RocksDB
   // would add between them and the deletion's. One at a time (the
   // erasure's lock); automatic compactions never drop anything.
@@ -321,17 +332,16 @@ class Storage {
    private:
     const Storage& storage_;
   };
-  // Whether a file of the key store, by its table properties, may hold the
-  // key (a value, not a deletion) of one of `users`. Each file the key
-  // store writes keeps a Bloom filter of the users whose keys it holds
+  // Whether a file of the bucket keys, by its table properties, may hold
+  // the key (a value, not a deletion) of one of `buckets`. Each file of
+  // the bucket keys keeps a Bloom filter of the buckets whose keys it holds
   // (~1 % false positives, no false negatives), so that an erasure
-  // compacts only the files that may hold a purged key: a level-0 file
-  // spans the whole key store, and a small one that a purge had compacted
+  // compacts only the files that may hold a replaced key: a level-0 file
+  // spans the whole family, and a small one that a purge had compacted
   // in place stayed there, compacted again, for nothing, beside the file
   // with the key in 197 of 500 single purges at 1M users (bench/README.md,
-  // "Session 37"). A file without the filter (written before it existed)
-  // may hold any key.
-  static bool may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& users);
+  // "Session 37"). A file without the filter may hold any key.
+  static bool may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& buckets);
   // What the checks under way have done, for Stats.
   struct ScanProgress {
     std::atomic<std::uint64_t> records_read{0};      // by the checks under way
@@ -425,6 +435,7 @@ class Storage {
 
   std::string path_;
   mutable std::shared_mutex key_store_mu_;
+  mutable std::mutex key_writes_mu_;
   // The directory's (st_dev, st_ino) in the registry of Dbs open for
   // writing, while this handle holds it.
   std::optional<std::pair<dev_t, ino_t>> registry_id_;
@@ -465,9 +476,9 @@ class Storage {
     std::uint64_t flushes_begun;
     std::uint64_t by;  // the sequence number read after their write
     bool everyone;     // any key (at open, or the notes folded)
-    std::vector<std::uint64_t> users;
+    std::vector<std::uint64_t> buckets;
   };
-  static constexpr std::size_t kMaxNotedKeys = std::size_t{1} << 20;  // 8 MiB of users
+  static constexpr std::size_t kMaxNotedKeys = std::size_t{1} << 20;  // 8 MiB of buckets
   std::mutex stored_keys_mu_;
   std::uint64_t flushes_begun_ = 0;  // guarded by stored_keys_mu_
   // The last flush that succeeded, by number, and the sequence number at its start.
