@@ -913,6 +913,50 @@ TEST(Purge, AnErasureThatCannotReadTheKeyStoreKeepsTheValueAndStaysMarked) {
   ASSERT_OK(db.close());
 }
 
+// A purge gives the purged user's bucket a new key and wraps the bucket's
+// other users' keys again with it; its erasure then drops the bucket's old
+// key from the files, here without a flush (the old key was in an SST file
+// already). A power cut right after the purge returns keeps the new key and
+// the keys wrapped again: the write was synced. (Unsynced, the cut took
+// them back after the erasure had dropped the old key, and the other user's
+// key could not be unwrapped any more.)
+TEST(Purge, APowerCutAfterAPurgeKeepsTheKeysOfItsBucketsOtherUsers) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  constexpr std::uint64_t kLeaver = 0xA1B2C3D4E5F60752ULL;
+  std::uint64_t sibling = 1;
+  while (key_bucket(sibling) != key_bucket(kLeaver)) ++sibling;
+  auto fault = reliability::FaultEnv::make();
+  {
+    std::unique_ptr<Db> db = open_with_stored_user(fault, path, kLeaver);
+    ASSERT_NE(db, nullptr);
+    ASSERT_OK(db->join_community(sibling, 9));
+    ASSERT_OK(db->signal_with_context({sibling, 1000, 2.5}, {{4}}));
+    ASSERT_OK(db->flush());
+    // The bucket's key in an SST file, out of the WALs: the erasure does not flush.
+    ASSERT_OK(Db::Impl::storage_for_testing(*db).flush_past_wals(Storage::Engine::Users));
+    ASSERT_OK(db->leave_community_layer(kLeaver));
+    Result<PurgeReceipt> r = db->purge_community_contributions(kLeaver);
+    ASSERT_OK(r);
+    EXPECT_TRUE(r->erasure_complete);
+    fault.fs->cut_power();
+    db.reset();  // close fails: the power is off
+  }
+  fault.fs->restore_power();
+  Result<std::unique_ptr<Db>> reopened = Db::Impl::open(path, manual_writes(), fault.env.get());
+  ASSERT_OK(reopened);
+  Db& db = **reopened;
+  Result<VerifyReport> v = db.verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  ASSERT_OK(db.leave_community_layer(sibling));
+  Result<PurgeReceipt> o = db.purge_community_contributions(sibling);
+  ASSERT_OK(o);
+  EXPECT_EQ(o->entries_removed, 2u);
+  EXPECT_EQ(o->cohort_weight_removed, 2.5);
+  ASSERT_OK(db.close());
+}
+
 // A compaction of all of `cf` into the last level, in a thread of its own,
 // stalled at its first output's sync (`fault`'s file system holds it) until
 // release(); join() waits for its end.

@@ -732,6 +732,76 @@ TEST(SealedLedger, APurgesErasureRewritesOnlyTheBucketKeyFilesThatHoldTheKey) {
   EXPECT_EQ(o->cohort_weight_removed, 2.5);
 }
 
+// A key that a purge could not delete (here: another user of the bucket has
+// a wrapped key that does not unwrap, so the bucket cannot get a new key),
+// then replaced by the user's next contribution after a rejoin, wrapped
+// with the same bucket key: the purged key's wrapped copy is still in the
+// files, and so is that bucket key. The erasure gives the bucket a new key
+// all the same, and erases the old one: on return the purged key cannot be
+// unwrapped from the files. (Before, the erasure left a replaced key alone,
+// and the purged records opened with the key the files still held.)
+TEST(SealedLedger, AKeyThatReplacedAnUndeletedPurgedKeyGetsItsBucketANewKey) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const std::uint64_t u = 0xA1B2C3D4E5F60721ULL;
+  const std::uint64_t sibling = user_in_bucket(key_bucket(u), 1);
+  {
+    auto db = open_db(path, manual_writes());
+    for (std::uint64_t x : {u, sibling}) {
+      ASSERT_OK(db->join_community(x, 77));
+      ASSERT_OK(db->signal_with_context({x, 1, 1.5}, {{4}}));
+    }
+    ASSERT_OK(db->close());  // the keys in SST files
+  }
+  std::string sibling_key;  // the sibling's wrapped key, set aside
+  const auto put_sibling = [&](const std::string& value) {
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    ASSERT_TRUE(raw.db(RawDb::kKeys)
+                    ->Put(rocksdb::WriteOptions(), raw.cf(RawDb::kKeys), encode_key_store_key(sibling), value)
+                    .ok());
+  };
+  {
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    ASSERT_TRUE(raw.db(RawDb::kKeys)
+                    ->Get(rocksdb::ReadOptions(), raw.cf(RawDb::kKeys), encode_key_store_key(sibling), &sibling_key)
+                    .ok());
+  }
+  std::string broken = sibling_key;
+  broken[30] = static_cast<char>(broken[30] ^ 1);
+  put_sibling(broken);
+  const testing::ErasureScan held = scan_files(path, u);
+  ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
+  {
+    auto db = open_db(path, manual_writes());
+    ASSERT_OK(db->leave_community_layer(u));
+    Result<PurgeReceipt> r = db->purge_community_contributions(u);
+    ASSERT_FALSE(r.ok()) << "the key was deleted although its bucket could not get a new key";
+    EXPECT_EQ(value_of(db->cohort_score(4, 1)), 1.5) << "the purge's subtraction is done";
+    ASSERT_OK(db->rejoin_community_layer(u));
+    ASSERT_OK(db->signal_with_context({u, 1, 0.25}, {{4}}));
+    ASSERT_OK(db->flush());
+    (void)db->close();
+  }
+  put_sibling(sibling_key);
+  auto db = open_db(path, manual_writes());  // finishes the erasure
+  Result<std::vector<PurgeReceipt>> receipts = db->purge_receipts(u);
+  ASSERT_OK(receipts);
+  ASSERT_EQ(receipts->size(), 1u);
+  EXPECT_TRUE(receipts->front().erasure_complete);
+  // The purged key only (u's key since the rejoin is rightly there): the
+  // scan is of a user with no record of its own, given that key to find.
+  constexpr std::uint64_t kNobody = 0xFFFF'FFFF'FFFF'FFF0ULL;
+  for (const std::string& f : scan_files(path, kNobody, held.user_keys).found) {
+    ADD_FAILURE() << "after the erasure, the purged key: " << f;
+  }
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  EXPECT_EQ(value_of(db->cohort_score(4, 1)), 1.75);  // the sibling's 1.5 and u's 0.25 after the rejoin
+}
+
 // A purge flushes the users engine (its WALs, its memtables) only while they
 // may hold a bucket key it replaces: one stored since the last such flush
 // (a bucket's first key, stored with its first user's), or any key in the

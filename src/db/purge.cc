@@ -603,7 +603,7 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
         erase.push_back(u);
       }
       if (!orphaned.empty()) {
-        if (Status d = delete_user_keys(*storage_, orphaned, /*sync=*/false,
+        if (Status d = delete_user_keys(*storage_, orphaned, {},
                                         std::string(what) + ": deleting ledger keys that seal no record");
             !d.ok()) {
           return d;
@@ -755,9 +755,9 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   for (std::size_t i = 0; i < users.size(); ++i) {
     if (keys[i]) keyed.push_back(users[i]);
   }
-  // Not synced: the erasure flushes the key store when it must, and until
-  // then the marks stay.
-  Status d = delete_user_keys(*storage_, keyed, /*sync=*/false, what + ": deleting the ledger keys");
+  // Synced (delete_user_keys): the erasure drops the bucket keys this
+  // replaces.
+  Status d = delete_user_keys(*storage_, keyed, {}, what + ": deleting the ledger keys");
   // The purge is done either way; an undeleted key is the erasure's to
   // delete (erase_purged), and is never used again.
   for (std::uint64_t u : users) {
@@ -790,24 +790,32 @@ Status Db::Impl::delete_marked_keys(const std::vector<std::uint64_t>& users, std
   in_use->clear();
   if (storage_->keys() == nullptr) return Status::OK();
   // The users whose stored key is the one their mark names: a purge that
-  // failed to delete it, or a crash before it did. (A key made after the
-  // purge, for a contribution after a rejoin, is left alone; it replaced
-  // the purged one, which the compaction below drops.) A key that seals a
+  // failed to delete it, or a crash before it did. A key made after the
+  // purge, for a contribution after a rejoin, is kept, but its bucket gets
+  // a new key all the same (`replaced`): the writer stored it, wrapped with
+  // the bucket's key of the moment, over the purged key, whose wrapped copy
+  // with that same bucket key may still be in the files. A key that seals a
   // record the index still names is kept, and so is the mark: after a
   // purge batch whose ingestion failed (so the writer used the key again)
   // turned out durable at the next open. The purged records then stay
   // readable until the user's next purge deletes the key (purge_receipts
   // says the erasure is not complete).
+  std::vector<std::uint64_t> replaced;
   const auto marked_keys = [&](std::vector<std::uint64_t>* out) -> Status {
     out->clear();
     in_use->clear();
+    replaced.clear();
     for (std::uint64_t u : users) {
       Result<std::optional<ErasureMark>> mark = erasure_mark(u);
       if (!mark.ok()) return mark.status();
       if (!*mark || (*mark)->key_tag.empty()) continue;
       Result<std::optional<UserKey>> key = read_user_key(*storage_, u);
       if (!key.ok()) return key.status();
-      if (!*key || (*key)->erasure_tag() != (*mark)->key_tag) continue;
+      if (!*key) continue;
+      if ((*key)->erasure_tag() != (*mark)->key_tag) {
+        replaced.push_back(u);
+        continue;
+      }
       const rocksdb::Slice pseudonym((*key)->pseudonym().data(), (*key)->pseudonym().size());
       auto it = storage_->prefix_iterator(storage_->sealed_index());
       it->Seek(pseudonym);
@@ -817,12 +825,14 @@ Status Db::Impl::delete_marked_keys(const std::vector<std::uint64_t>& users, std
     return Status::OK();
   };
   std::vector<std::uint64_t> found;
-  if (Status s = marked_keys(&found); !s.ok() || found.empty()) return s;
+  if (Status s = marked_keys(&found); !s.ok() || (found.empty() && replaced.empty())) return s;
   // Again with the writer held back, which could store a new key meanwhile.
   return state_->exclusive([&]() -> Status {
-    if (Status s = marked_keys(&found); !s.ok() || found.empty()) return s;
-    Status s = delete_user_keys(*storage_, found, /*sync=*/false,
-                                "deleting the ledger keys of " + std::to_string(found.size()) + " purged users");
+    if (Status s = marked_keys(&found); !s.ok() || (found.empty() && replaced.empty())) return s;
+    Status s = delete_user_keys(*storage_, found, replaced,
+                                "deleting the ledger keys of " + std::to_string(found.size()) +
+                                    " purged users, and renewing the bucket keys of " +
+                                    std::to_string(replaced.size()) + " whose keys replaced purged ones");
     for (std::uint64_t u : found) {
       if (s.ok()) state_->forget_ledger_key(u);
       else state_->revoke_ledger_key(u);

@@ -598,13 +598,20 @@ Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64
   return storage.write_key_store(&batch, made, /*sync=*/true, what);
 }
 
-Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& users, bool sync, const std::string& what,
-                        std::vector<std::uint64_t>* changed) {
-  if (changed != nullptr) changed->clear();
-  if (storage.keys() == nullptr || storage.bucket_keys() == nullptr || users.empty()) return Status::OK();
+Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& users,
+                        const std::vector<std::uint64_t>& replaced, const std::string& what) {
+  if (storage.keys() == nullptr || storage.bucket_keys() == nullptr || (users.empty() && replaced.empty())) {
+    return Status::OK();
+  }
   std::lock_guard<std::mutex> lock(storage.key_writes_mu());
   std::map<std::uint16_t, std::vector<std::uint64_t>> by_bucket;  // the users to delete, sorted in each
   for (std::uint64_t u : users) by_bucket[key_bucket(u)].push_back(u);
+  std::vector<std::uint16_t> renew;  // buckets given a new key whatever they hold
+  for (std::uint64_t u : replaced) {
+    by_bucket[key_bucket(u)];
+    renew.push_back(key_bucket(u));
+  }
+  std::sort(renew.begin(), renew.end());
   rocksdb::WriteBatch batch;
   std::vector<std::uint64_t> buckets;  // those given a new key
   std::vector<std::string> rewrapped;
@@ -632,7 +639,7 @@ Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& user
       }
     }
     if (Status s = from_rocksdb(it->status(), "read of the key store's " + bucket_text(bucket)); !s.ok()) return s;
-    if (!found) continue;
+    if (!found && !(std::binary_search(renew.begin(), renew.end(), bucket) && !kept.empty())) continue;
     std::vector<std::optional<BucketKey>> old;
     if (Status s = read_bucket_keys(storage, {bucket}, nullptr, &old); !s.ok()) return s;
     if (!old[0]) {
@@ -652,9 +659,7 @@ Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& user
     buckets.push_back(bucket);
   }
   if (buckets.empty()) return Status::OK();
-  Status s = storage.write_key_store(&batch, buckets, sync, what);
-  if (changed != nullptr) *changed = std::move(buckets);
-  return s;
+  return storage.write_key_store(&batch, buckets, /*sync=*/true, what);
 }
 
 std::optional<std::uint64_t> decode_key_store_key(std::string_view key) {

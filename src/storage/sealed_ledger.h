@@ -212,14 +212,17 @@ std::optional<std::uint32_t> wrapped_key_generation(std::string_view value);
 // write. Under Storage::key_writes_mu, as every write of the key store is.
 Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64_t, UserKey>>& created,
                        const std::string& what);
-// Deletes the stored keys of `users` (those that have one): in one write
-// (synced when `sync`), each of their buckets gets a key of the next
+// Deletes the stored keys of `users` (those that have one): in one synced
+// write, each of their buckets, and each bucket of `replaced` (users whose
+// stored key replaced one that a purge could not delete: the replaced key's
+// wrapped copy may still be in the files), gets a key of the next
 // generation, the keys of the bucket's other users are wrapped again with
-// it, and theirs are deleted. The old bucket keys are then what the
-// erasure removes from the files (Db::Impl::erase_purged). `*buckets`,
-// when given, gets the buckets changed (sorted).
-Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& users, bool sync,
-                        const std::string& what, std::vector<std::uint64_t>* buckets = nullptr);
+// it, and those of `users` are deleted. The old bucket keys are then what
+// the erasure removes from the files (Db::Impl::erase_purged), and it drops
+// every key that is not its bucket's current one: synced, so that a power
+// cut cannot take back the new key after the erasure dropped the old one.
+Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& users,
+                        const std::vector<std::uint64_t>& replaced, const std::string& what);
 
 // The stored ledger key of `user` (as of `snapshot`, when given); empty
 // when the key store holds none (the user never contributed since the

@@ -149,8 +149,8 @@ class Storage {
   // Held by every write of the key store (storage/sealed_ledger.h,
   // store_user_keys and delete_user_keys), which reads a bucket's current
   // key and writes what it wraps: a new key wrapped with a bucket key that
-  // a purge replaced meanwhile would be lost. Taken last: nothing is
-  // acquired under it.
+  // a purge replaced meanwhile would be lost. Taken after key_store_mu;
+  // under it only the notes' lock (write_key_store) and RocksDB's own.
   std::mutex& key_writes_mu() const { return key_writes_mu_; }
   // The change feed (docs/FORMAT.md); null until create_feed().
   rocksdb::ColumnFamilyHandle* feed() const {
