@@ -73,8 +73,10 @@ void write_raw(const std::string& path, const std::vector<Record>& records, bool
   rocksdb::Options o;
   std::vector<rocksdb::ColumnFamilyDescriptor> d;
   // The users engine (the Db directory); the state engine is in state/.
-  // Format 4's key store ("keys") is in the users engine too.
-  for (const char* n : {"default", "users", "by_tag", "keys"}) d.emplace_back(n, rocksdb::ColumnFamilyOptions());
+  // Format 4's key store (wrapped_keys, bucket_keys) is in the users engine too.
+  for (const char* n : {"default", "users", "by_tag", "wrapped_keys", "bucket_keys"}) {
+    d.emplace_back(n, rocksdb::ColumnFamilyOptions());
+  }
   std::vector<rocksdb::ColumnFamilyHandle*> cfs;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(o, path, d, &cfs, &raw);
