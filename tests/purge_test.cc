@@ -452,6 +452,44 @@ TEST(Purge, NoSstOrWalFileHoldsAKeyOfThePurgedLedgerOnReturn) {
   for (const std::string& f : scan_files(path, u, before.user_keys).found) ADD_FAILURE() << "after close: " << f;
 }
 
+// A purge's ingestion does not wait for a flush of what earlier erasures
+// deleted: an erasure deletes its users' marks with a write to the meta
+// column family's memtable, and RocksDB flushes a memtable before it
+// ingests a file whose key range overlaps it. The marks are ingested in a
+// file of their own, whose range holds only its users' marks; in one file
+// with the stripes' clock floors (which sort before every mark), user 7's
+// purge took in user 5's deleted mark, and the state engine's LOG shows
+// the flush.
+TEST(Purge, APurgesIngestionWaitsForNoFlushOfTheMarksAnEarlierErasureDeleted) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  auto db = open_db(path, manual_writes());
+  for (const std::uint64_t u : {std::uint64_t{5}, std::uint64_t{7}}) {
+    ASSERT_OK(db->join_community(u, 50));
+    ASSERT_OK(db->signal_with_context({u, 1, 0.5}, {{1}}));
+    ASSERT_OK(db->leave_community_layer(u));
+  }
+  ASSERT_OK(db->purge_community_contributions(5));
+  const auto flushes_for_ingestion = [&] {
+    std::ifstream log(path + "/state/LOG");
+    const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    std::size_t n = 0;
+    for (std::size_t at = text.find("External File Ingestion"); at != std::string::npos;
+         at = text.find("External File Ingestion", at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  ASSERT_TRUE(fs::exists(path + "/state/LOG"));
+  const std::size_t before = flushes_for_ingestion();
+  Result<PurgeReceipt> r = db->purge_community_contributions(7);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->entries_removed, 2u);
+  EXPECT_EQ(flushes_for_ingestion(), before) << "user 7's purge flushed the state engine before its ingestion";
+  EXPECT_EQ(value_of(db->cohort_score(1, 1)), 0.0);
+  ASSERT_OK(db->close());
+}
+
 // ---- re-materialization ----
 
 TEST(Rematerialize, FindsAndRepairsEveryAggregateThatDisagreesWithTheLedger) {

@@ -40,8 +40,9 @@ class IngestBatch {
   // ingesting one do that work.
   Status finish(std::string_view what);
   // Finishes the files and ingests them, with those of `with` (another
-  // batch of the same Db, of other column families; null: none), in one
-  // atomic, durable step.
+  // batch of the same Db, whose files of a column family this batch also
+  // writes must not overlap this batch's; null: none), in one atomic,
+  // durable step.
   Status ingest(std::string_view what, IngestBatch* with = nullptr);
 
  private:

@@ -1180,8 +1180,13 @@ Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*,
                        std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
   if (state_.db == nullptr) return not_upgraded(what);
-  std::vector<rocksdb::IngestExternalFileArg> args;
+  std::vector<rocksdb::IngestExternalFileArg> args;  // one per column family, as RocksDB requires
   for (const auto& [cf, file] : files) {
+    auto same = std::find_if(args.begin(), args.end(), [cf = cf](const auto& a) { return a.column_family == cf; });
+    if (same != args.end()) {
+      same->external_files.push_back(file);
+      continue;
+    }
     rocksdb::IngestExternalFileArg& arg = args.emplace_back();
     arg.column_family = cf;
     arg.external_files.push_back(file);

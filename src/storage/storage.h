@@ -208,9 +208,9 @@ class Storage {
   // `<path>/ingest`: created by a writable open, which also deletes what a
   // crash left there.
   std::string ingest_dir() const { return path_ + "/ingest"; }
-  // Adds finished SST files, at most one per column family of the state
-  // engine, to it in one atomic step: after a crash or power loss either all
-  // of them are there or none. Durable (fsynced, MANIFEST included) when it
+  // Adds finished SST files of the state engine's column families to it in
+  // one atomic step: after a crash or power loss either all of them are
+  // there or none. Files of the same column family must not overlap. Durable (fsynced, MANIFEST included) when it
   // returns. The files move into the engine by a hard link (a copy where the
   // file system has none), so their data is written and fsynced once
   // (SstFileWriter::Finish); a file left in ingest_dir() is the caller's to
