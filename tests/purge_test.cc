@@ -27,6 +27,7 @@
 #include "erasure_scan.h"
 #include "fault_fs.h"
 #include "storage/format.h"
+#include "storage/ingest_batch.h"
 #include "storage/receipt.h"
 #include "storage/state_format.h"
 #include "test_util.h"
@@ -488,6 +489,39 @@ TEST(Purge, APurgesIngestionWaitsForNoFlushOfTheMarksAnEarlierErasureDeleted) {
   EXPECT_EQ(flushes_for_ingestion(), before) << "user 7's purge flushed the state engine before its ingestion";
   EXPECT_EQ(value_of(db->cohort_score(1, 1)), 0.0);
   ASSERT_OK(db->close());
+}
+
+// Storage::ingest takes several files of one column family (the purge's
+// marks beside its clock floors), and so refuses one file named twice: two
+// batches of the same name have written the same file, each over the other.
+TEST(Purge, AnIngestionOfTwoBatchesOfOneNameIsRefusedWithNothingIngested) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  ASSERT_OK(open_db(path)->close());
+  Result<std::unique_ptr<Storage>> st = Storage::open(path, Storage::Config{});
+  ASSERT_OK(st);
+  Storage& storage = **st;
+  {  // the batches delete what is left of their files: before the close
+    IngestBatch a(&storage, "twice"), b(&storage, "twice");
+    ASSERT_TRUE(a.put(storage.state_meta(), "test/a", "1").ok());
+    ASSERT_TRUE(b.put(storage.state_meta(), "test/b", "2").ok());
+    const Status s = a.ingest("test ingestion", &b);
+    EXPECT_EQ(s.code(), StatusCode::InvalidArgument) << s.message();
+    EXPECT_NE(s.message().find("twice.default.sst' is named twice"), std::string::npos) << s.message();
+    std::string value;
+    EXPECT_EQ(storage.get(storage.state_meta(), "test/a", &value).code(), StatusCode::NotFound);
+    EXPECT_EQ(storage.get(storage.state_meta(), "test/b", &value).code(), StatusCode::NotFound);
+    // Two batches of distinct names, one column family: one atomic ingestion.
+    IngestBatch c(&storage, "one"), d(&storage, "two");
+    ASSERT_TRUE(c.put(storage.state_meta(), "test/c", "3").ok());
+    ASSERT_TRUE(d.put(storage.state_meta(), "test/d", "4").ok());
+    ASSERT_OK(c.ingest("test ingestion", &d));
+    ASSERT_OK(storage.get(storage.state_meta(), "test/c", &value));
+    EXPECT_EQ(value, "3");
+    ASSERT_OK(storage.get(storage.state_meta(), "test/d", &value));
+    EXPECT_EQ(value, "4");
+  }
+  ASSERT_OK(storage.close());
 }
 
 // ---- re-materialization ----

@@ -687,8 +687,9 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   // The ledgers' range deletions (format 3's, by user; the sealed index's,
   // by pseudonym), the keys' (which erase_purged then erases from the
   // files), the receipts, then the meta
-  // records: the stripes' clock floors ("clock_floor/...") before the
-  // erasure marks ("erasure_pending/..."), each in key order.
+  // records: the stripes' clock floors ("clock_floor/..."), and the
+  // erasure marks ("erasure_pending/...") in a file of their own (below),
+  // each in key order.
   std::vector<std::uint64_t> floors(user_locks_.size(), 0);
   for (std::size_t i = 0; i < users.size(); ++i) {
     std::uint64_t& floor = floors[users[i] % floors.size()];

@@ -1182,6 +1182,10 @@ Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*,
   if (state_.db == nullptr) return not_upgraded(what);
   std::vector<rocksdb::IngestExternalFileArg> args;  // one per column family, as RocksDB requires
   for (const auto& [cf, file] : files) {
+    // Two batches of one name would have written the same file.
+    if (std::count_if(files.begin(), files.end(), [&file = file](const auto& f) { return f.second == file; }) > 1) {
+      return Status::InvalidArgument(std::string(what) + ": the file '" + file + "' is named twice in one ingestion");
+    }
     auto same = std::find_if(args.begin(), args.end(), [cf = cf](const auto& a) { return a.column_family == cf; });
     if (same != args.end()) {
       same->external_files.push_back(file);
