@@ -466,6 +466,22 @@ Result<std::optional<UserKey>> unwrap_user_key(const Storage& storage, std::uint
   return k;
 }
 
+// One MultiGet of `keys` in the key store's column family `cf` (of the
+// users engine) as of `snapshot`: values[i] and statuses[i] are keys[i]'s.
+struct KeyStoreReads {
+  KeyStoreReads(const Storage& storage, rocksdb::ColumnFamilyHandle* cf, const std::vector<std::string>& keys,
+                const rocksdb::Snapshot* snapshot, bool sorted)
+      : values(keys.size()), statuses(keys.size()) {
+    std::vector<rocksdb::Slice> slices(keys.begin(), keys.end());
+    rocksdb::ReadOptions read;
+    read.snapshot = snapshot;
+    storage.db(Storage::Engine::Users)
+        ->MultiGet(read, cf, slices.size(), slices.data(), values.data(), statuses.data(), sorted);
+  }
+  std::vector<rocksdb::PinnableSlice> values;
+  std::vector<rocksdb::Status> statuses;
+};
+
 // The current keys of `buckets` (sorted, distinct) as of `snapshot`, in one
 // MultiGet: (*keys)[i] empty when buckets[i] has none.
 Status read_bucket_keys(const Storage& storage, const std::vector<std::uint16_t>& buckets,
@@ -475,14 +491,9 @@ Status read_bucket_keys(const Storage& storage, const std::vector<std::uint16_t>
   std::vector<std::string> encoded;
   encoded.reserve(buckets.size());
   for (std::uint16_t b : buckets) encoded.push_back(encode_bucket_key(b));
-  std::vector<rocksdb::Slice> slices(encoded.begin(), encoded.end());
-  std::vector<rocksdb::PinnableSlice> values(buckets.size());
-  std::vector<rocksdb::Status> statuses(buckets.size());
-  rocksdb::ReadOptions read;
-  read.snapshot = snapshot;
-  storage.db(Storage::Engine::Users)
-      ->MultiGet(read, storage.bucket_keys(), slices.size(), slices.data(), values.data(), statuses.data(),
-                 /*sorted_input=*/true);
+  const KeyStoreReads reads(storage, storage.bucket_keys(), encoded, snapshot, /*sorted=*/true);
+  const std::vector<rocksdb::PinnableSlice>& values = reads.values;
+  const std::vector<rocksdb::Status>& statuses = reads.statuses;
   for (std::size_t i = 0; i < buckets.size(); ++i) {
     if (statuses[i].IsNotFound()) continue;
     if (!statuses[i].ok()) return from_rocksdb(statuses[i], "read of " + bucket_text(buckets[i]));
@@ -538,18 +549,13 @@ Status read_user_keys(const Storage& storage, std::span<const std::uint64_t> use
   keys->resize(users.size());
   if (storage.keys() == nullptr || storage.bucket_keys() == nullptr || users.empty()) return Status::OK();
   const ReadPoint point(storage, nullptr);
-  rocksdb::ReadOptions read;
-  read.snapshot = point.snapshot();
   std::vector<std::string> encoded;
   encoded.reserve(users.size());
   for (std::uint64_t u : users) encoded.push_back(encode_key_store_key(u));
-  std::vector<rocksdb::Slice> slices(encoded.begin(), encoded.end());
-  std::vector<rocksdb::PinnableSlice> values(users.size());
-  std::vector<rocksdb::Status> statuses(users.size());
   // Not in key order: a key begins with the user's bucket.
-  storage.db(Storage::Engine::Users)
-      ->MultiGet(read, storage.keys(), slices.size(), slices.data(), values.data(), statuses.data(),
-                 /*sorted_input=*/false);
+  const KeyStoreReads reads(storage, storage.keys(), encoded, point.snapshot(), /*sorted=*/false);
+  const std::vector<rocksdb::PinnableSlice>& values = reads.values;
+  const std::vector<rocksdb::Status>& statuses = reads.statuses;
   std::vector<std::uint16_t> buckets;
   for (std::size_t i = 0; i < users.size(); ++i) {
     if (statuses[i].IsNotFound()) continue;
@@ -559,7 +565,7 @@ Status read_user_keys(const Storage& storage, std::span<const std::uint64_t> use
   std::sort(buckets.begin(), buckets.end());
   buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
   std::vector<std::optional<BucketKey>> bucket_keys;
-  if (Status s = read_bucket_keys(storage, buckets, read.snapshot, &bucket_keys); !s.ok()) return s;
+  if (Status s = read_bucket_keys(storage, buckets, point.snapshot(), &bucket_keys); !s.ok()) return s;
   for (std::size_t i = 0; i < users.size(); ++i) {
     if (!statuses[i].ok()) continue;
     Result<std::optional<UserKey>> k = unwrap_user_key(storage, users[i], values[i].ToStringView(),
