@@ -280,15 +280,12 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
   };
   std::vector<Record> sealed;  // every sealed ledger record on disk
   std::vector<std::pair<std::string, std::string>> wrapped;  // every wrapped key on disk (key, value)
-  std::vector<std::pair<std::uint16_t, BucketKey>> buckets;  // every bucket key on disk
+  std::vector<std::pair<std::uint16_t, BucketKey>> buckets;  // every bucket key on disk, by group
   std::vector<std::pair<std::string, std::string>> raw;  // (name, bytes) of every file but the SSTs' values
   const auto add_bucket = [&](std::string_view key, std::string_view value) {
-    if (key.size() != kBucketKeySize) return;
-    if (std::optional<BucketKey> k = BucketKey::decode(value)) {
-      buckets.emplace_back(static_cast<std::uint16_t>(static_cast<unsigned char>(key[0]) << 8 |
-                                                      static_cast<unsigned char>(key[1])),
-                           std::move(*k));
-    }
+    const std::optional<KeyBucket> bucket = KeyBucket::decode(key);
+    if (!bucket) return;
+    if (std::optional<BucketKey> k = BucketKey::decode(value)) buckets.emplace_back(bucket->group(), std::move(*k));
   };
   const auto add_wrapped = [&](std::string_view key, std::string_view value) {
     if (decode_key_store_key(key) && wrapped_key_generation(value)) wrapped.emplace_back(key, value);
@@ -351,8 +348,8 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
         }
         if (holds_prefix) out.found.push_back(name + ": WAL holds the prefix");
         // The key store's puts (users engine): a wrapped key (a 10-byte key,
-        // a 66-byte value of version 2) or a bucket key (2 bytes, 37 of
-        // version 1).
+        // a 67-byte value of version 3, or 66 of version 2) or a bucket key
+        // (2 or 5 bytes, 37 of version 1).
         for (const WalOp& op : ops) {
           if (op.key == key_store_key) {
             out.wal_records.push_back(name + ": " + op.kind + " of the user's key-store key, sequence " +
@@ -368,16 +365,22 @@ inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, 
         // version, which may only add a key to look for.
         const std::string_view tail = std::string_view(bytes).substr(whole);
         for (std::size_t at = tail.find("\x25\x01"); at != std::string::npos; at = tail.find("\x25\x01", at + 1)) {
-          if (at >= 3 && tail[at - 3] == '\x02' && at + 1 + kBucketValueSize <= tail.size()) {
-            add_bucket(tail.substr(at - 2, 2), tail.substr(at + 1, kBucketValueSize));
+          if (at + 1 + kBucketValueSize > tail.size()) continue;
+          for (const std::size_t key_size : {kBucketKeySize, kDeepBucketKeySize}) {
+            if (at >= key_size + 1 && tail[at - key_size - 1] == static_cast<char>(key_size)) {
+              add_bucket(tail.substr(at - key_size, key_size), tail.substr(at + 1, kBucketValueSize));
+            }
           }
         }
-        for (std::size_t at = tail.find("\x42\x02"); at != std::string::npos; at = tail.find("\x42\x02", at + 1)) {
-          if (at >= 11 && tail[at - 11] == '\x0a' && at + 1 + kWrappedKeySize <= tail.size()) {
-            add_wrapped(tail.substr(at - 10, 10), tail.substr(at + 1, kWrappedKeySize));
-            if (tail.substr(at - 10, 10) == key_store_key) {
-              out.wal_records.push_back(name + ": the user's key-store key and a wrapped key in the bytes at " +
-                                        std::to_string(whole + at - 10) + ", past the last whole batch");
+        for (const std::size_t value_size : {kWrappedKeySize, kWrappedKeySizeV2}) {
+          const std::string mark = {static_cast<char>(value_size), value_size == kWrappedKeySize ? '\x03' : '\x02'};
+          for (std::size_t at = tail.find(mark); at != std::string::npos; at = tail.find(mark, at + 1)) {
+            if (at >= 11 && tail[at - 11] == '\x0a' && at + 1 + value_size <= tail.size()) {
+              add_wrapped(tail.substr(at - 10, 10), tail.substr(at + 1, value_size));
+              if (tail.substr(at - 10, 10) == key_store_key) {
+                out.wal_records.push_back(name + ": the user's key-store key and a wrapped key in the bytes at " +
+                                          std::to_string(whole + at - 10) + ", past the last whole batch");
+              }
             }
           }
         }

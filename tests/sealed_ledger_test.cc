@@ -486,7 +486,7 @@ TEST(SealedLedger, AWrappedKeyUnwrapsOnlyWithItsBucketKeyForItsUser) {
   ASSERT_OK(bucket);
   const std::uint64_t u = 0x0102030405060708ULL;
   std::string wrapped;
-  ASSERT_OK(bucket->wrap(u, *key, &wrapped));
+  ASSERT_OK(bucket->wrap(u, kMinBucketDepth, *key, &wrapped));
   ASSERT_EQ(wrapped.size(), kWrappedKeySize);
   EXPECT_EQ(wrapped_key_generation(wrapped), 7u);
   std::optional<UserKey> back = bucket->unwrap(u, wrapped);
@@ -511,9 +511,9 @@ TEST(SealedLedger, AWrappedKeyUnwrapsOnlyWithItsBucketKeyForItsUser) {
   // Wrapped again with the next generation's key: it unwraps to the same
   // key with that one only; a value that does not unwrap is refused.
   std::vector<std::string> again;
-  EXPECT_EQ(bucket->rewrap(*next, {u, u + 1}, {wrapped, wrapped}, &again).code(), StatusCode::Corruption)
+  EXPECT_EQ(bucket->rewrap(*next, kMinBucketDepth, {u, u + 1}, {wrapped, wrapped}, &again).code(), StatusCode::Corruption)
       << "a value of another user was wrapped again";
-  ASSERT_OK(bucket->rewrap(*next, {u}, {wrapped}, &again));
+  ASSERT_OK(bucket->rewrap(*next, kMinBucketDepth, {u}, {wrapped}, &again));
   ASSERT_EQ(again.size(), 1u);
   EXPECT_EQ(wrapped_key_generation(again[0]), 8u);
   const std::optional<UserKey> rewrapped = next->unwrap(u, again[0]);
@@ -523,7 +523,7 @@ TEST(SealedLedger, AWrappedKeyUnwrapsOnlyWithItsBucketKeyForItsUser) {
   EXPECT_FALSE(next->unwrap(u + 1, again[0]).has_value());
   std::string changed = wrapped;
   changed[30] = static_cast<char>(changed[30] ^ 1);
-  EXPECT_EQ(bucket->rewrap(*next, {u}, {changed}, &again).code(), StatusCode::Corruption);
+  EXPECT_EQ(bucket->rewrap(*next, kMinBucketDepth, {u}, {changed}, &again).code(), StatusCode::Corruption);
   // The stored bucket key decodes to one that unwraps the same.
   const std::optional<BucketKey> decoded = BucketKey::decode(bucket->encode());
   ASSERT_TRUE(decoded.has_value());
@@ -556,7 +556,7 @@ TEST(SealedLedger, TheErasureScanReadsAWalsBatchesAcrossItsBlocks) {
   Result<BucketKey> bucket = BucketKey::generate(3);
   ASSERT_OK(bucket);
   std::string wrapped;
-  ASSERT_OK(bucket->wrap(u, *key, &wrapped));
+  ASSERT_OK(bucket->wrap(u, kMinBucketDepth, *key, &wrapped));
   // Batch: a 12-byte header, then [type][3-byte length][filler][0-byte
   // value's length] and [type][10][the key-store key]...: that key starts at
   // 12 + (1 + 3 + 32738 + 1) + 2 = 32757 of the block's 32761 bytes.
@@ -633,6 +633,318 @@ std::uint64_t user_in_bucket(std::uint16_t bucket, std::uint64_t from) {
   while (key_bucket(from) != bucket) ++from;
   return from;
 }
+
+// A bucket is the users the top `depth` bits of whose hash are its prefix;
+// its key names its group, then (deeper than 16) its depth and the
+// prefix's other bits. The shape splits buckets in order (linear hashing):
+// a user's bucket is one of the next depth once the split has passed its
+// bucket of the shape's depth.
+TEST(SealedLedger, BucketsAndTheKeyStoresShapeEncodeAndSplitByLinearHashing) {
+  for (const std::uint64_t u : std::vector<std::uint64_t>{1, 77, 0xA1B2C3D4E5F60718ULL, ~std::uint64_t{0}}) {
+    EXPECT_EQ(KeyBucket::of(u, kMinBucketDepth).key(), encode_bucket_key(key_bucket(u)));
+    for (unsigned depth = kMinBucketDepth; depth <= kMaxBucketDepth; ++depth) {
+      const KeyBucket b = KeyBucket::of(u, depth);
+      EXPECT_EQ(b.group(), key_bucket(u)) << depth;
+      EXPECT_EQ(b.key().size(), depth == kMinBucketDepth ? kBucketKeySize : kDeepBucketKeySize);
+      EXPECT_EQ(KeyBucket::decode(b.key()), b) << "depth " << depth;
+      if (depth > kMinBucketDepth) {
+        EXPECT_EQ(KeyBucket::of(u, depth - 1).prefix, b.prefix >> 1);
+      }
+    }
+  }
+  // Keys of another length, depth or prefix are no bucket's.
+  std::string deep = KeyBucket{17, 5}.key();
+  EXPECT_EQ(deep, std::string("\x00\x02\x11\x00\x01", 5));
+  EXPECT_FALSE(KeyBucket::decode(deep.substr(0, 3)));
+  for (char depth : {'\x10', '\x21', '\x00'}) {
+    std::string bad = deep;
+    bad[2] = depth;
+    EXPECT_FALSE(KeyBucket::decode(bad)) << int(depth);
+  }
+  std::string wide = deep;
+  wide[4] = '\x02';  // 2 is not a 1-bit suffix
+  EXPECT_FALSE(KeyBucket::decode(wide));
+  // Ordered as their keys are.
+  std::vector<KeyBucket> buckets{{16, 3}, {17, 6}, {17, 7}, {18, 12}, {16, 4}, {32, 0x00030001}, {17, 9}};
+  std::vector<KeyBucket> by_key = buckets;
+  std::sort(buckets.begin(), buckets.end());
+  std::sort(by_key.begin(), by_key.end(), [](const KeyBucket& x, const KeyBucket& y) { return x.key() < y.key(); });
+  EXPECT_EQ(buckets, by_key);
+
+  const KeyShape none;
+  EXPECT_EQ(none.buckets(), 65'536u);
+  const KeyShape shape{16, 100, 7};
+  EXPECT_EQ(shape.buckets(), 65'636u);
+  std::size_t split = 0;
+  for (std::uint64_t u = 1; u < 200'000; ++u) {
+    EXPECT_EQ(none.bucket_of(u), KeyBucket::of(u, 16));
+    const bool passed = KeyBucket::of(u, 16).prefix < 100;
+    split += passed;
+    ASSERT_EQ(shape.bucket_of(u), KeyBucket::of(u, passed ? 17 : 16)) << u;
+  }
+  EXPECT_GT(split, 0u);
+  EXPECT_EQ(KeyShape::decode(shape.encode())->split, 100u);
+  EXPECT_EQ(KeyShape::decode(shape.encode())->keys, 7u);
+  EXPECT_EQ(shape.encode().size(), 14u);
+  for (const KeyShape& bad : {KeyShape{15, 0, 0}, KeyShape{33, 0, 0}, KeyShape{16, 65'536, 0}, KeyShape{32, 1, 0}}) {
+    EXPECT_FALSE(KeyShape::decode(bad.encode())) << bad.depth << " " << bad.split;
+  }
+  std::string v2 = shape.encode();
+  v2[0] = '\x02';
+  EXPECT_FALSE(KeyShape::decode(v2));
+  EXPECT_FALSE(KeyShape::decode(shape.encode().substr(1)));
+}
+
+// A key wrapped for a bucket of one depth unwraps only as that depth's
+// (the depth is in the additional data); a value of version 2 (written
+// before buckets split, depth 16) still unwraps, and is wrapped again as
+// version 3.
+TEST(SealedLedger, AWrappedKeyIsBoundToItsBucketsDepthAndVersion2StillUnwraps) {
+  const UserKey key = new_key();
+  Result<BucketKey> bucket = BucketKey::generate(4);
+  ASSERT_OK(bucket);
+  const std::uint64_t u = 0x0102030405060709ULL;
+  std::string wrapped;
+  ASSERT_OK(bucket->wrap(u, 17, key, &wrapped));
+  ASSERT_EQ(wrapped.size(), kWrappedKeySize);
+  EXPECT_EQ(wrapped_key_header(wrapped)->depth, 17u);
+  EXPECT_EQ(wrapped_key_header(wrapped)->generation, 4u);
+  ASSERT_TRUE(bucket->unwrap(u, wrapped).has_value());
+  for (char depth : {'\x10', '\x12'}) {
+    std::string other = wrapped;
+    other[1] = depth;
+    EXPECT_FALSE(bucket->unwrap(u, other).has_value()) << "unwrapped as depth " << int(depth);
+  }
+  // Version 2: [0x02][generation], the key sealed under its key store key
+  // and the generation.
+  std::string v2(1, '\x02');
+  put_u32_be(&v2, 4);
+  std::string aad = encode_key_store_key(u);
+  put_u32_be(&aad, 4);
+  const std::optional<UserKey> as_key = UserKey::decode("\x01" + std::string(bucket->bytes_for_testing()));
+  ASSERT_TRUE(as_key.has_value());
+  ASSERT_OK(as_key->seal(aad, key.bytes_for_testing(), &v2));
+  ASSERT_EQ(v2.size(), kWrappedKeySizeV2);
+  EXPECT_EQ(wrapped_key_header(v2)->depth, kMinBucketDepth);
+  std::optional<UserKey> back = bucket->unwrap(u, v2);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->bytes_for_testing(), key.bytes_for_testing());
+  Result<BucketKey> next = BucketKey::generate(5);
+  ASSERT_OK(next);
+  std::vector<std::string> again;
+  ASSERT_OK(bucket->rewrap(*next, 17, {u}, {v2}, &again));
+  ASSERT_EQ(again[0].size(), kWrappedKeySize);
+  EXPECT_EQ(wrapped_key_header(again[0])->depth, 17u);
+  back = next->unwrap(u, again[0]);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->bytes_for_testing(), key.bytes_for_testing());
+  EXPECT_FALSE(wrapped_key_header(v2.substr(1)));
+  EXPECT_FALSE(wrapped_key_header(wrapped + "x"));
+}
+
+// Sets split_to_buckets_for_testing while it lives.
+class SplitTo {
+ public:
+  explicit SplitTo(std::uint64_t buckets) { split_to_buckets_for_testing().store(buckets); }
+  ~SplitTo() { split_to_buckets_for_testing().store(0); }
+  SplitTo(const SplitTo&) = delete;
+  SplitTo& operator=(const SplitTo&) = delete;
+};
+
+// The key store's shape as stored in the users engine.
+KeyShape stored_shape(Storage& storage) {
+  std::string stored;
+  EXPECT_OK(storage.get(storage.meta(), kKeyShapeKey, &stored));
+  const std::optional<KeyShape> shape = KeyShape::decode(stored);
+  EXPECT_TRUE(shape.has_value()) << hex(stored);
+  return shape.value_or(KeyShape{});
+}
+
+// The bucket keys stored now, decoded.
+std::vector<KeyBucket> stored_buckets(Storage& storage) {
+  std::vector<KeyBucket> out;
+  auto it = storage.iterator(storage.bucket_keys());
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const std::optional<KeyBucket> b = KeyBucket::decode(it->key().ToStringView());
+    EXPECT_TRUE(b.has_value()) << hex(it->key().ToStringView());
+    if (b) out.push_back(*b);
+  }
+  return out;
+}
+
+// The buckets split as the key store grows (here: forced, so that 300
+// users reach them): every user's key stays what it was, each bucket's
+// users are wrapped with its own key, and a purge after the splits erases
+// from every file the user's key and every bucket key that ever wrapped it,
+// the buckets' split away included; the bucket's other users stay readable.
+TEST(SealedLedger, SplitBucketsKeepEveryKeyAndAPurgeErasesEveryBucketKeyThatWrappedIt) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  Options options = manual_writes();
+  options.sync_writes = false;
+  auto db = open_db(path, options);
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+  const auto signal = [&](std::uint64_t x, double w) {
+    ASSERT_OK(db->join_community(x, 77));
+    ASSERT_OK(db->signal_with_context({x, 1000 + x % 5, w}, {{4}}));
+  };
+  const auto flush_keys = [&] {
+    ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), {storage.keys(), storage.bucket_keys()}).ok());
+  };
+  // u (an id whose bytes occur nowhere by chance) and 40 users of its
+  // group, 3: a low group, whose depth-17 buckets 65,536 + 8 splits reach.
+  constexpr std::uint16_t kGroup = 3;
+  const std::uint64_t u = user_in_bucket(kGroup, 0xA1B2C3D4E5F60000ULL);
+  std::vector<std::uint64_t> all{u};
+  for (std::uint64_t from = 1; all.size() < 41; from = all.back() + 1) all.push_back(user_in_bucket(kGroup, from));
+  for (std::uint64_t x = 1; x <= 200; ++x) all.push_back(x);
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  for (std::uint64_t x : all) signal(x, x == u ? 2.0 : 1.5);
+  ASSERT_OK(db->flush());
+  flush_keys();
+  EXPECT_EQ(stored_shape(storage).depth, kMinBucketDepth);
+  EXPECT_EQ(stored_shape(storage).split, 0u);
+  std::vector<std::optional<UserKey>> before;
+  ASSERT_OK(read_user_keys(storage, all, &before));
+
+  // Every bucket of depth 16 split, then those of groups 0 to 3 of depth 17:
+  // each write of a new key splits up to 1,024.
+  {
+    const SplitTo split(2 * 65'536 + 8);
+    bool flushed = false;
+    for (std::uint64_t i = 0; stored_shape(storage).buckets() < 2 * 65'536 + 8; ++i) {
+      ASSERT_LT(i, 200u) << "the buckets do not split";
+      signal(20'000'000 + i, 0.5);
+      ASSERT_OK(db->flush());
+      if (!flushed && stored_shape(storage).depth == 17) {
+        flush_keys();  // the keys of depth 17 in files too
+        flushed = true;
+      }
+    }
+  }
+  const KeyShape shape = stored_shape(storage);
+  EXPECT_EQ(shape.depth, 17u);
+  EXPECT_EQ(shape.split, 8u);
+  std::vector<std::optional<UserKey>> after;
+  ASSERT_OK(read_user_keys(storage, all, &after));
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    ASSERT_TRUE(before[i] && after[i]) << all[i];
+    EXPECT_EQ(after[i]->bytes_for_testing(), before[i]->bytes_for_testing()) << "user " << all[i];
+  }
+  std::string wrapped;
+  ASSERT_OK(storage.get(storage.keys(), encode_key_store_key(u), &wrapped));
+  EXPECT_EQ(wrapped_key_header(wrapped)->depth, 18u);
+  // Group 3 holds keys of depth 18 only: its keys of depth 16 and 17 went.
+  for (const KeyBucket& b : stored_buckets(storage)) {
+    if (b.group() == kGroup) {
+      EXPECT_EQ(b.depth, 18u) << b.text();
+    } else {
+      EXPECT_GE(b.depth, 17u) << b.text();
+    }
+  }
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+
+  // The files still hold u's key wrapped at depths 16 and 17 (flushed),
+  // and the bucket keys that wrapped it.
+  const testing::ErasureScan held = scan_files(path, u);
+  ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
+  ASSERT_OK(db->leave_community_layer(u));
+  Result<PurgeReceipt> r = db->purge_community_contributions(u);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->entries_removed, 2u);
+  EXPECT_EQ(r->cohort_weight_removed, 2.0);
+  EXPECT_TRUE(r->erasure_complete);
+  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+  // A user of u's bucket, wrapped again with its new key: still exact.
+  const auto sibling = std::find_if(all.begin(), all.end(), [&](std::uint64_t x) {
+    return x != u && KeyBucket::of(x, 18) == KeyBucket::of(u, 18);
+  });
+  ASSERT_NE(sibling, all.end()) << "no other user in u's bucket";
+  v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  ASSERT_OK(db->leave_community_layer(*sibling));
+  Result<PurgeReceipt> o = db->purge_community_contributions(*sibling);
+  ASSERT_OK(o);
+  EXPECT_EQ(o->entries_removed, 2u);
+  EXPECT_EQ(o->cohort_weight_removed, 1.5);
+
+  // The shape outlives the handle: a new key after a reopen splits nothing
+  // and is counted.
+  ASSERT_OK(db->close());
+  db = open_db(path, options);
+  Storage& reopened = Db::Impl::storage_for_testing(*db);
+  const std::uint64_t keys = stored_shape(reopened).keys;
+  signal(30'000'000, 0.5);
+  ASSERT_OK(db->flush());
+  EXPECT_EQ(stored_shape(reopened).depth, 17u);
+  EXPECT_EQ(stored_shape(reopened).split, 8u);
+  EXPECT_EQ(stored_shape(reopened).keys, keys + 1);
+}
+
+// New users signalling from many threads while their keys' writes split
+// buckets, and purges beside them: every score exact, every key readable,
+// the ledger whole.
+class SplitStress : public ::testing::TestWithParam<int> {};
+
+TEST_P(SplitStress, ConcurrentNewUsersSplittingBucketsAndPurgesStayExact) {
+  const int threads = GetParam();
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), [] {
+    Options o;
+    o.aggregate_write_period = std::chrono::milliseconds(2);
+    o.sync_writes = false;
+    return o;
+  }());
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  constexpr std::uint64_t kLeavers = 8;
+  for (std::uint64_t u = 1; u <= kLeavers; ++u) {
+    for (std::uint64_t i = 0; i < 20; ++i) ASSERT_OK(db->signal_with_context({u, i % 5, 0.5}, {{1}}));
+  }
+  ASSERT_OK(db->flush());
+  const SplitTo split(65'536 + 60'000);
+  constexpr std::uint64_t kUsersEach = 60;
+  std::vector<std::thread> signalers;
+  for (int t = 0; t < threads; ++t) {
+    signalers.emplace_back([&db, t] {
+      for (std::uint64_t i = 0; i < kUsersEach; ++i) {
+        const std::uint64_t user = 1'000'000 + static_cast<std::uint64_t>(t) * kUsersEach + i;
+        EXPECT_TRUE(db->signal_with_context({user, i % 5, 0.25}, {{1}}).ok());
+      }
+    });
+  }
+  for (std::uint64_t u = 1; u <= kLeavers; ++u) {
+    ASSERT_OK(db->leave_community_layer(u));
+    Result<PurgeReceipt> r = db->purge_community_contributions(u);
+    ASSERT_OK(r);
+    EXPECT_EQ(r->cohort_weight_removed, 10.0) << u;
+  }
+  for (auto& t : signalers) t.join();
+  ASSERT_OK(db->flush());
+  EXPECT_GT(stored_shape(storage).buckets(), 65'536u) << "no bucket split";
+  for (std::uint64_t item = 0; item < 5; ++item) {
+    // threads x kUsersEach / 5 signals of 0.25 on each item, exact.
+    EXPECT_EQ(value_of(db->cohort_score(1, item)), 0.25 * threads * kUsersEach / 5) << "item " << item;
+  }
+  std::vector<std::uint64_t> users;
+  for (std::uint64_t i = 0; i < static_cast<std::uint64_t>(threads) * kUsersEach; ++i) users.push_back(1'000'000 + i);
+  std::vector<std::optional<UserKey>> keys;
+  ASSERT_OK(read_user_keys(storage, users, &keys));
+  for (std::size_t i = 0; i < users.size(); ++i) EXPECT_TRUE(keys[i].has_value()) << users[i];
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  Result<RematerializeReport> m = db->rematerialize_shared_aggregates(false);
+  ASSERT_OK(m);
+  EXPECT_TRUE(m->mismatches.empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(Threads, SplitStress, ::testing::Values(16, 64),
+                         [](const ::testing::TestParamInfo<int>& p) { return std::to_string(p.param); });
 
 // A single purge's erasure rewrites only the bucket keys' files that hold
 // the replaced key of the purged user's bucket, each at its own level: not
@@ -920,7 +1232,7 @@ TEST(SealedLedger, AnErasureLeavesAloneTheBucketKeyFilesThatCannotHoldAReplacedK
     for (const auto& [file, p] : properties) {
       if (files.count("/" + std::filesystem::path(file).filename().string()) == 0) continue;
       ++seen;
-      EXPECT_TRUE(p->user_collected_properties.count("tidal.bucket_values.v1")) << file << " has no filter";
+      EXPECT_TRUE(p->user_collected_properties.count("tidal.bucket_values.v2")) << file << " has no filter";
       if (Storage::may_hold_keys_of(*p, {key_bucket(u)})) ++allow;
     }
     EXPECT_EQ(seen, files.size());
@@ -963,9 +1275,9 @@ TEST(SealedLedger, AnErasureLeavesAloneTheBucketKeyFilesThatCannotHoldAReplacedK
       EXPECT_TRUE(Storage::may_hold_keys_of(copy, {key_bucket(p)}))
           << file << ": a filter that missed a value ruled out a key";
       copy = *held;
-      auto filter = copy.user_collected_properties.extract("tidal.bucket_values.v1");
+      auto filter = copy.user_collected_properties.extract("tidal.bucket_values.v2");
       ASSERT_FALSE(filter.empty()) << file;
-      copy.user_collected_properties.emplace("tidal.bucket_values.v2", filter.mapped());
+      copy.user_collected_properties.emplace("tidal.bucket_values.v3", filter.mapped());
       EXPECT_TRUE(Storage::may_hold_keys_of(copy, {key_bucket(p)}))
           << file << ": a filter of another layout ruled out a key";
     }

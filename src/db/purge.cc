@@ -880,10 +880,12 @@ Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
   std::sort(buckets.begin(), buckets.end());
   buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
   for (std::uint64_t b : buckets) {
-    // [b] to [b + 1], or past the last bucket: [0xffff] and one byte more.
+    // The keys of the group's buckets, of every depth: [b] to [b + 1], or
+    // past the last group: [0xffff] and 0xff (a deeper bucket's third byte
+    // is its depth, at most 32).
     add(&bucket_ranges, encode_bucket_key(static_cast<std::uint16_t>(b)),
         b + 1 < kKeyBuckets ? encode_bucket_key(static_cast<std::uint16_t>(b + 1))
-                            : encode_bucket_key(static_cast<std::uint16_t>(b)) + '\0');
+                            : encode_bucket_key(static_cast<std::uint16_t>(b)) + '\xff');
   }
   // The key store's WALs are flushed only when one may still hold a
   // replaced bucket key (the current keys are not erased), and only its
@@ -969,11 +971,12 @@ Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::Column
     // filter rules them all out (unknown file: compacted).
     auto p = properties.find(name_of(f.name));
     if (p == properties.end() || p->second == nullptr) return true;
-    const auto key_of = [](std::uint64_t b) { return encode_bucket_key(static_cast<std::uint16_t>(b)); };
-    auto first = std::lower_bound(buckets.begin(), buckets.end(), f.smallestkey,
-                                  [&](std::uint64_t b, const std::string& key) { return key_of(b) < key; });
-    auto last = std::upper_bound(first, buckets.end(), f.largestkey,
-                                 [&](const std::string& key, std::uint64_t b) { return key < key_of(b); });
+    // (The groups from the smallest key's to the largest's: a group's
+    // deeper buckets' keys sort after its own two bytes.)
+    const std::uint64_t smallest = bucket_key_group(f.smallestkey).value_or(0);
+    const std::uint64_t largest = bucket_key_group(f.largestkey).value_or(kKeyBuckets - 1);
+    auto first = std::lower_bound(buckets.begin(), buckets.end(), smallest);
+    auto last = std::upper_bound(first, buckets.end(), largest);
     return Storage::may_hold_keys_of(*p->second, std::vector<std::uint64_t>(first, last));
   };
   rocksdb::ColumnFamilyMetaData before;

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -666,36 +667,49 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
     auto k = storage.keys() == nullptr || storage.bucket_keys() == nullptr
                  ? std::unique_ptr<rocksdb::Iterator>(rocksdb::NewEmptyIterator())
                                        : storage.iterator(storage.keys(), /*bulk=*/true, hold->keys_snapshot());
-    // The keys come bucket by bucket: each bucket's key is read (as of the
-    // same snapshot) when its first user's comes.
-    std::optional<std::uint16_t> bucket;
-    std::optional<BucketKey> bucket_key;
+    // The keys come group by group: each bucket's key is read (as of the
+    // same snapshot) when its first user's comes, and kept while the group
+    // lasts (a group holds its buckets of every depth).
+    std::optional<std::uint16_t> group;
+    std::map<std::string, std::optional<BucketKey>> bucket_keys;  // of the group's buckets, by key
     std::string stored;
     for (k->SeekToFirst(); k->Valid(); k->Next()) {
       if (!hold->step()) return Status::OK();
       const std::optional<std::uint64_t> user = decode_key_store_key(view(k->key()));
       if (!user) {
         problem("key store key " + hex(view(k->key())) + ": not the key of a user's ledger key (10 bytes: the "
-                "user's bucket, then the user id)");
+                "user's group, then the user id)");
         continue;
       }
-      if (bucket != key_bucket(*user)) {
-        bucket = key_bucket(*user);
-        bucket_key.reset();
-        Status b = storage.get(storage.bucket_keys(), encode_bucket_key(*bucket), &stored, hold->keys_snapshot());
-        if (b.ok()) bucket_key = BucketKey::decode(stored);
-        else if (b.code() != StatusCode::NotFound) return b;
+      const std::optional<WrappedHeader> header = wrapped_key_header(view(k->value()));
+      if (!header) {
+        problem("key store key " + hex(view(k->key())) + ": user " + std::to_string(*user) + "'s wrapped key (" +
+                std::to_string(k->value().size()) + " bytes) is not one (expected " + std::to_string(kWrappedKeySize) +
+                " bytes of version 3, or " + std::to_string(kWrappedKeySizeV2) + " of version 2)");
+        continue;
       }
+      if (group != key_bucket(*user)) {
+        group = key_bucket(*user);
+        bucket_keys.clear();
+      }
+      const KeyBucket bucket = KeyBucket::of(*user, header->depth);
+      auto b = bucket_keys.find(bucket.key());
+      if (b == bucket_keys.end()) {
+        std::optional<BucketKey> bucket_key;
+        Status g = storage.get(storage.bucket_keys(), bucket.key(), &stored, hold->keys_snapshot());
+        if (g.ok()) bucket_key = BucketKey::decode(stored);
+        else if (g.code() != StatusCode::NotFound) return g;
+        b = bucket_keys.emplace(bucket.key(), std::move(bucket_key)).first;
+      }
+      const std::optional<BucketKey>& bucket_key = b->second;
       std::optional<UserKey> key = bucket_key ? bucket_key->unwrap(*user, view(k->value())) : std::nullopt;
       if (!key) {
         problem("key store key " + hex(view(k->key())) + ": user " + std::to_string(*user) +
-                "'s ledger key does not unwrap with the key of bucket " + std::to_string(*bucket) + " (" +
+                "'s ledger key does not unwrap with the key of " + bucket.text() + " (" +
                 (bucket_key ? "generation " + std::to_string(bucket_key->generation())
                             : std::string("none stored, or it does not decode")) +
                 "; the " + std::to_string(k->value().size()) + "-byte value is of generation " +
-                (wrapped_key_generation(view(k->value())) ? std::to_string(*wrapped_key_generation(view(k->value())))
-                                                           : std::string("none (not a wrapped key)")) +
-                ")");
+                std::to_string(header->generation) + ")");
         continue;
       }
       keys.push_back(std::move(*key));

@@ -30,7 +30,9 @@ namespace {
 constexpr unsigned char kKeyVersion = 1;
 constexpr unsigned char kRecordVersion = 1;
 constexpr unsigned char kBucketVersion = 1;
-constexpr unsigned char kWrappedVersion = 2;
+constexpr unsigned char kWrappedVersion = 3;
+constexpr unsigned char kWrappedVersionV2 = 2;  // read, no longer written
+constexpr unsigned char kShapeVersion = 1;
 constexpr char kPseudonymLabel[] = "tidal ledger pseudonym v1";
 constexpr char kErasureTagLabel[] = "tidal erasure mark v1";
 
@@ -305,8 +307,69 @@ std::optional<std::vector<LedgerEntry>> decode_sealed_entries(std::string_view p
 
 std::uint16_t key_bucket(std::uint64_t user) { return static_cast<std::uint16_t>(mix64(user) >> 48); }
 
-std::string encode_bucket_key(std::uint16_t bucket) {
-  return {static_cast<char>(bucket >> 8), static_cast<char>(bucket & 0xff)};
+std::string encode_bucket_key(std::uint16_t group) {
+  return {static_cast<char>(group >> 8), static_cast<char>(group & 0xff)};
+}
+
+std::optional<std::uint16_t> bucket_key_group(std::string_view key) {
+  if (key.size() < 2) return std::nullopt;
+  return static_cast<std::uint16_t>(static_cast<unsigned char>(key[0]) << 8 | static_cast<unsigned char>(key[1]));
+}
+
+KeyBucket KeyBucket::of(std::uint64_t user, unsigned depth) {
+  return {depth, static_cast<std::uint32_t>((mix64(user) >> 32) >> (32 - depth))};
+}
+
+std::optional<KeyBucket> KeyBucket::decode(std::string_view key) {
+  const std::optional<std::uint16_t> group = bucket_key_group(key);
+  if (!group) return std::nullopt;
+  if (key.size() == kBucketKeySize) return KeyBucket{kMinBucketDepth, *group};
+  if (key.size() != kDeepBucketKeySize) return std::nullopt;
+  const unsigned depth = static_cast<unsigned char>(key[2]);
+  const std::uint32_t low = *bucket_key_group(key.substr(3));
+  if (depth <= kMinBucketDepth || depth > kMaxBucketDepth || low >> (depth - kMinBucketDepth) != 0) {
+    return std::nullopt;
+  }
+  return KeyBucket{depth, static_cast<std::uint32_t>(*group) << (depth - kMinBucketDepth) | low};
+}
+
+std::string KeyBucket::key() const {
+  std::string out = encode_bucket_key(group());
+  if (depth == kMinBucketDepth) return out;
+  out.push_back(static_cast<char>(depth));
+  out.append(encode_bucket_key(static_cast<std::uint16_t>(prefix & ((std::uint32_t{1} << (depth - kMinBucketDepth)) - 1))));
+  return out;
+}
+
+std::string KeyBucket::text() const {
+  std::string out = "bucket " + std::to_string(group());
+  if (depth == kMinBucketDepth) return out;
+  return out + "." + std::to_string(prefix & ((std::uint32_t{1} << (depth - kMinBucketDepth)) - 1)) + "/" +
+         std::to_string(depth);
+}
+
+KeyBucket KeyShape::bucket_of(std::uint64_t user) const {
+  const KeyBucket b = KeyBucket::of(user, depth);
+  return b.prefix < split ? KeyBucket::of(user, depth + 1) : b;
+}
+
+std::string KeyShape::encode() const {
+  std::string out(1, static_cast<char>(kShapeVersion));
+  out.push_back(static_cast<char>(depth));
+  put_u32_be(&out, split);
+  put_u64_be(&out, keys);
+  return out;
+}
+
+std::optional<KeyShape> KeyShape::decode(std::string_view stored) {
+  if (stored.size() != 14 || static_cast<unsigned char>(stored[0]) != kShapeVersion) return std::nullopt;
+  KeyShape shape{static_cast<unsigned char>(stored[1]), get_u32_be(stored.data() + 2), get_u64_be(stored.data() + 6)};
+  // Depth 32 is split no further; a split bucket is one of depth's.
+  if (shape.depth < kMinBucketDepth || shape.depth > kMaxBucketDepth ||
+      (shape.depth == kMaxBucketDepth ? shape.split != 0 : shape.split >= (std::uint64_t{1} << shape.depth))) {
+    return std::nullopt;
+  }
+  return shape;
 }
 
 std::string encode_key_store_key(std::uint64_t user_id) {
@@ -315,9 +378,22 @@ std::string encode_key_store_key(std::uint64_t user_id) {
   return out;
 }
 
+std::optional<WrappedHeader> wrapped_key_header(std::string_view value) {
+  if (value.empty()) return std::nullopt;
+  const unsigned version = static_cast<unsigned char>(value[0]);
+  if (version == kWrappedVersionV2 && value.size() == kWrappedKeySizeV2) {
+    return WrappedHeader{version, kMinBucketDepth, get_u32_be(value.data() + 1), 5};
+  }
+  if (version != kWrappedVersion || value.size() != kWrappedKeySize) return std::nullopt;
+  const unsigned depth = static_cast<unsigned char>(value[1]);
+  if (depth < kMinBucketDepth || depth > kMaxBucketDepth) return std::nullopt;
+  return WrappedHeader{version, depth, get_u32_be(value.data() + 2), 6};
+}
+
 std::optional<std::uint32_t> wrapped_key_generation(std::string_view value) {
-  if (value.size() != kWrappedKeySize || static_cast<unsigned char>(value[0]) != kWrappedVersion) return std::nullopt;
-  return get_u32_be(value.data() + 1);
+  const std::optional<WrappedHeader> h = wrapped_key_header(value);
+  if (!h) return std::nullopt;
+  return h->generation;
 }
 
 Result<BucketKey> BucketKey::generate(std::uint32_t generation) {
@@ -342,23 +418,32 @@ std::string BucketKey::encode() const {
 
 namespace {
 
-// What a wrapped key is sealed under: its wrapped_keys key and the
-// generation of the bucket key.
-std::string wrap_aad(std::uint64_t user, std::uint32_t generation) {
+// What a wrapped key is sealed under: its wrapped_keys key, the depth of
+// its bucket (version 3) and the generation of the bucket key.
+std::string wrap_aad(std::uint64_t user, const WrappedHeader& h) {
   std::string aad = encode_key_store_key(user);
-  put_u32_be(&aad, generation);
+  if (h.version == kWrappedVersion) aad.push_back(static_cast<char>(h.depth));
+  put_u32_be(&aad, h.generation);
   return aad;
+}
+
+// The header of a value wrapped now, and its bytes.
+WrappedHeader new_header(unsigned depth, std::uint32_t generation) { return {kWrappedVersion, depth, generation, 6}; }
+void put_header(std::string* value, const WrappedHeader& h) {
+  value->assign(1, static_cast<char>(kWrappedVersion));
+  value->push_back(static_cast<char>(h.depth));
+  put_u32_be(value, h.generation);
 }
 
 }  // namespace
 
-Status BucketKey::wrap(std::uint64_t user, const UserKey& user_key, std::string* value) const {
-  value->assign(1, static_cast<char>(kWrappedVersion));
-  put_u32_be(value, generation_);
-  return key_.seal(wrap_aad(user, generation_), user_key.bytes_for_testing(), value);
+Status BucketKey::wrap(std::uint64_t user, unsigned depth, const UserKey& user_key, std::string* value) const {
+  const WrappedHeader h = new_header(depth, generation_);
+  put_header(value, h);
+  return key_.seal(wrap_aad(user, h), user_key.bytes_for_testing(), value);
 }
 
-Status BucketKey::rewrap(const BucketKey& next, const std::vector<std::uint64_t>& users,
+Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vector<std::uint64_t>& users,
                          const std::vector<std::string>& values, std::vector<std::string>* out) const {
   out->assign(values.size(), std::string());
   const std::unique_ptr<EVP_CIPHER_CTX, CipherCtxDeleter> open(EVP_CIPHER_CTX_new()), seal(EVP_CIPHER_CTX_new());
@@ -367,18 +452,18 @@ Status BucketKey::rewrap(const BucketKey& next, const std::vector<std::uint64_t>
       EVP_EncryptInit_ex(seal.get(), aes_256_gcm(), nullptr, next.key_.key_.data(), nullptr) != 1) {
     return Status::IOError("wrapping ledger keys again failed (OpenSSL AES-256-GCM: " + crypto_error() + ")");
   }
-  // The same bytes as wrap() and unwrap(): [version][generation] and what
+  // The same bytes as wrap() and unwrap(): the header and what
   // UserKey::seal makes of the key under the additional data.
   std::array<unsigned char, kUserKeySize> plain{};
   unsigned char tag[kSealTagSize];
   int n = 0;
   for (std::size_t i = 0; i < values.size(); ++i) {
     const std::string_view value = values[i];
-    const std::string aad = wrap_aad(users[i], generation_);
-    const auto* in = bytes(value) + 5 + kSealVersionSize;
-    bool ok = wrapped_key_generation(value) == generation_ &&
-              static_cast<unsigned char>(value[5]) == kRecordVersion;
+    const std::optional<WrappedHeader> h = wrapped_key_header(value);
+    bool ok = h && h->generation == generation_ && static_cast<unsigned char>(value[h->size]) == kRecordVersion;
     if (ok) {
+      const std::string aad = wrap_aad(users[i], *h);
+      const auto* in = bytes(value) + h->size + kSealVersionSize;
       std::memcpy(tag, in + kSealNonceSize + kUserKeySize, kSealTagSize);
       ok = EVP_DecryptInit_ex(open.get(), nullptr, nullptr, nullptr, in) == 1 &&
            EVP_DecryptUpdate(open.get(), nullptr, &n, bytes(aad), static_cast<int>(aad.size())) == 1 &&
@@ -394,12 +479,12 @@ Status BucketKey::rewrap(const BucketKey& next, const std::vector<std::uint64_t>
                                 std::to_string(generation_) + " of its bucket's key");
     }
     std::string& w = (*out)[i];
-    w.assign(1, static_cast<char>(kWrappedVersion));
-    put_u32_be(&w, next.generation_);
+    const WrappedHeader next_header = new_header(depth, next.generation_);
+    put_header(&w, next_header);
     w.push_back(static_cast<char>(kRecordVersion));
     w.resize(kWrappedKeySize);
-    auto* o = reinterpret_cast<unsigned char*>(w.data()) + 5 + kSealVersionSize;
-    const std::string next_aad = wrap_aad(users[i], next.generation_);
+    auto* o = reinterpret_cast<unsigned char*>(w.data()) + next_header.size + kSealVersionSize;
+    const std::string next_aad = wrap_aad(users[i], next_header);
     ok = random_bytes(o, kSealNonceSize) && EVP_EncryptInit_ex(seal.get(), nullptr, nullptr, nullptr, o) == 1 &&
          EVP_EncryptUpdate(seal.get(), nullptr, &n, bytes(next_aad), static_cast<int>(next_aad.size())) == 1 &&
          EVP_EncryptUpdate(seal.get(), nullptr, &n, &kRecordVersion, 1) == 1 &&
@@ -414,9 +499,10 @@ Status BucketKey::rewrap(const BucketKey& next, const std::vector<std::uint64_t>
 }
 
 std::optional<UserKey> BucketKey::unwrap(std::uint64_t user, std::string_view value) const {
-  if (wrapped_key_generation(value) != generation_) return std::nullopt;
+  const std::optional<WrappedHeader> h = wrapped_key_header(value);
+  if (!h || h->generation != generation_) return std::nullopt;
   std::string plain;
-  if (!key_.open(wrap_aad(user, generation_), value.substr(5), &plain) || plain.size() != kUserKeySize) {
+  if (!key_.open(wrap_aad(user, *h), value.substr(h->size), &plain) || plain.size() != kUserKeySize) {
     OPENSSL_cleanse(plain.data(), plain.size());
     return std::nullopt;
   }
@@ -431,11 +517,11 @@ namespace {
 
 std::string user_key_text(std::uint64_t user) { return "the ledger key of user " + std::to_string(user); }
 
-std::string bucket_text(std::uint16_t bucket) { return "the key of bucket " + std::to_string(bucket); }
+std::string bucket_text(const KeyBucket& bucket) { return "the key of " + bucket.text(); }
 
 // The bucket key a bucket_keys value holds; Corruption when it does not
 // decode.
-Result<BucketKey> decode_bucket_key(const Storage& storage, std::uint16_t bucket, std::string_view stored) {
+Result<BucketKey> decode_bucket_key(const Storage& storage, const KeyBucket& bucket, std::string_view stored) {
   std::optional<BucketKey> k = BucketKey::decode(stored);
   if (!k) {
     return Status::Corruption(bucket_text(bucket) + " in '" + storage.path() + "' does not decode (" +
@@ -445,23 +531,32 @@ Result<BucketKey> decode_bucket_key(const Storage& storage, std::uint16_t bucket
   return std::move(*k);
 }
 
-// The key `wrapped` (user's wrapped_keys value) holds, unwrapped with
-// `bucket`'s key (null: the bucket has none); Corruption when it does not
-// unwrap.
+// The bucket whose key wrapped `wrapped` (a wrapped_keys value of `user`);
+// empty when the value does not decode.
+std::optional<KeyBucket> wrapping_bucket(std::uint64_t user, std::string_view wrapped) {
+  const std::optional<WrappedHeader> h = wrapped_key_header(wrapped);
+  if (!h) return std::nullopt;
+  return KeyBucket::of(user, h->depth);
+}
+
+// The key `wrapped` (user's wrapped_keys value) holds, unwrapped with its
+// bucket's key (`bucket`; null: the bucket has none, or the value does not
+// decode); Corruption when it does not unwrap.
 Result<std::optional<UserKey>> unwrap_user_key(const Storage& storage, std::uint64_t user, std::string_view wrapped,
                                                const BucketKey* bucket) {
   std::optional<UserKey> k = bucket == nullptr ? std::nullopt : bucket->unwrap(user, wrapped);
   if (!k) {
-    const std::optional<std::uint32_t> g = wrapped_key_generation(wrapped);
+    const std::optional<WrappedHeader> h = wrapped_key_header(wrapped);
     return Status::Corruption(
         user_key_text(user) + " (key store key " + hex(encode_key_store_key(user)) + ") in '" + storage.path() +
         "' does not unwrap: " +
-        (!g ? std::to_string(wrapped.size()) + "-byte value; expected " + std::to_string(kWrappedKeySize) +
-                  " of version 2"
-            : "wrapped with generation " + std::to_string(*g) + " of " + bucket_text(key_bucket(user)) + ", which " +
+        (!h ? std::to_string(wrapped.size()) + "-byte value; expected " + std::to_string(kWrappedKeySize) +
+                  " of version 3 (or " + std::to_string(kWrappedKeySizeV2) + " of version 2)"
+            : "wrapped with generation " + std::to_string(h->generation) + " of " +
+                  bucket_text(KeyBucket::of(user, h->depth)) + ", which " +
                   (bucket == nullptr ? std::string("is not stored")
                                      : "is at generation " + std::to_string(bucket->generation()) +
-                                           (bucket->generation() == *g ? " (the value was changed)" : ""))));
+                                           (bucket->generation() == h->generation ? " (the value was changed)" : ""))));
   }
   return k;
 }
@@ -482,15 +577,20 @@ struct KeyStoreReads {
   std::vector<rocksdb::Status> statuses;
 };
 
-// The current keys of `buckets` (sorted, distinct) as of `snapshot`, in one
-// MultiGet: (*keys)[i] empty when buckets[i] has none.
-Status read_bucket_keys(const Storage& storage, const std::vector<std::uint16_t>& buckets,
+void sort_unique(std::vector<KeyBucket>* buckets) {
+  std::sort(buckets->begin(), buckets->end());
+  buckets->erase(std::unique(buckets->begin(), buckets->end()), buckets->end());
+}
+
+// The current keys of `buckets` (sorted, distinct) as of `snapshot` (null:
+// the latest), in one MultiGet: (*keys)[i] empty when buckets[i] has none.
+Status read_bucket_keys(const Storage& storage, const std::vector<KeyBucket>& buckets,
                         const rocksdb::Snapshot* snapshot, std::vector<std::optional<BucketKey>>* keys) {
   keys->clear();
   keys->resize(buckets.size());
   std::vector<std::string> encoded;
   encoded.reserve(buckets.size());
-  for (std::uint16_t b : buckets) encoded.push_back(encode_bucket_key(b));
+  for (const KeyBucket& b : buckets) encoded.push_back(b.key());
   const KeyStoreReads reads(storage, storage.bucket_keys(), encoded, snapshot, /*sorted=*/true);
   const std::vector<rocksdb::PinnableSlice>& values = reads.values;
   const std::vector<rocksdb::Status>& statuses = reads.statuses;
@@ -504,10 +604,10 @@ Status read_bucket_keys(const Storage& storage, const std::vector<std::uint16_t>
   return Status::OK();
 }
 
-const BucketKey* find_bucket(const std::vector<std::uint16_t>& buckets, const std::vector<std::optional<BucketKey>>& keys,
-                             std::uint16_t bucket) {
+const BucketKey* find_bucket(const std::vector<KeyBucket>& buckets, const std::vector<std::optional<BucketKey>>& keys,
+                             const KeyBucket& bucket) {
   const auto at = std::lower_bound(buckets.begin(), buckets.end(), bucket);
-  if (at == buckets.end() || *at != bucket) return nullptr;
+  if (at == buckets.end() || !(*at == bucket)) return nullptr;
   const std::optional<BucketKey>& k = keys[static_cast<std::size_t>(at - buckets.begin())];
   return k ? &*k : nullptr;
 }
@@ -525,21 +625,142 @@ class ReadPoint {
   const rocksdb::Snapshot* snapshot_;
 };
 
+// The key store's shape: Storage::key_shape_cache, read from the users
+// engine's meta family the first time. A key store written before buckets
+// split has none stored: its buckets are the 65,536 of depth 16, and its
+// keys are counted once (a scan of the wrapped keys). Under key_writes_mu.
+Status load_shape(Storage& storage, KeyShape* shape) {
+  std::optional<std::string>& cached = storage.key_shape_cache();
+  if (!cached) {
+    std::string stored;
+    Status s = storage.get(storage.meta(), kKeyShapeKey, &stored);
+    if (s.code() == StatusCode::NotFound) {
+      KeyShape first;
+      auto it = storage.iterator(storage.keys(), /*bulk=*/true);
+      for (it->SeekToFirst(); it->Valid(); it->Next()) ++first.keys;
+      if (Status c = from_rocksdb(it->status(), "count of the key store's keys in '" + storage.path() + "'");
+          !c.ok()) {
+        return c;
+      }
+      stored = first.encode();
+    } else if (!s.ok()) {
+      return Status(s.code(), "read of the key store's shape: " + s.message());
+    }
+    if (!KeyShape::decode(stored)) {
+      return Status::Corruption("the key store's shape (meta key '" + std::string(kKeyShapeKey) + "') in '" +
+                                storage.path() + "' does not decode (" + std::to_string(stored.size()) +
+                                "-byte value " + hex(stored) + "; expected 14 bytes of version 1)");
+    }
+    cached = std::move(stored);
+  }
+  *shape = *KeyShape::decode(*cached);
+  return Status::OK();
+}
+
+// Writes `batch` and `shape` into the key store, synced, noting `groups`
+// (Storage::write_key_store), and keeps `shape` as the key store's once
+// written; a failed write (which may still be durable) makes the next one
+// read the shape again.
+Status write_key_batch(Storage& storage, rocksdb::WriteBatch* batch, const KeyShape& shape,
+                       std::vector<std::uint64_t> groups, const std::string& what) {
+  std::string encoded = shape.encode();
+  if (rocksdb::Status p = batch->Put(storage.meta(), kKeyShapeKey, encoded); !p.ok()) return from_rocksdb(p, what);
+  std::sort(groups.begin(), groups.end());
+  groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
+  Status s = storage.write_key_store(batch, groups, /*sync=*/true, what);
+  if (s.ok()) storage.key_shape_cache() = std::move(encoded);
+  else storage.key_shape_cache().reset();
+  return s;
+}
+
+// The users of `group` whose keys the key store holds (in user order), and
+// their wrapped keys, as `it` sees them.
+struct GroupKeys {
+  std::vector<std::uint64_t> users;
+  std::vector<std::string> values;
+};
+Status read_group(const Storage& storage, rocksdb::Iterator* it, std::uint16_t group, GroupKeys* out) {
+  out->users.clear();
+  out->values.clear();
+  const std::string prefix = encode_bucket_key(group);
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    const std::optional<std::uint64_t> user = decode_key_store_key(it->key().ToStringView());
+    if (!user) {
+      return Status::Corruption("key store key " + hex(it->key().ToStringView()) + " in '" + storage.path() +
+                                "' does not decode (expected 10 bytes: the group, then the user id)");
+    }
+    out->users.push_back(*user);
+    out->values.push_back(it->value().ToString());
+  }
+  return from_rocksdb(it->status(), "read of the key store's group " + std::to_string(group));
+}
+
+// The most buckets one write of new keys splits: fewer than a depth's
+// 65,536, so that no split reads a bucket that an earlier split of the same
+// write made (and wrote only into the batch).
+constexpr int kMaxSplitsPerWrite = 1024;
+
+// Splits the bucket `shape` splits next into its two halves of the next
+// depth, into `batch`: each half that holds users gets a new key (the next
+// generation), their keys are wrapped again with it, and the bucket's key
+// is deleted; the erasure of a later purge in the group drops it from the
+// files (Storage::KeysErased). `made` gets the halves' keys, `groups` the
+// bucket's group.
+Status split_bucket(Storage& storage, rocksdb::Iterator* it, KeyShape* shape, rocksdb::WriteBatch* batch,
+                    std::map<KeyBucket, BucketKey>* made, std::vector<std::uint64_t>* groups) {
+  const KeyBucket bucket{shape->depth, shape->split};
+  if (++shape->split == (std::uint64_t{1} << shape->depth)) {
+    ++shape->depth;
+    shape->split = 0;
+  }
+  std::vector<std::optional<BucketKey>> old;
+  if (Status s = read_bucket_keys(storage, {bucket}, nullptr, &old); !s.ok()) return s;
+  if (!old[0]) return Status::OK();  // never given a key: no user of it has one
+  GroupKeys group;
+  if (Status s = read_group(storage, it, bucket.group(), &group); !s.ok()) return s;
+  std::vector<std::uint64_t> users;
+  std::vector<std::string> values, rewrapped;
+  for (std::uint32_t half = 0; half < 2; ++half) {
+    const KeyBucket child{bucket.depth + 1, bucket.prefix << 1 | half};
+    users.clear();
+    values.clear();
+    for (std::size_t i = 0; i < group.users.size(); ++i) {
+      if (!(KeyBucket::of(group.users[i], child.depth) == child)) continue;
+      users.push_back(group.users[i]);
+      values.push_back(std::move(group.values[i]));
+    }
+    if (users.empty()) continue;
+    Result<BucketKey> next = BucketKey::generate(old[0]->generation() + 1);
+    if (!next.ok()) return next.status();
+    if (Status s = old[0]->rewrap(*next, child.depth, users, values, &rewrapped); !s.ok()) {
+      return Status(s.code(), s.message() + " in '" + storage.path() + "' (splitting " + bucket.text() + ")");
+    }
+    for (std::size_t i = 0; i < users.size(); ++i) batch->Put(storage.keys(), encode_key_store_key(users[i]), rewrapped[i]);
+    batch->Put(storage.bucket_keys(), child.key(), next->encode());
+    made->emplace(child, std::move(*next));
+  }
+  batch->Delete(storage.bucket_keys(), bucket.key());
+  groups->push_back(bucket.group());
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<std::optional<UserKey>> read_user_key(const Storage& storage, std::uint64_t user,
                                              const rocksdb::Snapshot* snapshot) {
   if (storage.keys() == nullptr || storage.bucket_keys() == nullptr) return std::optional<UserKey>();  // format 3
   // The wrapped key and its bucket's key as of one moment: a purge replaces
-  // the bucket key and wraps the key again in one write.
+  // the bucket key and wraps the key again in one write, and so does a
+  // split.
   const ReadPoint point(storage, snapshot);
   std::string stored;
   Status s = storage.get(storage.keys(), encode_key_store_key(user), &stored, point.snapshot());
   if (s.code() == StatusCode::NotFound) return std::optional<UserKey>();
   if (!s.ok()) return Status(s.code(), "read of " + user_key_text(user) + ": " + s.message());
-  const std::vector<std::uint16_t> bucket{key_bucket(user)};
+  const std::optional<KeyBucket> bucket = wrapping_bucket(user, stored);
+  if (!bucket) return unwrap_user_key(storage, user, stored, nullptr);
   std::vector<std::optional<BucketKey>> bucket_key;
-  if (Status b = read_bucket_keys(storage, bucket, point.snapshot(), &bucket_key); !b.ok()) return b;
+  if (Status b = read_bucket_keys(storage, {*bucket}, point.snapshot(), &bucket_key); !b.ok()) return b;
   return unwrap_user_key(storage, user, stored, bucket_key[0] ? &*bucket_key[0] : nullptr);
 }
 
@@ -552,56 +773,83 @@ Status read_user_keys(const Storage& storage, std::span<const std::uint64_t> use
   std::vector<std::string> encoded;
   encoded.reserve(users.size());
   for (std::uint64_t u : users) encoded.push_back(encode_key_store_key(u));
-  // Not in key order: a key begins with the user's bucket.
+  // Not in key order: a key begins with the user's group.
   const KeyStoreReads reads(storage, storage.keys(), encoded, point.snapshot(), /*sorted=*/false);
   const std::vector<rocksdb::PinnableSlice>& values = reads.values;
   const std::vector<rocksdb::Status>& statuses = reads.statuses;
-  std::vector<std::uint16_t> buckets;
+  std::vector<KeyBucket> buckets;
   for (std::size_t i = 0; i < users.size(); ++i) {
     if (statuses[i].IsNotFound()) continue;
     if (!statuses[i].ok()) return from_rocksdb(statuses[i], "read of " + user_key_text(users[i]));
-    buckets.push_back(key_bucket(users[i]));
+    if (std::optional<KeyBucket> b = wrapping_bucket(users[i], values[i].ToStringView())) buckets.push_back(*b);
   }
-  std::sort(buckets.begin(), buckets.end());
-  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  sort_unique(&buckets);
   std::vector<std::optional<BucketKey>> bucket_keys;
   if (Status s = read_bucket_keys(storage, buckets, point.snapshot(), &bucket_keys); !s.ok()) return s;
   for (std::size_t i = 0; i < users.size(); ++i) {
     if (!statuses[i].ok()) continue;
-    Result<std::optional<UserKey>> k = unwrap_user_key(storage, users[i], values[i].ToStringView(),
-                                                       find_bucket(buckets, bucket_keys, key_bucket(users[i])));
+    const std::string_view value = values[i].ToStringView();
+    const std::optional<KeyBucket> b = wrapping_bucket(users[i], value);
+    Result<std::optional<UserKey>> k =
+        unwrap_user_key(storage, users[i], value, b ? find_bucket(buckets, bucket_keys, *b) : nullptr);
     if (!k.ok()) return k.status();
     (*keys)[i] = std::move(*k);
   }
   return Status::OK();
 }
 
+std::atomic<std::uint64_t>& split_to_buckets_for_testing() {
+  static std::atomic<std::uint64_t> buckets{0};
+  return buckets;
+}
+
 Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64_t, UserKey>>& created,
                        const std::string& what) {
   if (created.empty()) return Status::OK();
   std::lock_guard<std::mutex> lock(storage.key_writes_mu());
-  std::vector<std::uint16_t> buckets;
-  for (const auto& [user, key] : created) buckets.push_back(key_bucket(user));
-  std::sort(buckets.begin(), buckets.end());
-  buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
+  KeyShape shape;
+  if (Status s = load_shape(storage, &shape); !s.ok()) return s;
+  rocksdb::WriteBatch batch;
+  std::vector<std::uint64_t> groups;    // whose bucket keys the write writes or deletes
+  std::map<KeyBucket, BucketKey> made;  // the keys the write's splits make
+  // The splits first, while the keys pass kUsersPerBucket a bucket: the
+  // new keys are then wrapped in the buckets of the new shape.
+  shape.keys += created.size();
+  std::unique_ptr<rocksdb::Iterator> it;
+  for (int n = 0; n < kMaxSplitsPerWrite && shape.depth < kMaxBucketDepth &&
+                  (shape.keys > kUsersPerBucket * shape.buckets() ||
+                   shape.buckets() < split_to_buckets_for_testing().load(std::memory_order_relaxed));
+       ++n) {
+    if (it == nullptr) it = storage.iterator(storage.keys());
+    if (Status s = split_bucket(storage, it.get(), &shape, &batch, &made, &groups); !s.ok()) {
+      return Status(s.code(), what + ": " + s.message());
+    }
+  }
+  std::vector<KeyBucket> buckets;
+  for (const auto& [user, key] : created) {
+    const KeyBucket b = shape.bucket_of(user);
+    if (made.find(b) == made.end()) buckets.push_back(b);
+  }
+  sort_unique(&buckets);
   std::vector<std::optional<BucketKey>> bucket_keys;
   if (Status s = read_bucket_keys(storage, buckets, nullptr, &bucket_keys); !s.ok()) return s;
-  rocksdb::WriteBatch batch;
-  std::vector<std::uint64_t> made;  // buckets given their first key
   for (std::size_t i = 0; i < buckets.size(); ++i) {
     if (bucket_keys[i]) continue;
     Result<BucketKey> k = BucketKey::generate(1);
     if (!k.ok()) return k.status();
-    batch.Put(storage.bucket_keys(), encode_bucket_key(buckets[i]), k->encode());
+    batch.Put(storage.bucket_keys(), buckets[i].key(), k->encode());
     bucket_keys[i] = std::move(*k);
-    made.push_back(buckets[i]);
+    groups.push_back(buckets[i].group());
   }
   std::string wrapped;
   for (const auto& [user, key] : created) {
-    if (Status s = find_bucket(buckets, bucket_keys, key_bucket(user))->wrap(user, key, &wrapped); !s.ok()) return s;
+    const KeyBucket b = shape.bucket_of(user);
+    const auto m = made.find(b);
+    const BucketKey* k = m != made.end() ? &m->second : find_bucket(buckets, bucket_keys, b);
+    if (Status s = k->wrap(user, b.depth, key, &wrapped); !s.ok()) return s;
     batch.Put(storage.keys(), encode_key_store_key(user), wrapped);
   }
-  return storage.write_key_store(&batch, made, /*sync=*/true, what);
+  return write_key_batch(storage, &batch, shape, std::move(groups), what);
 }
 
 Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& users,
@@ -610,62 +858,79 @@ Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& user
     return Status::OK();
   }
   std::lock_guard<std::mutex> lock(storage.key_writes_mu());
-  std::map<std::uint16_t, std::vector<std::uint64_t>> by_bucket;  // the users to delete, sorted in each
-  for (std::uint64_t u : users) by_bucket[key_bucket(u)].push_back(u);
-  std::vector<std::uint16_t> renew;  // buckets given a new key whatever they hold
-  for (std::uint64_t u : replaced) {
-    by_bucket[key_bucket(u)];
-    renew.push_back(key_bucket(u));
-  }
-  std::sort(renew.begin(), renew.end());
+  KeyShape shape;
+  if (Status s = load_shape(storage, &shape); !s.ok()) return s;
+  // By group: the users to delete, and those whose buckets get a new key
+  // whatever they hold (each sorted).
+  std::map<std::uint16_t, std::pair<std::vector<std::uint64_t>, std::vector<std::uint64_t>>> by_group;
+  for (std::uint64_t u : users) by_group[key_bucket(u)].first.push_back(u);
+  for (std::uint64_t u : replaced) by_group[key_bucket(u)].second.push_back(u);
   rocksdb::WriteBatch batch;
-  std::vector<std::uint64_t> buckets;  // those given a new key
-  std::vector<std::string> rewrapped;
+  std::vector<std::uint64_t> groups;  // those with a bucket given a new key
+  std::uint64_t deleted_keys = 0;
+  std::vector<std::uint64_t> kept;  // a bucket's other users, and their wrapped keys
+  std::vector<std::string> kept_values, rewrapped;
+  GroupKeys group;
   auto it = storage.iterator(storage.keys());
-  for (auto& [bucket, deleted] : by_bucket) {
+  for (auto& [g, todo] : by_group) {
+    auto& [deleted, renewed] = todo;
     std::sort(deleted.begin(), deleted.end());
-    // The bucket's stored keys: those of `deleted` go, the others are
-    // wrapped again.
-    const std::string prefix = encode_bucket_key(bucket);
-    std::vector<std::uint64_t> kept;  // the other users, and their wrapped keys
-    std::vector<std::string> kept_values;
-    bool found = false;
-    for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-      const std::optional<std::uint64_t> user = decode_key_store_key(it->key().ToStringView());
-      if (!user) {
-        return Status::Corruption("key store key " + hex(it->key().ToStringView()) + " in '" + storage.path() +
-                                  "' does not decode (expected 10 bytes: the bucket, then the user id)");
+    if (Status s = read_group(storage, it.get(), g, &group); !s.ok()) return s;
+    // The group's stored keys by the bucket that wrapped each.
+    std::map<KeyBucket, std::vector<std::size_t>> by_bucket;
+    for (std::size_t i = 0; i < group.users.size(); ++i) {
+      const std::optional<KeyBucket> b = wrapping_bucket(group.users[i], group.values[i]);
+      if (!b) return unwrap_user_key(storage, group.users[i], group.values[i], nullptr).status();
+      by_bucket[*b].push_back(i);
+    }
+    // The buckets to renew: each renewed user's, by its stored key (the
+    // shape's bucket when it has none).
+    std::vector<KeyBucket> renew;
+    for (std::uint64_t u : renewed) {
+      const auto at = std::lower_bound(group.users.begin(), group.users.end(), u);
+      const bool stored = at != group.users.end() && *at == u;
+      std::optional<KeyBucket> b =
+          stored ? wrapping_bucket(u, group.values[static_cast<std::size_t>(at - group.users.begin())]) : std::nullopt;
+      renew.push_back(b ? *b : shape.bucket_of(u));
+    }
+    sort_unique(&renew);
+    for (const auto& [bucket, members] : by_bucket) {
+      kept.clear();
+      kept_values.clear();
+      bool found = false;
+      for (std::size_t i : members) {
+        if (std::binary_search(deleted.begin(), deleted.end(), group.users[i])) {
+          batch.Delete(storage.keys(), encode_key_store_key(group.users[i]));
+          found = true;
+          ++deleted_keys;
+        } else {
+          kept.push_back(group.users[i]);
+          kept_values.push_back(std::move(group.values[i]));
+        }
       }
-      if (std::binary_search(deleted.begin(), deleted.end(), *user)) {
-        batch.Delete(storage.keys(), it->key());
-        found = true;
-      } else {
-        kept.push_back(*user);
-        kept_values.push_back(it->value().ToString());
+      if (!found && !(std::binary_search(renew.begin(), renew.end(), bucket) && !kept.empty())) continue;
+      std::vector<std::optional<BucketKey>> old;
+      if (Status s = read_bucket_keys(storage, {bucket}, nullptr, &old); !s.ok()) return s;
+      if (!old[0]) {
+        return Status::Corruption("the key store of '" + storage.path() + "' holds wrapped keys of " + bucket.text() +
+                                  " (user " + std::to_string(group.users[members.front()]) +
+                                  "'s among them) but no key of that bucket");
       }
+      Result<BucketKey> next = BucketKey::generate(old[0]->generation() + 1);
+      if (!next.ok()) return next.status();
+      if (Status s = old[0]->rewrap(*next, bucket.depth, kept, kept_values, &rewrapped); !s.ok()) {
+        return Status(s.code(), s.message() + " in '" + storage.path() + "'");
+      }
+      for (std::size_t i = 0; i < kept.size(); ++i) {
+        batch.Put(storage.keys(), encode_key_store_key(kept[i]), rewrapped[i]);
+      }
+      batch.Put(storage.bucket_keys(), bucket.key(), next->encode());
+      groups.push_back(g);
     }
-    if (Status s = from_rocksdb(it->status(), "read of the key store's " + bucket_text(bucket)); !s.ok()) return s;
-    if (!found && !(std::binary_search(renew.begin(), renew.end(), bucket) && !kept.empty())) continue;
-    std::vector<std::optional<BucketKey>> old;
-    if (Status s = read_bucket_keys(storage, {bucket}, nullptr, &old); !s.ok()) return s;
-    if (!old[0]) {
-      return Status::Corruption("the key store of '" + storage.path() + "' holds wrapped keys of bucket " +
-                                std::to_string(bucket) + " (user " + std::to_string(deleted.front()) +
-                                "'s among them) but no key of that bucket");
-    }
-    Result<BucketKey> next = BucketKey::generate(old[0]->generation() + 1);
-    if (!next.ok()) return next.status();
-    if (Status s = old[0]->rewrap(*next, kept, kept_values, &rewrapped); !s.ok()) {
-      return Status(s.code(), s.message() + " in '" + storage.path() + "'");
-    }
-    for (std::size_t i = 0; i < kept.size(); ++i) {
-      batch.Put(storage.keys(), encode_key_store_key(kept[i]), rewrapped[i]);
-    }
-    batch.Put(storage.bucket_keys(), prefix, next->encode());
-    buckets.push_back(bucket);
   }
-  if (buckets.empty()) return Status::OK();
-  return storage.write_key_store(&batch, buckets, /*sync=*/true, what);
+  if (groups.empty()) return Status::OK();
+  shape.keys -= std::min(shape.keys, deleted_keys);
+  return write_key_batch(storage, &batch, shape, std::move(groups), what);
 }
 
 std::optional<std::uint64_t> decode_key_store_key(std::string_view key) {

@@ -6,27 +6,33 @@
 // the state store's writer stores a contribution of theirs, and kept in the
 // users engine's key store, written (synced) before the first batch it seals
 // is ingested into the state engine. The key store holds each user's key
-// sealed (wrapped) with the key of the user's bucket: one of 65,536 bucket
-// keys, the bucket a hash of the user id. The user's ledger records are
+// sealed (wrapped) with the key of the user's bucket: a set of ~16 users by
+// a hash of their ids, 65,536 buckets at first, split as the key store
+// grows (KeyShape). The user's ledger records are
 // sealed with the user's key (AES-256-GCM) and named by a pseudonym derived
 // from it, so that no key of the ledger names the user in clear:
 //
-//   bucket_keys CF    key   [bucket: 2 BE]                        (2 bytes)
+//   bucket_keys CF    key   [group: 2 BE]                  (depth 16, 2 bytes)
+//                           [group: 2 BE][depth: 1][the prefix's bits
+//                            after the group's: 2 BE]   (depth 17-32, 5 bytes)
 //                     value [version: 1 = 0x01][generation: 4 BE][bucket key: 32]
 //                                                                 (37 bytes)
-//   wrapped_keys CF   key   [bucket: 2 BE][user_id: 8 BE]         (10 bytes)
-//                     value [version: 2 = 0x02][generation: 4 BE]
+//   wrapped_keys CF   key   [group: 2 BE][user_id: 8 BE]          (10 bytes)
+//                     value [version: 3 = 0x03][depth: 1][generation: 4 BE]
 //                           [0x01][nonce: 12][wrapped key: 32][tag: 16]
-//                                                                 (66 bytes)
+//                                                                 (67 bytes;
+//                           version 2, 66 bytes, has no depth: 16)
+//   meta (users engine)   "key_store_shape" -> KeyShape::encode
 //   sealed_ledger CF  key   [epoch: 8 BE][pseudonym: 16]          (24 bytes)
 //                     value [version: 1 = 0x01][nonce: 12][ciphertext][tag: 16]
 //   sealed_index CF   key   [pseudonym: 16][epoch: 8 BE]          (24 bytes)
 //                     value empty
 //
-//   bucket       = the top 16 bits of mix64(user_id) (format.h)
+//   group        = the top 16 bits of mix64(user_id) (format.h)
+//   bucket       = the top `depth` bits of mix64(user_id) (KeyBucket)
 //   wrapped key  = AES-256-GCM(the bucket key of that generation, nonce,
-//                  the user's key, aad = the wrapped_keys key + the
-//                  generation (BE) + 0x01)
+//                  the user's key, aad = the wrapped_keys key + the depth
+//                  + the generation (BE) + 0x01)
 //   pseudonym  = HMAC-SHA256(key, "tidal ledger pseudonym v1"), first 16 bytes
 //   ciphertext = AES-256-GCM(key, nonce, plaintext,
 //                            aad = the record's key + the version byte);
@@ -56,8 +62,9 @@
 // RocksDB's deletion of the replaced files waited for the ledger's and
 // aggregates' compactions under way). From then on the user's wrapped key
 // cannot be unwrapped, so the user's records cannot be opened, nor linked
-// to the user. The erasure rewrites only bucket keys (65,536 of them, ~3.2
-// MB), whatever the number of users: the wrapped keys stay where they are,
+// to the user. The erasure rewrites only bucket keys (~3.2 MB at 1M users),
+// and a purge wraps again ~16 keys a purged user, whatever the number of
+// users: the wrapped keys stay where they are,
 // and their files are compacted as RocksDB sees fit. The purge deletes the
 // user's index entries; the
 // sealed records themselves stay where they are, unreadable ciphertext
@@ -77,6 +84,7 @@
 #define TIDAL_STORAGE_SEALED_LEDGER_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -99,10 +107,17 @@ inline constexpr std::size_t kUserKeySize = 32;
 inline constexpr std::size_t kPseudonymSize = 16;
 inline constexpr std::size_t kKeyStoreKeySize = 2 + 8;  // a wrapped_keys key
 inline constexpr std::size_t kKeyStoreValueSize = 1 + kUserKeySize;  // UserKey::encode
-inline constexpr std::size_t kKeyBuckets = 1 << 16;
-inline constexpr std::size_t kBucketKeySize = 2;  // a bucket_keys key
+inline constexpr std::size_t kKeyBuckets = 1 << 16;  // groups: the buckets of depth 16
+inline constexpr unsigned kMinBucketDepth = 16;
+inline constexpr unsigned kMaxBucketDepth = 32;
+inline constexpr std::size_t kBucketKeySize = 2;      // a bucket_keys key of depth 16
+inline constexpr std::size_t kDeepBucketKeySize = 5;  // of a deeper bucket
 inline constexpr std::size_t kBucketValueSize = 1 + 4 + kUserKeySize;
-inline constexpr std::size_t kWrappedKeySize = 1 + 4 + 1 + 12 + kUserKeySize + 16;
+inline constexpr std::size_t kWrappedKeySize = 1 + 1 + 4 + 1 + 12 + kUserKeySize + 16;  // version 3
+inline constexpr std::size_t kWrappedKeySizeV2 = 1 + 4 + 1 + 12 + kUserKeySize + 16;
+// The stored keys a bucket holds on average before the key store splits
+// one (KeyShape).
+inline constexpr std::uint64_t kUsersPerBucket = 16;
 inline constexpr std::size_t kSealedLedgerKeySize = 8 + kPseudonymSize;
 inline constexpr std::size_t kSealedIndexKeySize = kPseudonymSize + 8;
 inline constexpr std::size_t kSealVersionSize = 1;
@@ -178,17 +193,19 @@ class BucketKey {
   std::uint32_t generation() const { return generation_; }
   // The bucket_keys value.
   std::string encode() const;
-  // `user_key` of `user`, wrapped for the wrapped_keys family (66 bytes).
-  Status wrap(std::uint64_t user, const UserKey& user_key, std::string* value) const;
-  // The key a wrapped_keys value holds: empty when it is not this key's
-  // (another generation, another user's record, or changed).
+  // `user_key` of `user`, wrapped for the wrapped_keys family by this key
+  // of a bucket of depth `depth` (67 bytes, version 3).
+  Status wrap(std::uint64_t user, unsigned depth, const UserKey& user_key, std::string* value) const;
+  // The key a wrapped_keys value (version 2 or 3) holds: empty when it is
+  // not this key's (another generation or bucket, another user's record,
+  // or changed).
   std::optional<UserKey> unwrap(std::uint64_t user, std::string_view value) const;
   // Each of `values` (the wrapped_keys values of `users`, wrapped with this
-  // key) unwrapped and wrapped again with `next`, into (*out)[i], with one
-  // context keyed once each way: keying one per key cost as much as the
-  // wrapping itself, and a purge at 4M users wraps ~61 keys again.
-  // Corruption naming the user when one does not unwrap.
-  Status rewrap(const BucketKey& next, const std::vector<std::uint64_t>& users,
+  // key) unwrapped and wrapped again with `next`, the key of a bucket of
+  // depth `depth`, into (*out)[i], with one context keyed once each way:
+  // keying one per key cost as much as the wrapping itself. Corruption
+  // naming the user when one does not unwrap.
+  Status rewrap(const BucketKey& next, unsigned depth, const std::vector<std::uint64_t>& users,
                 const std::vector<std::string>& values, std::vector<std::string>* out) const;
   // The raw key, for tests that look for it in files (tests/erasure_scan.h).
   std::string_view bytes_for_testing() const { return key_.bytes_for_testing(); }
@@ -199,12 +216,77 @@ class BucketKey {
   UserKey key_;  // an AES-256 key as a user's is (its pseudonym unused)
 };
 
-// The bucket of `user` (the top 16 bits of mix64(user)).
+// The group of `user` (the top 16 bits of mix64(user)): the first two
+// bytes of the user's wrapped_keys key, and of the key of each bucket that
+// can hold the user, whatever its depth.
 std::uint16_t key_bucket(std::uint64_t user);
-// [bucket BE].
-std::string encode_bucket_key(std::uint16_t bucket);
-// The generation a wrapped_keys value was wrapped with; empty unless 66
-// bytes of version 2.
+// [group BE]: the key of the group's bucket of depth 16, and where the
+// group's keys begin in both key-store families.
+std::string encode_bucket_key(std::uint16_t group);
+// The group of a bucket_keys key (its first two bytes); empty when shorter.
+std::optional<std::uint16_t> bucket_key_group(std::string_view key);
+
+// A bucket of the key store: the users the top `depth` bits of whose hash
+// (mix64) are `prefix`. Depth 16 is a whole group; a deeper bucket is part
+// of one (KeyShape).
+struct KeyBucket {
+  unsigned depth = kMinBucketDepth;
+  std::uint32_t prefix = 0;
+
+  // The bucket of depth `depth` that holds `user`.
+  static KeyBucket of(std::uint64_t user, unsigned depth);
+  // From a bucket_keys key: [group BE] (depth 16), or [group BE][depth]
+  // [the prefix's bits after the group's, BE16] (depth 17 to 32); empty
+  // for anything else.
+  static std::optional<KeyBucket> decode(std::string_view key);
+  std::string key() const;
+  std::uint16_t group() const { return static_cast<std::uint16_t>(prefix >> (depth - kMinBucketDepth)); }
+  // "bucket 1234" (depth 16) or "bucket 1234.5/18" (the bits past the group's).
+  std::string text() const;
+  // In the order of their keys.
+  friend bool operator<(const KeyBucket& x, const KeyBucket& y) {
+    if (x.group() != y.group()) return x.group() < y.group();
+    if (x.depth != y.depth) return x.depth < y.depth;
+    return x.prefix < y.prefix;
+  }
+  friend bool operator==(const KeyBucket& x, const KeyBucket& y) = default;
+};
+
+// How the key store spreads its users over buckets, by linear hashing: the
+// buckets are those of depth `depth`, but that the first `split` of them
+// are split into two of the next depth each. When the stored keys pass
+// kUsersPerBucket a bucket, the next one is split (store_user_keys), so
+// that a bucket holds ~16 users however many the Db has, and a purge
+// wraps again ~16 keys a user purged (docs/FORMAT.md, "The key store").
+// Kept in the users engine's meta family (kKeyShapeKey), written with each
+// change of the key store.
+struct KeyShape {
+  unsigned depth = kMinBucketDepth;
+  std::uint32_t split = 0;
+  std::uint64_t keys = 0;  // the stored keys (drives the splits only)
+
+  KeyBucket bucket_of(std::uint64_t user) const;
+  std::uint64_t buckets() const { return (std::uint64_t{1} << depth) + split; }
+  // [version: 1 = 0x01][depth: 1][split: 4 BE][keys: 8 BE] (14 bytes).
+  std::string encode() const;
+  static std::optional<KeyShape> decode(std::string_view stored);
+};
+inline constexpr char kKeyShapeKey[] = "key_store_shape";
+// For tests: while nonzero, each write of new keys also splits buckets
+// until the key store has this many (at most 1,024 a write), so that a test
+// reaches deeper buckets without a million users.
+std::atomic<std::uint64_t>& split_to_buckets_for_testing();
+
+// The generation a wrapped_keys value was wrapped with, and the depth of
+// the bucket whose key wrapped it; empty unless 67 bytes of version 3, or
+// 66 of version 2 (depth 16, written before buckets split).
+struct WrappedHeader {
+  unsigned version;
+  unsigned depth;
+  std::uint32_t generation;
+  std::size_t size;  // the header's bytes, before the sealed key
+};
+std::optional<WrappedHeader> wrapped_key_header(std::string_view value);
 std::optional<std::uint32_t> wrapped_key_generation(std::string_view value);
 
 // Stores the new keys `created` (synced), each wrapped with its bucket's

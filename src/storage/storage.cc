@@ -299,14 +299,17 @@ void set_state_cf_options(const std::string& name, rocksdb::ColumnFamilyOptions*
 
 // The bucket keys' table property that Storage::may_hold_keys_of reads
 // (docs/FORMAT.md): the number of values (entries that are not deletions)
-// the file holds, 8 bytes big-endian, then a Bloom filter of their buckets
-// (mix64 of the bucket number), 10 bits a value and 7 probes of one 64-bit
-// hash (double hashing), at least 64 bits. A key of another length (none is
-// written) leaves the file without the property. The name carries the
-// layout's version: a reader treats a file without this name as one that
-// may hold any key, so a new layout must have a new name, or its filters
-// would rule out keys the files hold.
-constexpr char kKeyValuesProperty[] = "tidal.bucket_values.v1";
+// the file holds, 8 bytes big-endian, then a Bloom filter of their groups
+// (mix64 of the group number: a key's first two bytes, whatever its
+// bucket's depth), 10 bits a value and 7 probes of one 64-bit hash (double
+// hashing), at least 64 bits. A key of another length (none is written)
+// leaves the file without the property. The name carries the layout's
+// version: a reader treats a file without this name as one that may hold
+// any key, so a new layout must have a new name, or its filters would rule
+// out keys the files hold. Version 1 filtered the buckets of depth 16 (its
+// files hold no other key), which are their groups: a reader takes both.
+constexpr char kKeyValuesProperty[] = "tidal.bucket_values.v2";
+constexpr char kKeyValuesPropertyV1[] = "tidal.bucket_values.v1";
 constexpr int kKeyValuesProbes = 7;
 
 template <typename Bit>
@@ -326,7 +329,7 @@ class KeyValuesCollector : public rocksdb::TablePropertiesCollector {
         type == rocksdb::kEntryDeleteWithTimestamp || type == rocksdb::kEntryRangeDeletion) {
       return rocksdb::Status::OK();
     }
-    if (key.size() != kBucketKeySize) other_ = true;
+    if (key.size() != kBucketKeySize && key.size() != kDeepBucketKeySize) other_ = true;
     else hashes_.push_back(mix64(static_cast<std::uint64_t>(static_cast<unsigned char>(key[0])) << 8 |
                                  static_cast<unsigned char>(key[1])));
     return rocksdb::Status::OK();
@@ -663,7 +666,8 @@ class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
 
 bool Storage::may_hold_keys_of(const rocksdb::TableProperties& file, const std::vector<std::uint64_t>& buckets) {
   if (buckets.empty()) return false;
-  const auto it = file.user_collected_properties.find(kKeyValuesProperty);
+  auto it = file.user_collected_properties.find(kKeyValuesProperty);
+  if (it == file.user_collected_properties.end()) it = file.user_collected_properties.find(kKeyValuesPropertyV1);
   // A filter that saw fewer values than the file holds (RocksDB skips its
   // collectors for an entry it cannot parse) may rule out a key it holds.
   if (it == file.user_collected_properties.end() || it->second.size() < 16 ||

@@ -12,7 +12,8 @@
 //               keyed tag-first, written in the same WriteBatch
 //   wrapped_keys  format 4: each contributing user's ledger key, wrapped
 //               with the key of the user's bucket (storage/sealed_ledger.h)
-//   bucket_keys   format 4: the 65,536 bucket keys
+//   bucket_keys   format 4: the bucket keys (65,536 at first, split as
+//               the key store grows)
 // The state engine, in <path>/state:
 //   default     meta records of the state store (format, epoch, clock floor
 //               of purges, erasure marks, the change feed's shard and trim)
@@ -152,6 +153,10 @@ class Storage {
   // a purge replaced meanwhile would be lost. Taken after key_store_mu;
   // under it only the notes' lock (write_key_store) and RocksDB's own.
   std::mutex& key_writes_mu() const { return key_writes_mu_; }
+  // The key store's shape as last read or written (storage/sealed_ledger.h,
+  // KeyShape::encode); empty until the first write of the key store reads
+  // it. Under key_writes_mu.
+  std::optional<std::string>& key_shape_cache() { return key_shape_; }
   // The change feed (docs/FORMAT.md); null until create_feed().
   rocksdb::ColumnFamilyHandle* feed() const {
     if (upgrade_pending_) return legacy("feed");
@@ -333,8 +338,9 @@ class Storage {
     const Storage& storage_;
   };
   // Whether a file of the bucket keys, by its table properties, may hold
-  // the key (a value, not a deletion) of one of `buckets`. Each file of
-  // the bucket keys keeps a Bloom filter of the buckets whose keys it holds
+  // the key (a value, not a deletion) of a bucket of one of `buckets` (its
+  // groups: sealed_ledger.h, key_bucket). Each file of the bucket keys
+  // keeps a Bloom filter of the groups whose bucket keys it holds
   // (~1 % false positives, no false negatives), so that an erasure
   // compacts only the files that may hold a replaced key: a level-0 file
   // spans the whole family, and a small one that a purge had compacted
@@ -436,6 +442,7 @@ class Storage {
   std::string path_;
   mutable std::shared_mutex key_store_mu_;
   mutable std::mutex key_writes_mu_;
+  std::optional<std::string> key_shape_;  // guarded by key_writes_mu_
   // The directory's (st_dev, st_ino) in the registry of Dbs open for
   // writing, while this handle holds it.
   std::optional<std::pair<dev_t, ino_t>> registry_id_;
