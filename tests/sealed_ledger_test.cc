@@ -628,6 +628,28 @@ TEST(SealedLedger, ARejoinedUserGetsANewKeyAndEachPurgeErasesItsOwn) {
   EXPECT_TRUE(v->ok()) << v->problems.front();
 }
 
+// The key store's tests: a Db of manual writes, not synced (the setups'
+// many joins), its storage and the engine of its key store.
+class KeyStore : public ::testing::Test {
+ protected:
+  // `x` joins community 77 and contributes `w` to cohort 4.
+  void signal(std::uint64_t x, double w) {
+    ASSERT_OK(db->join_community(x, 77));
+    ASSERT_OK(db->signal_with_context({x, 1000 + x % 5, w}, {{4}}));
+  }
+
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const Options options = [] {
+    Options o = manual_writes();
+    o.sync_writes = false;
+    return o;
+  }();
+  std::unique_ptr<Db> db = open_db(path, options);
+  Storage& storage = Db::Impl::storage_for_testing(*db);
+  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+};
+
 // A user of `bucket` (key_bucket), the first at or after `from`.
 std::uint64_t user_in_bucket(std::uint16_t bucket, std::uint64_t from) {
   while (key_bucket(from) != bucket) ++from;
@@ -777,18 +799,7 @@ std::vector<KeyBucket> stored_buckets(Storage& storage) {
 // users are wrapped with its own key, and a purge after the splits erases
 // from every file the user's key and every bucket key that ever wrapped it,
 // the buckets' split away included; the bucket's other users stay readable.
-TEST(SealedLedger, SplitBucketsKeepEveryKeyAndAPurgeErasesEveryBucketKeyThatWrappedIt) {
-  TempDir dir;
-  const std::string path = dir.sub("db");
-  Options options = manual_writes();
-  options.sync_writes = false;
-  auto db = open_db(path, options);
-  Storage& storage = Db::Impl::storage_for_testing(*db);
-  rocksdb::DB* users = storage.db(Storage::Engine::Users);
-  const auto signal = [&](std::uint64_t x, double w) {
-    ASSERT_OK(db->join_community(x, 77));
-    ASSERT_OK(db->signal_with_context({x, 1000 + x % 5, w}, {{4}}));
-  };
+TEST_F(KeyStore, SplitBucketsKeepEveryKeyAndAPurgeErasesEveryBucketKeyThatWrappedIt) {
   const auto flush_keys = [&] {
     ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), {storage.keys(), storage.bucket_keys()}).ok());
   };
@@ -952,18 +963,7 @@ INSTANTIATE_TEST_SUITE_P(Threads, SplitStress, ::testing::Values(16, 64),
 // Every other file stays as it was, the old key is gone from every file,
 // and the bucket's other users' keys, wrapped again with its new key,
 // still open their records.
-TEST(SealedLedger, APurgesErasureRewritesOnlyTheBucketKeyFilesThatHoldTheKey) {
-  TempDir dir;
-  const std::string path = dir.sub("db");
-  Options options = manual_writes();
-  options.sync_writes = false;  // the setup's joins
-  auto db = open_db(path, options);
-  Storage& storage = Db::Impl::storage_for_testing(*db);
-  rocksdb::DB* users = storage.db(Storage::Engine::Users);
-  const auto signal = [&](std::uint64_t u, double w) {
-    ASSERT_OK(db->join_community(u, 77));
-    ASSERT_OK(db->signal_with_context({u, 1000 + u % 5, w}, {{4}}));
-  };
+TEST_F(KeyStore, APurgesErasureRewritesOnlyTheBucketKeyFilesThatHoldTheKey) {
   // Users in most buckets, each with a key (their first contribution), the
   // bucket keys compacted into files of the last level.
   constexpr std::uint64_t kUsers = 100'000;
@@ -1179,14 +1179,7 @@ TEST(SealedLedger, APurgeFlushesTheUsersEngineOnlyWhileItsWalsMayHoldAPurgedKey)
 //     (a level-0 file of keys made later, spanning its range), which the
 //     erasure needs when the filter does not rule the bucket out (~1 %).
 // Such a file stays as it is; one that holds the replaced key is replaced.
-TEST(SealedLedger, AnErasureLeavesAloneTheBucketKeyFilesThatCannotHoldAReplacedKey) {
-  TempDir dir;
-  const std::string path = dir.sub("db");
-  Options options = manual_writes();
-  options.sync_writes = false;
-  auto db = open_db(path, options);
-  Storage& storage = Db::Impl::storage_for_testing(*db);
-  rocksdb::DB* users = storage.db(Storage::Engine::Users);
+TEST_F(KeyStore, AnErasureLeavesAloneTheBucketKeyFilesThatCannotHoldAReplacedKey) {
   // Users of buckets no earlier user has, so that each first signal writes
   // its bucket's first key.
   std::set<std::uint16_t> used;
