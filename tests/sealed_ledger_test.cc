@@ -897,6 +897,149 @@ TEST_F(KeyStore, SplitBucketsKeepEveryKeyAndAPurgeErasesEveryBucketKeyThatWrappe
   EXPECT_EQ(stored_shape(reopened).keys, keys + 1);
 }
 
+// The keys a split writes are noted (Storage::write_key_store) like a
+// purge's: a purge of a user the split wrapped again flushes them out of
+// the WALs, also once an earlier erasure has cleared the open's "any key"
+// note (without the split's note: the child's replaced key stayed in a
+// WAL).
+TEST_F(KeyStore, ASplitsKeysStillInTheWalsAreErasedAfterAnEarlierErasure) {
+  const std::uint64_t u = user_in_bucket(0, 0xA1B2C3D4E5F60000ULL);
+  const std::uint64_t w = user_in_bucket(0, u + 1);
+  const std::uint64_t x = user_in_bucket(9, 0x77);
+  signal(u, 2.0);
+  signal(w, 1.5);
+  signal(x, 1.5);
+  ASSERT_OK(db->flush());
+  // A first purge: its erasure flushes the engine past its WALs.
+  ASSERT_OK(db->leave_community_layer(x));
+  ASSERT_OK(db->purge_community_contributions(x));
+  {
+    const SplitTo split(65'537);
+    signal(0x5151515151ULL, 0.5);
+    ASSERT_OK(db->flush());
+  }
+  ASSERT_EQ(stored_shape(storage).split, 1u);
+  std::string wrapped;
+  ASSERT_OK(storage.get(storage.keys(), encode_key_store_key(u), &wrapped));
+  ASSERT_EQ(wrapped_key_header(wrapped)->depth, 17u);
+  const testing::ErasureScan held = scan_files(path, u);
+  ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
+  ASSERT_OK(db->leave_community_layer(u));
+  Result<PurgeReceipt> r = db->purge_community_contributions(u);
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->erasure_complete);
+  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+}
+
+// The last group's erasure range takes in its deeper buckets' keys too
+// (they sort after [0xffff]; the range ended at [0xffff 0x00] before).
+TEST_F(KeyStore, TheLastGroupsSplitKeysAreErased) {
+  const std::uint64_t u = user_in_bucket(0xffff, 0xA1B2C3D4E5F60000ULL);
+  std::uint64_t w = user_in_bucket(0xffff, u + 1);
+  while (!(KeyBucket::of(w, 17) == KeyBucket::of(u, 17))) w = user_in_bucket(0xffff, w + 1);
+  signal(u, 2.0);
+  signal(w, 1.5);
+  ASSERT_OK(db->flush());
+  {
+    const SplitTo split(2 * 65'536);
+    for (std::uint64_t i = 0; stored_shape(storage).buckets() < 2 * 65'536; ++i) {
+      ASSERT_LT(i, 100u) << "the buckets do not split";
+      signal(20'000'000 + i, 0.5);
+      ASSERT_OK(db->flush());
+    }
+  }
+  std::string wrapped;
+  ASSERT_OK(storage.get(storage.keys(), encode_key_store_key(u), &wrapped));
+  ASSERT_EQ(wrapped_key_header(wrapped)->depth, 17u);
+  // The old and the new keys in separate files of the last level.
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), {storage.keys(), storage.bucket_keys()}).ok());
+  ASSERT_TRUE(users->CompactRange(rocksdb::CompactRangeOptions(), storage.bucket_keys(), nullptr, nullptr).ok());
+  const testing::ErasureScan held = scan_files(path, u);
+  ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
+  ASSERT_OK(db->leave_community_layer(u));
+  Result<PurgeReceipt> r = db->purge_community_contributions(u);
+  ASSERT_OK(r);
+  EXPECT_TRUE(r->erasure_complete);
+  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+}
+
+// A bucket that cannot split (a stored key of it that does not unwrap)
+// stops the splits, not the new users: their keys are stored in the shape
+// as it is, verify() names the bad key, and once it is whole again the
+// next write splits the bucket. (Before, every write of a new key failed,
+// in every group.)
+TEST_F(KeyStore, ABucketThatCannotSplitStopsTheSplitsNotTheNewUsers) {
+  const std::uint64_t u = user_in_bucket(0, 0xA1B2C3D4E5F60000ULL);
+  signal(u, 1.0);
+  ASSERT_OK(db->flush());
+  std::string wrapped;
+  ASSERT_OK(storage.get(storage.keys(), encode_key_store_key(u), &wrapped));
+  std::string bad = wrapped;
+  bad[40] = static_cast<char>(bad[40] ^ 1);
+  ASSERT_TRUE(users->Put(rocksdb::WriteOptions(), storage.keys(), encode_key_store_key(u), bad).ok());
+  const SplitTo split(65'537);
+  for (std::uint16_t g = 1000; g < 1005; ++g) {
+    const std::uint64_t x = user_in_bucket(g, 77);
+    signal(x, 1.0);
+    ASSERT_OK(db->flush());  // a new user of another group
+    Result<std::optional<UserKey>> k = read_user_key(storage, x);
+    ASSERT_OK(k);
+    EXPECT_TRUE(k->has_value()) << x;
+  }
+  EXPECT_EQ(stored_shape(storage).split, 0u);
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  ASSERT_FALSE(v->ok());
+  EXPECT_NE(v->problems.front().find("user " + std::to_string(u) + "'s ledger key does not unwrap"), std::string::npos)
+      << v->problems.front();
+  ASSERT_TRUE(users->Put(rocksdb::WriteOptions(), storage.keys(), encode_key_store_key(u), wrapped).ok());
+  signal(user_in_bucket(1005, 77), 1.0);
+  ASSERT_OK(db->flush());
+  EXPECT_EQ(stored_shape(storage).split, 1u);
+  v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+}
+
+// A split during a purge's erasure deletes a key of a group the erasure is
+// compacting: a reader at a snapshot taken before the split still finds
+// it (RocksDB applies the erasure's filter whatever the snapshots; the
+// filter keeps what was current when the erasure began), and the purged
+// user's keys are gone all the same.
+TEST_F(KeyStore, ASplitDuringAnErasureKeepsTheKeysASnapshotTakenBeforeItReads) {
+  const std::uint64_t u = user_in_bucket(0, 0xA1B2C3D4E5F60000ULL);
+  const std::uint64_t w = user_in_bucket(0, u + 1);
+  signal(u, 2.0);
+  signal(w, 1.5);
+  ASSERT_OK(db->flush());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), {storage.keys(), storage.bucket_keys()}).ok());
+  const testing::ErasureScan held = scan_files(path, u);
+  ASSERT_OK(db->leave_community_layer(u));
+  const rocksdb::Snapshot* before_split = nullptr;
+  Status split_status;
+  bool done = false;
+  Storage::step_for_testing = [&](std::string_view task, int step) {
+    if (task != "erasure" || step != 1 || done) return;
+    done = true;
+    before_split = users->GetSnapshot();
+    const SplitTo split(65'537);
+    split_status = store_user_keys(storage, {{0x5151515151ULL, new_key()}}, "a split during the erasure");
+  };
+  Result<PurgeReceipt> r = db->purge_community_contributions(u);
+  Storage::step_for_testing = nullptr;
+  ASSERT_OK(r);
+  ASSERT_TRUE(done);
+  ASSERT_OK(split_status);
+  EXPECT_EQ(stored_shape(storage).split, 1u);
+  Result<std::optional<UserKey>> then = read_user_key(storage, w, before_split);
+  EXPECT_TRUE(then.ok() && then->has_value()) << "w's key at a snapshot taken before the split: "
+                                               << then.status().message();
+  Result<std::optional<UserKey>> now = read_user_key(storage, w);
+  EXPECT_TRUE(now.ok() && now->has_value()) << now.status().message();
+  users->ReleaseSnapshot(before_split);
+  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+}
+
 // New users signalling from many threads while their keys' writes split
 // buckets, and purges beside them: every score exact, every key readable,
 // the ledger whole.

@@ -705,21 +705,29 @@ constexpr int kMaxSplitsPerWrite = 1024;
 // generation), their keys are wrapped again with it, and the bucket's key
 // is deleted; the erasure of a later purge in the group drops it from the
 // files (Storage::KeysErased). `made` gets the halves' keys, `groups` the
-// bucket's group.
+// bucket's group, and `shape` moves on. On an error (a key of the bucket
+// that does not unwrap, a failed read) none of them changes.
 Status split_bucket(Storage& storage, rocksdb::Iterator* it, KeyShape* shape, rocksdb::WriteBatch* batch,
                     std::map<KeyBucket, BucketKey>* made, std::vector<std::uint64_t>* groups) {
   const KeyBucket bucket{shape->depth, shape->split};
-  if (++shape->split == (std::uint64_t{1} << shape->depth)) {
-    ++shape->depth;
-    shape->split = 0;
-  }
+  const auto advance = [&] {
+    if (++shape->split == (std::uint64_t{1} << shape->depth)) {
+      ++shape->depth;
+      shape->split = 0;
+    }
+  };
   std::vector<std::optional<BucketKey>> old;
   if (Status s = read_bucket_keys(storage, {bucket}, nullptr, &old); !s.ok()) return s;
-  if (!old[0]) return Status::OK();  // never given a key: no user of it has one
+  if (!old[0]) {  // never given a key: no user of it has one
+    advance();
+    return Status::OK();
+  }
   GroupKeys group;
   if (Status s = read_group(storage, it, bucket.group(), &group); !s.ok()) return s;
   std::vector<std::uint64_t> users;
   std::vector<std::string> values, rewrapped;
+  std::vector<std::pair<std::string, std::string>> puts;  // the users' keys wrapped again
+  std::vector<std::pair<KeyBucket, BucketKey>> halves;
   for (std::uint32_t half = 0; half < 2; ++half) {
     const KeyBucket child{bucket.depth + 1, bucket.prefix << 1 | half};
     users.clear();
@@ -735,12 +743,17 @@ Status split_bucket(Storage& storage, rocksdb::Iterator* it, KeyShape* shape, ro
     if (Status s = old[0]->rewrap(*next, child.depth, users, values, &rewrapped); !s.ok()) {
       return Status(s.code(), s.message() + " in '" + storage.path() + "' (splitting " + bucket.text() + ")");
     }
-    for (std::size_t i = 0; i < users.size(); ++i) batch->Put(storage.keys(), encode_key_store_key(users[i]), rewrapped[i]);
-    batch->Put(storage.bucket_keys(), child.key(), next->encode());
-    made->emplace(child, std::move(*next));
+    for (std::size_t i = 0; i < users.size(); ++i) puts.emplace_back(encode_key_store_key(users[i]), std::move(rewrapped[i]));
+    halves.emplace_back(child, std::move(*next));
+  }
+  for (const auto& [key, value] : puts) batch->Put(storage.keys(), key, value);
+  for (auto& [child, key] : halves) {
+    batch->Put(storage.bucket_keys(), child.key(), key.encode());
+    made->emplace(child, std::move(key));
   }
   batch->Delete(storage.bucket_keys(), bucket.key());
   groups->push_back(bucket.group());
+  advance();
   return Status::OK();
 }
 
@@ -821,9 +834,10 @@ Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64
                    shape.buckets() < split_to_buckets_for_testing().load(std::memory_order_relaxed));
        ++n) {
     if (it == nullptr) it = storage.iterator(storage.keys());
-    if (Status s = split_bucket(storage, it.get(), &shape, &batch, &made, &groups); !s.ok()) {
-      return Status(s.code(), what + ": " + s.message());
-    }
+    // A bucket that does not split (a key of it that does not unwrap, which
+    // verify() reports; a failed read) stops the splits, not the new keys:
+    // they are stored in the shape as it is, and the next write tries again.
+    if (!split_bucket(storage, it.get(), &shape, &batch, &made, &groups).ok()) break;
   }
   std::vector<KeyBucket> buckets;
   for (const auto& [user, key] : created) {

@@ -8,6 +8,7 @@
 #include <rocksdb/convenience.h>
 #include <rocksdb/filter_policy.h>
 #include <rocksdb/slice_transform.h>
+#include <rocksdb/snapshot.h>
 #include <rocksdb/table.h>
 #include <rocksdb/table_properties.h>
 #include <rocksdb/threadpool.h>
@@ -602,22 +603,28 @@ class SealedRecordReclaim : public rocksdb::CompactionFilterFactory {
 // The key store's erasure filter (Storage::KeysErased). It acts only in
 // manual compactions, and only while an erasure has named its ranges; it
 // keeps a value that is still the key's current one (a key made after a
-// rejoin), and every value whose current key it cannot read, which it
-// counts: the erasure then fails, and stays marked (an injected read
-// failure once let a purge report its erasure done with the value kept:
-// PurgeFaultSweep). A value it drops becomes a deletion (RocksDB's
-// kRemove), which a compaction into the last level drops in turn.
+// rejoin), or was when the erasure began, and every value whose current key
+// it cannot read, which it counts: the erasure then fails, and stays marked
+// (an injected read failure once let a purge report its erasure done with
+// the value kept: PurgeFaultSweep). A value it drops becomes a deletion
+// (RocksDB's kRemove), which a compaction into the last level drops in
+// turn. RocksDB applies the filter whatever the snapshots: a key that a
+// split (or another purge) replaced during the erasure may still be read
+// at a snapshot taken before, and is kept (the erasure owes only the keys
+// replaced before it began; a later purge of the group erases the others).
 class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
  public:
   explicit KeyStoreErasure(const Storage* storage) : storage_(storage) {}
   void begin(const std::vector<std::pair<std::string, std::string>>& ranges) {
     std::unique_lock<std::shared_mutex> lock(mu_);
     ranges_ = ranges;
+    began_.emplace(storage_->db(Storage::Engine::Users));
     unread_.store(0, std::memory_order_relaxed);
   }
   void end() {
     std::unique_lock<std::shared_mutex> lock(mu_);
     ranges_.clear();
+    began_.reset();
   }
   std::uint64_t unread() const { return unread_.load(std::memory_order_relaxed); }
 
@@ -643,24 +650,32 @@ class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
     mutable std::string current_;
   };
 
-  // Whether `value` of `key` is in a range being erased and is not the
-  // key's current value.
+  // Whether `value` of `key` is in a range being erased, and is the key's
+  // value neither when the erasure began nor now (a key never becomes
+  // current again: each is new random bytes).
   bool stale(std::string_view key, std::string_view value, std::string* current) {
     std::shared_lock<std::shared_mutex> lock(mu_);
     auto r = std::upper_bound(ranges_.begin(), ranges_.end(), key,
                               [](std::string_view k, const auto& range) { return k < range.second; });
     if (r == ranges_.end() || key < r->first) return false;
-    const rocksdb::Status s = storage_->db(Storage::Engine::Users)
-                                  ->Get(rocksdb::ReadOptions(), storage_->bucket_keys(), rocksdb::Slice(key.data(), key.size()),
-                                        current);
-    if (s.IsNotFound() || (s.ok() && *current != value)) return true;
-    if (!s.ok()) unread_.fetch_add(1, std::memory_order_relaxed);
-    return false;
+    for (const rocksdb::Snapshot* at : {began_->snapshot(), static_cast<const rocksdb::Snapshot*>(nullptr)}) {
+      rocksdb::ReadOptions read;
+      read.snapshot = at;
+      const rocksdb::Status s = storage_->db(Storage::Engine::Users)
+                                    ->Get(read, storage_->bucket_keys(), rocksdb::Slice(key.data(), key.size()), current);
+      if (s.ok() && *current == value) return false;
+      if (!s.ok() && !s.IsNotFound()) {
+        unread_.fetch_add(1, std::memory_order_relaxed);
+        return false;
+      }
+    }
+    return true;
   }
 
   const Storage* const storage_;
   mutable std::shared_mutex mu_;
   std::vector<std::pair<std::string, std::string>> ranges_;  // guarded by mu_
+  std::optional<rocksdb::ManagedSnapshot> began_;              // guarded by mu_; while ranges_ are named
   std::atomic<std::uint64_t> unread_{0};
 };
 
