@@ -6,7 +6,7 @@
 // the state store's writer stores a contribution of theirs, and kept in the
 // users engine's key store, written (synced) before the first batch it seals
 // is ingested into the state engine. The key store holds each user's key
-// sealed (wrapped) with the key of the user's bucket: a set of ~16 users by
+// sealed (wrapped) with the key of the user's bucket: a set of <= ~32 users by
 // a hash of their ids, 65,536 buckets at first, split as the key store
 // grows (KeyShape). The user's ledger records are
 // sealed with the user's key (AES-256-GCM) and named by a pseudonym derived
@@ -63,7 +63,7 @@
 // aggregates' compactions under way). From then on the user's wrapped key
 // cannot be unwrapped, so the user's records cannot be opened, nor linked
 // to the user. The erasure rewrites only bucket keys (~3.2 MB at 1M users),
-// and a purge wraps again ~16 keys a purged user, whatever the number of
+// and a purge wraps again <= ~32 keys a purged user, whatever the number of
 // users: the wrapped keys stay where they are,
 // and their files are compacted as RocksDB sees fit. The purge deletes the
 // user's index entries; the
@@ -116,8 +116,13 @@ inline constexpr std::size_t kBucketValueSize = 1 + 4 + kUserKeySize;
 inline constexpr std::size_t kWrappedKeySize = 1 + 1 + 4 + 1 + 12 + kUserKeySize + 16;  // version 3
 inline constexpr std::size_t kWrappedKeySizeV2 = 1 + 4 + 1 + 12 + kUserKeySize + 16;
 // The stored keys a bucket holds on average before the key store splits
-// one (KeyShape).
-inline constexpr std::uint64_t kUsersPerBucket = 16;
+// one (KeyShape). A bulk purge of k users among n wraps again ~k n / B
+// keys and its erasure rewrites the B bucket keys: at k = 5,000 the sum is
+// least near 14 users a bucket at 1M users and 27 at 4M. At 16 the splits
+// (from 1M users) cost the 4M-user demo ~10 % of its signal rate and made
+// the erasure the larger half (bench/README.md, "Session 40"); at 32 they
+// begin past 2M users.
+inline constexpr std::uint64_t kUsersPerBucket = 32;
 inline constexpr std::size_t kSealedLedgerKeySize = 8 + kPseudonymSize;
 inline constexpr std::size_t kSealedIndexKeySize = kPseudonymSize + 8;
 inline constexpr std::size_t kSealVersionSize = 1;
@@ -256,8 +261,8 @@ struct KeyBucket {
 // buckets are those of depth `depth`, but that the first `split` of them
 // are split into two of the next depth each. When the stored keys pass
 // kUsersPerBucket a bucket, the next one is split (store_user_keys), so
-// that a bucket holds ~16 users however many the Db has, and a purge
-// wraps again ~16 keys a user purged (docs/FORMAT.md, "The key store").
+// that a bucket holds <= ~32 users however many the Db has, and a purge
+// wraps again <= ~32 keys a user purged (docs/FORMAT.md, "The key store").
 // Kept in the users engine's meta family (kKeyShapeKey), written with each
 // change of the key store.
 struct KeyShape {
