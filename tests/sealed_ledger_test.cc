@@ -1040,6 +1040,87 @@ TEST_F(KeyStore, ASplitDuringAnErasureKeepsTheKeysASnapshotTakenBeforeItReads) {
   for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
 }
 
+// A key store written before buckets split (each key wrapped as version 2,
+// no shape stored): its keys read as before, the first write of a new key
+// counts them, its buckets split, and a purge erases every key that wrapped
+// the purged user's; the count follows the purge.
+TEST_F(KeyStore, AKeyStoreWrittenBeforeBucketsSplitIsCountedSplitAndErased) {
+  const std::uint64_t u = user_in_bucket(2, 0xA1B2C3D4E5F60000ULL);
+  std::vector<std::uint64_t> all{u};
+  for (std::uint64_t from = 1; all.size() < 30; from = all.back() + 1) all.push_back(user_in_bucket(2, from));
+  for (std::uint64_t x = 1; x <= 50; ++x) all.push_back(x);
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  for (std::uint64_t x : all) signal(x, x == u ? 2.0 : 1.5);
+  ASSERT_OK(db->flush());
+  std::vector<std::optional<UserKey>> before;
+  ASSERT_OK(read_user_keys(storage, all, &before));
+  ASSERT_OK(db->close());
+  {
+    // As a build before the splits left it.
+    RawDb raw(path);
+    ASSERT_TRUE(raw.ok());
+    rocksdb::WriteBatch batch;
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      std::string stored;
+      ASSERT_TRUE(raw.db(RawDb::kBucketKeys)
+                      ->Get(rocksdb::ReadOptions(), raw.cf(RawDb::kBucketKeys), encode_bucket_key(key_bucket(all[i])),
+                            &stored)
+                      .ok());
+      const std::optional<BucketKey> bucket = BucketKey::decode(stored);
+      ASSERT_TRUE(bucket && before[i]);
+      std::string v2(1, '\x02');
+      put_u32_be(&v2, bucket->generation());
+      std::string aad = encode_key_store_key(all[i]);
+      put_u32_be(&aad, bucket->generation());
+      const std::optional<UserKey> as_key = UserKey::decode("\x01" + std::string(bucket->bytes_for_testing()));
+      ASSERT_OK(as_key->seal(aad, before[i]->bytes_for_testing(), &v2));
+      ASSERT_TRUE(batch.Put(raw.cf(RawDb::kKeys), encode_key_store_key(all[i]), v2).ok());
+    }
+    ASSERT_TRUE(batch.Delete(raw.cf(RawDb::kMeta), kKeyShapeKey).ok());
+    ASSERT_TRUE(raw.db(RawDb::kKeys)->Write(rocksdb::WriteOptions(), &batch).ok());
+  }
+  db = open_db(path, options);
+  Storage& reopened = Db::Impl::storage_for_testing(*db);
+  std::string wrapped;
+  ASSERT_OK(reopened.get(reopened.keys(), encode_key_store_key(u), &wrapped));
+  ASSERT_EQ(wrapped.size(), kWrappedKeySizeV2);
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  {
+    const SplitTo split(65'536 + 3);  // buckets 0, 1 and 2 (u's group)
+    signal(30'000'000, 0.5);
+    ASSERT_OK(db->flush());
+  }
+  EXPECT_EQ(stored_shape(reopened).split, 3u);
+  EXPECT_EQ(stored_shape(reopened).keys, all.size() + 1);
+  ASSERT_OK(reopened.get(reopened.keys(), encode_key_store_key(u), &wrapped));
+  EXPECT_EQ(wrapped_key_header(wrapped)->version, 3u);
+  EXPECT_EQ(wrapped_key_header(wrapped)->depth, 17u);
+  std::vector<std::optional<UserKey>> after;
+  ASSERT_OK(read_user_keys(reopened, all, &after));
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    ASSERT_TRUE(after[i].has_value()) << all[i];
+    EXPECT_EQ(after[i]->bytes_for_testing(), before[i]->bytes_for_testing()) << "user " << all[i];
+  }
+  ASSERT_TRUE(reopened.db(Storage::Engine::Users)
+                  ->Flush(rocksdb::FlushOptions(), {reopened.keys(), reopened.bucket_keys()})
+                  .ok());
+  const testing::ErasureScan held = scan_files(path, u);
+  ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
+  ASSERT_OK(db->leave_community_layer(u));
+  Result<PurgeReceipt> r = db->purge_community_contributions(u);
+  ASSERT_OK(r);
+  EXPECT_EQ(r->cohort_weight_removed, 2.0);
+  EXPECT_TRUE(r->erasure_complete);
+  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+  EXPECT_EQ(stored_shape(reopened).keys, all.size());
+  v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+}
+
 // New users signalling from many threads while their keys' writes split
 // buckets, and purges beside them: every score exact, every key readable,
 // the ledger whole.
