@@ -1121,6 +1121,58 @@ TEST_F(KeyStore, AKeyStoreWrittenBeforeBucketsSplitIsCountedSplitAndErased) {
   EXPECT_TRUE(v->ok()) << v->problems.front();
 }
 
+// A bulk purge's erasure compacts a level of many bucket-key files in two
+// halves side by side: the keys the purge replaced are gone from the files
+// of both halves (the first file's and the last file's users' here), and
+// every file that held one was replaced.
+TEST_F(KeyStore, ABulkPurgesErasureOfALevelInTwoHalvesErasesTheKeysOfBoth) {
+  constexpr std::uint64_t kUsers = 100'000;
+  for (std::uint64_t i = 1; i <= kUsers; ++i) {
+    signal(i, 1.5);
+    if (i % 10'000 == 0) ASSERT_OK(db->flush());
+  }
+  ASSERT_OK(db->flush());
+  ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.bucket_keys()).ok());
+  rocksdb::CompactRangeOptions all;
+  all.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  ASSERT_TRUE(users->CompactRange(all, storage.bucket_keys(), nullptr, nullptr).ok());
+  rocksdb::ColumnFamilyMetaData meta;
+  users->GetColumnFamilyMetaData(storage.bucket_keys(), &meta);
+  const rocksdb::LevelMetaData& last = meta.levels.back();
+  ASSERT_GE(last.files.size(), 8u) << "the bucket keys should fill a level of many files";
+  // A user of the level's first file and one of its last, and users of
+  // every other file between.
+  std::vector<std::uint64_t> purged;
+  const auto user_of = [&](const std::string& smallest) {
+    return user_in_bucket(*bucket_key_group(smallest), 1);
+  };
+  for (const rocksdb::SstFileMetaData& f : last.files) purged.push_back(user_of(f.smallestkey));
+  std::sort(purged.begin(), purged.end());
+  purged.erase(std::unique(purged.begin(), purged.end()), purged.end());
+  const std::uint64_t first = user_of(last.files.front().smallestkey);
+  const std::uint64_t end = user_of(last.files.back().smallestkey);
+  const testing::ErasureScan held_first = scan_files(path, first);
+  const testing::ErasureScan held_end = scan_files(path, end);
+  ASSERT_EQ(held_first.user_keys.size(), 1u) << held_first.summary();
+  ASSERT_EQ(held_end.user_keys.size(), 1u) << held_end.summary();
+  for (std::uint64_t u : purged) ASSERT_OK(db->leave_community_layer(u));
+  Result<std::vector<PurgeReceipt>> r = db->purge_community_contributions(std::span<const std::uint64_t>(purged));
+  ASSERT_OK(r);
+  for (const PurgeReceipt& p : *r) EXPECT_TRUE(p.erasure_complete) << p.user_id;
+  for (const std::string& f : scan_files(path, first, held_first.user_keys).found) ADD_FAILURE() << "first file's user: " << f;
+  for (const std::string& f : scan_files(path, end, held_end.user_keys).found) ADD_FAILURE() << "last file's user: " << f;
+  rocksdb::ColumnFamilyMetaData after;
+  users->GetColumnFamilyMetaData(storage.bucket_keys(), &after);
+  std::set<std::string> live;
+  for (const auto& level : after.levels) {
+    for (const auto& f : level.files) live.insert(f.name);
+  }
+  for (const rocksdb::SstFileMetaData& f : last.files) EXPECT_EQ(live.count(f.name), 0u) << f.name << " was not rewritten";
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+}
+
 // New users signalling from many threads while their keys' writes split
 // buckets, and purges beside them: every score exact, every key readable,
 // the ledger whole.
