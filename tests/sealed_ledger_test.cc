@@ -638,6 +638,16 @@ class KeyStore : public ::testing::Test {
     ASSERT_OK(db->signal_with_context({x, 1000 + x % 5, w}, {{4}}));
   }
 
+  // `u` leaves and is purged; on return no file holds what `held` found
+  // of its key (scan_files).
+  void purge_erasing(std::uint64_t u, const testing::ErasureScan& held) {
+    ASSERT_OK(db->leave_community_layer(u));
+    Result<PurgeReceipt> r = db->purge_community_contributions(u);
+    ASSERT_OK(r);
+    EXPECT_TRUE(r->erasure_complete);
+    for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+  }
+
   TempDir dir;
   const std::string path = dir.sub("db");
   const Options options = [] {
@@ -924,11 +934,7 @@ TEST_F(KeyStore, ASplitsKeysStillInTheWalsAreErasedAfterAnEarlierErasure) {
   ASSERT_EQ(wrapped_key_header(wrapped)->depth, 17u);
   const testing::ErasureScan held = scan_files(path, u);
   ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
-  ASSERT_OK(db->leave_community_layer(u));
-  Result<PurgeReceipt> r = db->purge_community_contributions(u);
-  ASSERT_OK(r);
-  EXPECT_TRUE(r->erasure_complete);
-  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+  purge_erasing(u, held);
 }
 
 // The last group's erasure range takes in its deeper buckets' keys too
@@ -956,11 +962,7 @@ TEST_F(KeyStore, TheLastGroupsSplitKeysAreErased) {
   ASSERT_TRUE(users->CompactRange(rocksdb::CompactRangeOptions(), storage.bucket_keys(), nullptr, nullptr).ok());
   const testing::ErasureScan held = scan_files(path, u);
   ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
-  ASSERT_OK(db->leave_community_layer(u));
-  Result<PurgeReceipt> r = db->purge_community_contributions(u);
-  ASSERT_OK(r);
-  EXPECT_TRUE(r->erasure_complete);
-  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+  purge_erasing(u, held);
 }
 
 // A bucket that cannot split (a stored key of it that does not unwrap)
