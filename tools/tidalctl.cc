@@ -920,6 +920,15 @@ int cmd_bulk(tidal::Db& db, const std::string& action_name, const std::string& s
   }
 
   std::uint64_t processed = 0, changed_count = 0;
+  // The time in the Db's calls alone (JSON's "seconds"): not the file's
+  // reading, nor the checks of its lines.
+  std::chrono::steady_clock::duration in_calls{};
+  const auto timed = [&in_calls](auto&& call) {
+    const auto start = std::chrono::steady_clock::now();
+    auto result = call();
+    in_calls += std::chrono::steady_clock::now() - start;
+    return result;
+  };
   std::optional<std::string> failure;
   tidal::cli::ProgressBar progress(action, users.size(), /*lines_when_not_tty=*/false);
   // A purge call's erasure rewrites every key-store file (and, for records
@@ -936,7 +945,7 @@ int cmd_bulk(tidal::Db& db, const std::string& action_name, const std::string& s
     tidal::Status s;
     if (purge) {
       // One call per chunk: one flush, one forced compaction for all its users.
-      tidal::Result<std::vector<tidal::PurgeReceipt>> r = db.purge_community_contributions(chunk);
+      tidal::Result<std::vector<tidal::PurgeReceipt>> r = timed([&] { return db.purge_community_contributions(chunk); });
       if (r.ok()) {
         for (const auto& receipt : *r) changed += receipt.entries_removed != 0 ? 1 : 0;
       } else {
@@ -944,7 +953,7 @@ int cmd_bulk(tidal::Db& db, const std::string& action_name, const std::string& s
       }
     } else {
       const std::uint64_t before = leave ? db.stats().leaves : db.stats().rejoins;
-      s = leave ? db.leave_community_layer(chunk) : db.rejoin_community_layer(chunk);
+      s = timed([&] { return leave ? db.leave_community_layer(chunk) : db.rejoin_community_layer(chunk); });
       changed = (leave ? db.stats().leaves : db.stats().rejoins) - before;
     }
     changed_count += changed;
@@ -975,10 +984,11 @@ int cmd_bulk(tidal::Db& db, const std::string& action_name, const std::string& s
                ",\"error\":" + json_string(b.error.empty() ? "invalid user id" : b.error) + "}";
     }
     std::printf("{\"action\":\"%s\",\"source\":%s,\"processed\":%llu,\"changed\":%llu,\"unchanged\":%llu,"
-                "\"bad_lines\":[%s],\"error\":%s}\n",
+                "\"bad_lines\":[%s],\"error\":%s,\"seconds\":%.6f}\n",
                 action, json_string(source).c_str(), static_cast<unsigned long long>(processed),
                 static_cast<unsigned long long>(changed_count), static_cast<unsigned long long>(unchanged),
-                items.c_str(), failure ? json_string(*failure).c_str() : "null");
+                items.c_str(), failure ? json_string(*failure).c_str() : "null",
+                std::chrono::duration<double>(in_calls).count());
   } else {
     std::printf("%s: %llu users processed from %s: %llu %s, %llu %s; %zu bad lines%s\n", action,
                 static_cast<unsigned long long>(processed), source.c_str(),
