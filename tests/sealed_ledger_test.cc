@@ -638,12 +638,17 @@ class KeyStore : public ::testing::Test {
     ASSERT_OK(db->signal_with_context({x, 1000 + x % 5, w}, {{4}}));
   }
 
-  // `u` leaves and is purged; on return no file holds what `held` found
+  // `u` leaves and is purged (its receipt names `cohort_removed` of cohort
+  // weight removed, when given); on return no file holds what `held` found
   // of its key (scan_files).
-  void purge_erasing(std::uint64_t u, const testing::ErasureScan& held) {
+  void purge_erasing(std::uint64_t u, const testing::ErasureScan& held,
+                     std::optional<double> cohort_removed = std::nullopt) {
     ASSERT_OK(db->leave_community_layer(u));
     Result<PurgeReceipt> r = db->purge_community_contributions(u);
     ASSERT_OK(r);
+    if (cohort_removed) {
+      EXPECT_EQ(r->cohort_weight_removed, *cohort_removed);
+    }
     EXPECT_TRUE(r->erasure_complete);
     for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
   }
@@ -1111,12 +1116,7 @@ TEST_F(KeyStore, AKeyStoreWrittenBeforeBucketsSplitIsCountedSplitAndErased) {
                   .ok());
   const testing::ErasureScan held = scan_files(path, u);
   ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
-  ASSERT_OK(db->leave_community_layer(u));
-  Result<PurgeReceipt> r = db->purge_community_contributions(u);
-  ASSERT_OK(r);
-  EXPECT_EQ(r->cohort_weight_removed, 2.0);
-  EXPECT_TRUE(r->erasure_complete);
-  for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
+  purge_erasing(u, held, 2.0);
   EXPECT_EQ(stored_shape(reopened).keys, all.size());
   v = db->verify();
   ASSERT_OK(v);

@@ -931,9 +931,10 @@ int cmd_bulk(tidal::Db& db, const std::string& action_name, const std::string& s
   };
   std::optional<std::string> failure;
   tidal::cli::ProgressBar progress(action, users.size(), /*lines_when_not_tty=*/false);
-  // A purge call's erasure rewrites every key-store file (and, for records
-  // carried from format 3, every ledger file) that holds one of its users,
-  // and users spread over the Db are in every file: chunks as large as the
+  // A purge call's erasure rewrites every file of bucket keys (and, for
+  // records carried from format 3, every ledger file) that holds a key of
+  // one of its users' groups, and users spread over the Db are in every
+  // file: chunks as large as the
   // other commands' (in format 3 at 1M users, chunks of 1,000 made a purge
   // of 5,000 users rewrite the whole ledger five times, ~70 s instead of ~16).
   const std::size_t chunk_size = kBulkChunk;

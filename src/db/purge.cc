@@ -937,6 +937,10 @@ bool still_at(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::vecto
   });
 }
 
+// The files of one level below 0 from which compact_in_place compacts
+// them in two halves.
+constexpr std::size_t kHalvedLevelFiles = 8;
+
 // The bucket keys' erasure, in the calling thread: compacts in place, each
 // at its own level, every file of `cf` whose keys overlap one of `ranges`
 // (sorted, disjoint; the keys of `buckets`, sorted) and that may hold one
@@ -954,10 +958,6 @@ bool still_at(rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf, const std::vecto
 // that grew to 9 MB and that each single purge rewrote (bench/README.md,
 // "Session 36"). `replaced` gets the names of the files the compactions
 // replaced.
-// The files of one level below 0 from which compact_in_place compacts
-// them in two halves.
-constexpr std::size_t kHalvedLevelFiles = 8;
-
 Status compact_in_place(const Storage& storage, rocksdb::DB* db, rocksdb::ColumnFamilyHandle* cf,
                         const std::vector<KeyRange>& ranges, const std::vector<std::uint64_t>& buckets,
                         std::uint64_t written_by, std::chrono::milliseconds wait, std::vector<std::string>* replaced) {
