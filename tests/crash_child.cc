@@ -33,11 +33,13 @@
 //     is renewed often), prints "R", joins users 1 and 2 to community 10,
 //     then signals them from two threads forever (each signal: one cohort
 //     and one community contribution).
-//   tidal_crash_child purges <db-path> <first-user>
+//   tidal_crash_child purges <db-path> <first-user> [files]
 //     Opens the Db, prints "R", then for u = first-user, first-user + 1, ...:
 //     joins u to community u, signals u on items 1 (weight 1.5) and 2
 //     (0.25) with cohort u, flushes and prints "F <u>", leaves and prints
 //     "B <u>", purges u and prints "A <u> <entries removed>" (4 expected).
+//     Each purge's batch goes through the WAL, or with "files" is ingested
+//     as files (Db::Impl::purge_wal_entries).
 //   tidal_crash_child feed <db-path> <shard> <seed>
 //     Opens the Db with the change feed on (shard <shard>), joins users
 //     0-39 to communities 100-102, prints "R", then signals random users on
@@ -431,7 +433,11 @@ int main(int argc, char** argv) {
   if (mode == "stamps" && argc == 4) return run_stamps(argv[2], std::strtoull(argv[3], nullptr, 10));
   if (mode == "backup" && argc == 5) return run_backup(argv[2], argv[3], std::atoi(argv[4]));
   if (mode == "open" && (argc == 3 || argc == 4)) return run_open(argv[2], argc == 4 ? std::atoi(argv[3]) : 0);
-  if (mode == "purges" && argc == 4) return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
+  if (mode == "purges" && (argc == 4 || (argc == 5 && std::string(argv[4]) == "files"))) {
+    // "files": every purge batch ingested as files, none through the WAL.
+    if (argc == 5) tidal::Db::Impl::purge_wal_entries = 0;
+    return run_purges(argv[2], std::strtoull(argv[3], nullptr, 10));
+  }
   if (mode == "journal-purge" && argc == 4) return run_killed_purge(argv[2], std::strtoull(argv[3], nullptr, 10), "intent");
   if (mode == "purge-keys" && argc == 4) return run_killed_purge(argv[2], std::strtoull(argv[3], nullptr, 10), "keys");
   if (mode == "signals" && (argc == 4 || (argc == 5 && std::string(argv[4]) == "scans"))) {
@@ -447,6 +453,6 @@ int main(int argc, char** argv) {
   if (mode == "feed" && argc == 5) {
     return run_feed(argv[2], std::strtoull(argv[3], nullptr, 10), std::strtoull(argv[4], nullptr, 10));
   }
-  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> | journal-purge|purge-keys <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate|upgrade4 <db> <step> | reseed|finish <db> <shard> <task> <step>");
+  say("E usage: tidal_crash_child ops <db> <seed> <users> | stamps <db> <speed> | signals <db> <period-ms> | open <db> [<backfill-batch>] | purges <db> <first-user> [files] | journal-purge|purge-keys <db> <user> | feed <db> <shard> <seed> | overload <db> <period-ms> <first> | migrate|upgrade4 <db> <step> | reseed|finish <db> <shard> <task> <step>");
   return 2;
 }

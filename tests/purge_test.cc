@@ -464,6 +464,7 @@ TEST(Purge, NoSstOrWalFileHoldsAKeyOfThePurgedLedgerOnReturn) {
 TEST(Purge, APurgesIngestionWaitsForNoFlushOfTheMarksAnEarlierErasureDeleted) {
   TempDir dir;
   const std::string path = dir.sub("db");
+  ScopedOverride as_files(Db::Impl::purge_wal_entries, 0);  // every batch ingested
   auto db = open_db(path, manual_writes());
   for (const std::uint64_t u : {std::uint64_t{5}, std::uint64_t{7}}) {
     ASSERT_OK(db->join_community(u, 50));
@@ -491,9 +492,72 @@ TEST(Purge, APurgesIngestionWaitsForNoFlushOfTheMarksAnEarlierErasureDeleted) {
   ASSERT_OK(db->close());
 }
 
+// A purge batch of at most Db::Impl::purge_wal_entries ledger entries is
+// one synced write through the state engine's WAL (one fsync, where an
+// ingestion costs one a file and RocksDB's own); a larger one is ingested
+// as files, which stream to disk. Both are exact and durable: the WAL's
+// outlives a power cut (PowerLossTest.APurgeNeverOutlivesTheUnsyncedLeave-
+// ItCites, Purge.APowerCutAfterAPurgeKeepsTheKeysOfItsBucketsOtherUsers),
+// and the sweeps and the SIGKILL rounds run both.
+TEST(Purge, ABatchOfFewEntriesIsWrittenThroughTheWalAndALargerOneIngestedAsFiles) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  ScopedOverride few(Db::Impl::purge_wal_entries, 3);
+  auto db = open_db(path, manual_writes());
+  // Each signal is one cohort and one community entry: user 5 has 2 (item
+  // 50), user 7 has 6 (items 70-72); another user's signals are kept.
+  const auto items = [](std::uint64_t u) { return u == 5 ? std::vector<std::uint64_t>{50} : std::vector<std::uint64_t>{70, 71, 72}; };
+  for (const std::uint64_t u : {std::uint64_t{5}, std::uint64_t{7}}) {
+    ASSERT_OK(db->join_community(u, 50));
+    for (std::uint64_t item : items(u)) {
+      ASSERT_OK(db->signal_with_context({u, item, 0.5}, {{1}}));
+      ASSERT_OK(db->signal_with_context({100 + u, item, 2.0}, {{1}}));
+    }
+    ASSERT_OK(db->leave_community_layer(u));
+  }
+  ASSERT_OK(db->flush());
+  // The files a purge ingested, as the state engine's LOG names them.
+  const auto ingested_purge_files = [&] {
+    std::ifstream log(path + "/state/LOG");
+    const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+    std::size_t n = 0;
+    for (std::size_t at = text.find("/ingest/purge."); at != std::string::npos; at = text.find("/ingest/purge.", at + 1)) {
+      ++n;
+    }
+    return n;
+  };
+  ASSERT_EQ(ingested_purge_files(), 0u);
+  Result<PurgeReceipt> wal = db->purge_community_contributions(5);
+  ASSERT_OK(wal);
+  EXPECT_EQ(wal->entries_removed, 2u);
+  EXPECT_EQ(ingested_purge_files(), 0u) << "a purge of 2 entries ingested files";
+  Result<PurgeReceipt> files = db->purge_community_contributions(7);
+  ASSERT_OK(files);
+  EXPECT_EQ(files->entries_removed, 6u);
+  EXPECT_GT(ingested_purge_files(), 0u) << "a purge of 6 entries wrote no file";
+  for (int reopen = 0; reopen < 2; ++reopen) {
+    for (const std::uint64_t u : {std::uint64_t{5}, std::uint64_t{7}}) {
+      for (std::uint64_t item : items(u)) {
+        EXPECT_EQ(value_of(db->cohort_score(1, item)), 2.0) << "item " << item << ", reopened " << reopen;
+        EXPECT_EQ(value_of(db->community_score(50, item)), 0.0) << "item " << item << ", reopened " << reopen;
+      }
+      Result<std::vector<PurgeReceipt>> receipts = db->purge_receipts(u);
+      ASSERT_OK(receipts);
+      ASSERT_EQ(receipts->size(), 1u) << "user " << u << ", reopened " << reopen;
+      EXPECT_EQ(receipts->front().entries_removed, u == 5 ? 2u : 6u);
+      EXPECT_TRUE(receipts->front().erasure_complete);
+    }
+    expect_healthy(*db, "reopened " + std::to_string(reopen));
+    ASSERT_OK(db->close());
+    db = open_db(path, manual_writes());
+  }
+  ASSERT_OK(db->close());
+}
+
 // Storage::ingest takes several files of one column family (the purge's
 // marks beside its clock floors), and so refuses one file named twice: two
 // batches of the same name have written the same file, each over the other.
+// A batch through the WAL refuses another batch.
 TEST(Purge, AnIngestionOfTwoBatchesOfOneNameIsRefusedWithNothingIngested) {
   TempDir dir;
   const std::string path = dir.sub("db");
@@ -520,6 +584,16 @@ TEST(Purge, AnIngestionOfTwoBatchesOfOneNameIsRefusedWithNothingIngested) {
     EXPECT_EQ(value, "3");
     ASSERT_OK(storage.get(storage.state_meta(), "test/d", &value));
     EXPECT_EQ(value, "4");
+    // A batch through the WAL is one write of its own: it takes no other.
+    IngestBatch e(&storage, "e", IngestBatch::Via::Wal), f(&storage, "f", IngestBatch::Via::Wal);
+    ASSERT_TRUE(e.put(storage.state_meta(), "test/e", "5").ok());
+    ASSERT_TRUE(f.put(storage.state_meta(), "test/f", "6").ok());
+    const Status joined = e.ingest("test write", &f);
+    EXPECT_EQ(joined.code(), StatusCode::InvalidArgument) << joined.message();
+    EXPECT_EQ(storage.get(storage.state_meta(), "test/e", &value).code(), StatusCode::NotFound);
+    ASSERT_OK(e.ingest("test write"));
+    ASSERT_OK(storage.get(storage.state_meta(), "test/e", &value));
+    EXPECT_EQ(value, "5");
   }
   ASSERT_OK(storage.close());
 }
@@ -698,8 +772,12 @@ TEST(ReceiptCodec, RoundTripsAndRejectsAnyOtherLengthOrVersion) {
 // After a reopen on the normal file system the user is either purged
 // (receipt, scores without the user) or untouched (no receipt, scores with
 // the user), I1 holds, re-materialization finds nothing, and a purge then
-// succeeds.
-TEST(PurgeFaultSweep, APurgeIsDoneOrNotDoneWhateverFileOperationFails) {
+// succeeds. For each way a purge's batch is written (Db::Impl::
+// purge_wal_entries: 0, every batch ingested as files).
+namespace {
+
+void sweep_purge_faults(std::uint64_t wal_entries) {
+  ScopedOverride write_path(Db::Impl::purge_wal_entries, wal_entries);
   TempDir dir;
   const std::string base = dir.sub("base"), work = dir.sub("work");
   // A leaver id whose bytes occur nowhere by chance (the erasure scan).
@@ -799,13 +877,23 @@ TEST(PurgeFaultSweep, APurgeIsDoneOrNotDoneWhateverFileOperationFails) {
     ASSERT_OK(db->close());
     if (r.ok() && ops < n) break;  // completed without reaching op n
   }
-  std::cout << "[purge fault sweep] runs: " << runs << ", purges done: " << done << ", failed: " << failed
+  std::cout << "[purge fault sweep, " << (wal_entries == 0 ? "batch ingested as files" : "batch through the WAL")
+            << "] runs: " << runs << ", purges done: " << done << ", failed: " << failed
             << " (of which durable and reported as such: " << failed_but_durable << "; erasure cut short: "
             << erasure_failed << ", finished by the next purge on the same handle: " << finished_by_retry << ")\n";
   EXPECT_GT(failed, 0u);
   EXPECT_GT(erasure_failed, 0u);
   EXPECT_GT(done, 0u);
 }
+
+}  // namespace
+
+// The leaver's 42 entries go through the WAL (Db::Impl::purge_wal_entries).
+TEST(PurgeFaultSweep, APurgeIsDoneOrNotDoneWhateverFileOperationFails) {
+  sweep_purge_faults(Db::Impl::purge_wal_entries);
+}
+
+TEST(PurgeFaultSweep, APurgeIngestedAsFilesIsDoneOrNotDoneWhateverFileOperationFails) { sweep_purge_faults(0); }
 
 
 // ---- the erasure holds no stripe; P4 under concurrent writers and readers ----

@@ -144,6 +144,12 @@ class Db::Impl {
   // Aggregate cells a purge batch sums in memory at once (one pass over the
   // purged users' ledgers per this many cells). Tests lower it.
   static inline std::size_t purge_pass_cells = 1 << 18;
+  // A purge batch that removes at most this many ledger entries is one
+  // synced write through the state engine's WAL; a larger one is ingested
+  // as files (IngestBatch::Via). Its cells (<= its entries) are then held in
+  // memory: at most ~4,096 merge operands, ~0.2 MB. Tests set it to 0 (every
+  // batch as files) or raise it.
+  static inline std::uint64_t purge_wal_entries = 4'096;
   // Longest an erasure waits for a snapshot older than the purge, then for
   // RocksDB to delete the obsolete files that may hold a purged record
   // (another thread deleting them, a reader still holding them). Tests

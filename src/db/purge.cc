@@ -14,13 +14,15 @@
 //      aggregate updates are written first, under the drain lock; once
 //      none may, the batch runs beside the writer's batch under way, ahead
 //      of its ingestion. Then the user's ledger is read and one atomic, fsynced
-//      ingestion of SST files (storage/ingest_batch.h) holds a negative
+//      write (storage/ingest_batch.h: SST files ingested together, or, for a
+//      batch of at most purge_wal_entries entries, one synced write through
+//      the state engine's WAL) holds a negative
 //      merge operand per cell the user touched (the exact sum of its entries
 //      for that cell), a range deletion of the ledger prefix [user BE][0x13],
 //      the receipt (0x10), the stripe's clock floor and an erasure mark
 //      (naming the user's ledger key by a tag derived from it). The files are built
 //      in passes of at most purge_pass_cells cells, so the memory does not
-//      grow with the ledger. Format 4: the batch range-deletes the user's
+//      grow with the ledger (the WAL's batch is bounded by its entries). Format 4: the batch range-deletes the user's
 //      entries in the sealed index; once it is ingested the user's ledger
 //      key is deleted from the key store (users engine), and the writer
 //      forgets it.
@@ -643,7 +645,13 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
 Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, const std::vector<std::optional<UserKey>>& keys,
                                    const std::vector<ReceiptRecord>& records, const std::vector<std::uint64_t>& marks,
                                    LedgerReader* ledger, const std::string& what) {
-  IngestBatch batch(storage_.get(), "purge." + std::to_string(records.front().purged_at_ns));
+  // A batch of few entries (a single purge's, typically) goes through the
+  // state engine's WAL, in one synced write; a larger one as files, which
+  // stream to disk (IngestBatch).
+  std::uint64_t entries = 0;
+  for (const ReceiptRecord& r : records) entries += r.entries_removed;
+  const IngestBatch::Via via = entries <= purge_wal_entries ? IngestBatch::Via::Wal : IngestBatch::Via::Files;
+  IngestBatch batch(storage_.get(), "purge." + std::to_string(records.front().purged_at_ns), via);
   // The subtraction also enters the change feed, in the same ingestion, so
   // the purge reaches every view.
   std::optional<ChangeFeed::Appender> feed;
@@ -733,9 +741,12 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   // took in those deletions: a single purge waited for that flush in 67 of
   // 500 at 1M users with signals flowing, 4.5 ms at p50 and 13 ms at most
   // besides its wait for the flush thread (bench/README.md, "Session 39").
+  // Through the WAL they go in the batch's own write: a memtable takes them
+  // whatever it holds.
   IngestBatch mark_file(storage_.get(), "purge." + std::to_string(records.front().purged_at_ns) + ".marks");
+  IngestBatch& marks_batch = via == IngestBatch::Via::Wal ? batch : mark_file;
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
-    w = mark_file.put(storage_->state_meta(), erasure_pending_key(users[i]),
+    w = marks_batch.put(storage_->state_meta(), erasure_pending_key(users[i]),
                       encode_erasure_mark({marks[i], keys[i] ? keys[i]->erasure_tag() : std::string()}));
   }
   if (!w.ok()) return from_rocksdb(w, what);
@@ -750,7 +761,7 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   // key (UserKey::erasure_tag), and the next open deletes it (erase_purged). A
   // reader of both engines sees the two steps as one (key_store_mu).
   std::unique_lock<std::shared_mutex> key_store(storage_->key_store_mu());
-  if (Status s = batch.ingest(what, &mark_file); !s.ok()) {
+  if (Status s = batch.ingest(what, via == IngestBatch::Via::Wal ? nullptr : &mark_file); !s.ok()) {
     // Not applied, though it may be durable after a crash (RocksDB cannot
     // tell): the records are still there, and so are their keys, which the
     // writer reads again. Should the batch turn out durable, its marks name

@@ -24,17 +24,20 @@ IngestBatch::File& IngestBatch::file(rocksdb::ColumnFamilyHandle* cf) {
 }
 
 rocksdb::Status IngestBatch::put(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string_view value) {
+  if (via_ == Via::Wal) return wal_batch_.Put(cf, slice(key), slice(value));
   File& f = file(cf);
   return f.writer ? f.writer->Put(slice(key), slice(value)) : f.open_status;
 }
 
 rocksdb::Status IngestBatch::merge(rocksdb::ColumnFamilyHandle* cf, std::string_view key, std::string_view value) {
+  if (via_ == Via::Wal) return wal_batch_.Merge(cf, slice(key), slice(value));
   File& f = file(cf);
   return f.writer ? f.writer->Merge(slice(key), slice(value)) : f.open_status;
 }
 
 rocksdb::Status IngestBatch::delete_range(rocksdb::ColumnFamilyHandle* cf, std::string_view begin,
                                           std::string_view end) {
+  if (via_ == Via::Wal) return wal_batch_.DeleteRange(cf, slice(begin), slice(end));
   File& f = file(cf);
   return f.writer ? f.writer->DeleteRange(slice(begin), slice(end)) : f.open_status;
 }
@@ -50,6 +53,12 @@ Status IngestBatch::finish(std::string_view what) {
 }
 
 Status IngestBatch::ingest(std::string_view what, IngestBatch* with) {
+  if (via_ == Via::Wal) {
+    if (with != nullptr) {
+      return Status::InvalidArgument(std::string(what) + ": a batch written through the WAL takes no other batch");
+    }
+    return storage_->write(Storage::Engine::State, &wal_batch_, Storage::WriteMode::Sync, what);
+  }
   std::vector<std::pair<rocksdb::ColumnFamilyHandle*, std::string>> done;
   for (IngestBatch* batch : {this, with}) {
     if (batch == nullptr) continue;
