@@ -14,6 +14,14 @@
 //   left <from> <to>     "left <n>": how many of the users are Left
 //   verify               "ok" | "err <problem or status>"
 //   flush | close        "ok" | "err <status>"
+//   contribute <from> <to>  each user joins community 9, signals item 7
+//                        (weight 1, cohort 42) and leaves: "ok" | "err ..."
+//   purge <user>         "purged <entries removed>" | "err <status>"
+//   receipts <user>      "receipts <n> <entries removed by the first, or 0>"
+//   score                cohort 42's and community 9's scores of item 7:
+//                        "score <cohort> <community>"
+//   files                every later purge's batch ingested as files, none
+//                        through the WAL (Db::Impl::purge_wal_entries): "ok"
 // At end of input it closes the Db and exits 0.
 #include <unistd.h>
 
@@ -25,6 +33,7 @@
 #include <sstream>
 #include <string>
 
+#include "db/impl.h"
 #include "tidal/db.h"
 
 namespace {
@@ -109,6 +118,41 @@ int main() {
       } else {
         say(report->ok() ? "ok" : "err " + report->problems.front());
       }
+    } else if (cmd == "contribute") {
+      in >> a >> b;
+      tidal::Status s;
+      for (std::uint64_t user = a; user <= b && s.ok(); ++user) {
+        s = db->join_community(user, 9);
+        if (s.ok()) s = db->signal_with_context({user, 7, 1.0}, tidal::SignalContext{{42}}).status();
+        if (s.ok()) s = db->leave_community_layer(user);
+      }
+      say(result(s));
+    } else if (cmd == "purge") {
+      in >> a;
+      auto receipt = db->purge_community_contributions(a);
+      say(receipt.ok() ? "purged " + std::to_string(receipt->entries_removed) : result(receipt.status()));
+    } else if (cmd == "receipts") {
+      in >> a;
+      auto receipts = db->purge_receipts(a);
+      if (!receipts.ok()) {
+        say(result(receipts.status()));
+      } else {
+        say("receipts " + std::to_string(receipts->size()) + " " +
+            std::to_string(receipts->empty() ? 0 : receipts->front().entries_removed));
+      }
+    } else if (cmd == "score") {
+      auto cohort = db->cohort_score(42, 7);
+      auto community = db->community_score(9, 7);
+      if (!cohort.ok() || !community.ok()) {
+        say(result(cohort.ok() ? community.status() : cohort.status()));
+      } else {
+        std::ostringstream out;
+        out << "score " << *cohort << " " << *community;
+        say(out.str());
+      }
+    } else if (cmd == "files") {
+      tidal::Db::Impl::purge_wal_entries = 0;
+      say("ok");
     } else if (cmd == "flush") {
       say(result(db->flush()));
     } else if (cmd == "close") {

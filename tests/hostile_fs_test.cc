@@ -352,6 +352,68 @@ TEST(HostileFsTest, FullDiskFailsTheLeaveKeepsTheGateClosedAndNeverAborts) {
   }
 }
 
+// A purge on a full disk fails whole or is done, never half, and never
+// aborts, whichever way its batch is written (one synced write through the
+// state engine's WAL, or SST files ingested). With space back and a
+// reopen, the Db verifies, the receipts say which, the scores agree with
+// them, and purging every user leaves nothing of any.
+TEST(HostileFsTest, APurgeOnAFullDiskFailsWholeOrIsDoneAndNeverAborts) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  for (const bool as_files : {false, true}) {
+    const std::string way = as_files ? "batches as files" : "batches through the WAL";
+    auto disk = Mount::tmpfs(16 << 20);
+    ASSERT_NE(disk, nullptr);
+    const std::string db = disk->dir() + "/db";
+    std::vector<std::string> answers;
+    {
+      DbProcess p;
+      ASSERT_EQ(p.call("open " + db), "ok");
+      if (as_files) {
+        ASSERT_EQ(p.call("files"), "ok");
+      }
+      ASSERT_EQ(p.call("contribute 1 20"), "ok");
+      ASSERT_EQ(p.call("flush"), "ok");
+      ASSERT_EQ(p.call("score"), "score 20 20");
+      disk->fill_leaving(0);
+      for (int u = 1; u <= 2; ++u) answers.push_back(p.call("purge " + std::to_string(u)));
+      for (const std::string& a : answers) EXPECT_TRUE(a == "purged 2" || starts_with(a, "err IOError")) << way << ": " << a;
+      const std::string score = p.call("score");
+      EXPECT_FALSE(starts_with(score, "died")) << way << ": " << score;
+      disk->free_space();
+      const std::string close = p.call("close");
+      EXPECT_FALSE(starts_with(close, "died")) << way << ": " << close;
+      std::printf("%s, full tmpfs: purges: %s; %s; score then: %s; close once space was freed: %s\n", way.c_str(),
+                  answers[0].c_str(), answers[1].c_str(), score.c_str(), close.c_str());
+      EXPECT_EQ(p.finish(), "exit 0");
+    }
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok") << way;
+    EXPECT_EQ(p.call("verify"), "ok") << way;
+    std::vector<bool> purged(2);
+    for (std::size_t i = 0; i < 2; ++i) {
+      const std::string receipts = p.call("receipts " + std::to_string(i + 1));
+      if (answers[i] == "purged 2") {
+        EXPECT_EQ(receipts, "receipts 1 2") << way << ": the acknowledged purge of user " << i + 1;
+      } else {
+        EXPECT_TRUE(receipts == "receipts 0 0" || receipts == "receipts 1 2") << way << ": user " << i + 1 << ": " << receipts;
+      }
+      purged[i] = receipts == "receipts 1 2";
+    }
+    // All or nothing: a user with a receipt has no contribution left, one
+    // without has all.
+    const int left = 20 - static_cast<int>(std::count(purged.begin(), purged.end(), true));
+    EXPECT_EQ(p.call("score"), "score " + std::to_string(left) + " " + std::to_string(left)) << way;
+    for (std::size_t u = 1; u <= 20; ++u) {
+      const bool done = u <= 2 && purged[u - 1];
+      EXPECT_EQ(p.call("purge " + std::to_string(u)), done ? "purged 0" : "purged 2") << way << ": user " << u;
+    }
+    EXPECT_EQ(p.call("score"), "score 0 0") << way;
+    EXPECT_EQ(p.call("verify"), "ok") << way;
+    EXPECT_EQ(p.call("close"), "ok") << way;
+    EXPECT_EQ(p.finish(), "exit 0") << way;
+  }
+}
+
 TEST(HostileFsTest, DiskTurnedReadOnlyByAnErrorFailsTheLeaveKeepsTheGateClosedAndNeverAborts) {
   SKIP_UNLESS_ROOT("loop-mount an ext4 image and make it fail");
   auto disk = Mount::ext4(64 << 20);

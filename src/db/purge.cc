@@ -20,12 +20,12 @@
 //      merge operand per cell the user touched (the exact sum of its entries
 //      for that cell), a range deletion of the ledger prefix [user BE][0x13],
 //      the receipt (0x10), the stripe's clock floor and an erasure mark
-//      (naming the user's ledger key by a tag derived from it). The files are built
-//      in passes of at most purge_pass_cells cells, so the memory does not
-//      grow with the ledger (the WAL's batch is bounded by its entries). Format 4: the batch range-deletes the user's
-//      entries in the sealed index; once it is ingested the user's ledger
-//      key is deleted from the key store (users engine), and the writer
-//      forgets it.
+//      (naming the user's ledger key by a tag derived from it). The files
+//      are built in passes of at most purge_pass_cells cells, so the memory
+//      does not grow with the ledger (the WAL's batch is bounded by its
+//      entries). Format 4: the batch range-deletes the user's entries in
+//      the sealed index; once it is written the user's ledger key is
+//      deleted from the key store (users engine), and the writer forgets it.
 //      Merge operands commute, so the writer's later batches (other users'
 //      cells) compose with it in any order; the state store's store lock
 //      keeps the writer's ingestions (and the drain lock, with a change
@@ -652,8 +652,8 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   for (const ReceiptRecord& r : records) entries += r.entries_removed;
   const IngestBatch::Via via = entries <= purge_wal_entries ? IngestBatch::Via::Wal : IngestBatch::Via::Files;
   IngestBatch batch(storage_.get(), "purge." + std::to_string(records.front().purged_at_ns), via);
-  // The subtraction also enters the change feed, in the same ingestion, so
-  // the purge reaches every view.
+  // The subtraction also enters the change feed, in the same write, so the
+  // purge reaches every view.
   std::optional<ChangeFeed::Appender> feed;
   if (feed_) {
     feed.emplace(feed_.get(), FeedOrigin::Purge,

@@ -12,8 +12,8 @@
 // synced by ingest(). It is as atomic and as durable, for one fsync where
 // an ingestion costs one a file and RocksDB's own (the link's, the
 // directory's, the MANIFEST's): a purge of one user at 1M users with
-// signals flowing took 12-13 ms at p50 and 40-41 ms at p99 so, against
-// 24-28 and 53-79 ms as files (bench/README.md, "Session 42"). Its entries
+// signals flowing took 12-13 ms at p50 and 29-40 ms at p99 so, against
+// 24-29 and 53-79 ms as files (bench/README.md, "Session 42"). Its entries
 // then wait in memtables, which RocksDB flushes before it ingests a file
 // that overlaps them (the writer's next batch).
 #ifndef TIDAL_STORAGE_INGEST_BATCH_H_
