@@ -8,6 +8,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -52,6 +53,16 @@ std::uint64_t bits(double d) {
   std::uint64_t b;
   std::memcpy(&b, &d, sizeof b);
   return b;
+}
+
+// How many times `text` occurs in the state engine's info LOG of the Db at
+// `path` (what RocksDB did: a flush and its reason, an ingested file).
+std::size_t count_in_state_log(const std::string& path, std::string_view text) {
+  std::ifstream log(path + "/state/LOG");
+  const std::string all((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  std::size_t n = 0;
+  for (std::size_t at = all.find(text); at != std::string::npos; at = all.find(text, at + 1)) ++n;
+  return n;
 }
 
 // A deterministic workload: users 1..kUsers, each in two of four
@@ -472,16 +483,7 @@ TEST(Purge, APurgesIngestionWaitsForNoFlushOfTheMarksAnEarlierErasureDeleted) {
     ASSERT_OK(db->leave_community_layer(u));
   }
   ASSERT_OK(db->purge_community_contributions(5));
-  const auto flushes_for_ingestion = [&] {
-    std::ifstream log(path + "/state/LOG");
-    const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-    std::size_t n = 0;
-    for (std::size_t at = text.find("External File Ingestion"); at != std::string::npos;
-         at = text.find("External File Ingestion", at + 1)) {
-      ++n;
-    }
-    return n;
-  };
+  const auto flushes_for_ingestion = [&] { return count_in_state_log(path, "External File Ingestion"); };
   ASSERT_TRUE(fs::exists(path + "/state/LOG"));
   const std::size_t before = flushes_for_ingestion();
   Result<PurgeReceipt> r = db->purge_community_contributions(7);
@@ -517,15 +519,7 @@ TEST(Purge, ABatchOfFewEntriesIsWrittenThroughTheWalAndALargerOneIngestedAsFiles
   }
   ASSERT_OK(db->flush());
   // The files a purge ingested, as the state engine's LOG names them.
-  const auto ingested_purge_files = [&] {
-    std::ifstream log(path + "/state/LOG");
-    const std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-    std::size_t n = 0;
-    for (std::size_t at = text.find("/ingest/purge."); at != std::string::npos; at = text.find("/ingest/purge.", at + 1)) {
-      ++n;
-    }
-    return n;
-  };
+  const auto ingested_purge_files = [&] { return count_in_state_log(path, "/ingest/purge."); };
   ASSERT_EQ(ingested_purge_files(), 0u);
   Result<PurgeReceipt> wal = db->purge_community_contributions(5);
   ASSERT_OK(wal);
@@ -774,8 +768,6 @@ TEST(ReceiptCodec, RoundTripsAndRejectsAnyOtherLengthOrVersion) {
 // the user), I1 holds, re-materialization finds nothing, and a purge then
 // succeeds. For each way a purge's batch is written (Db::Impl::
 // purge_wal_entries: 0, every batch ingested as files).
-namespace {
-
 void sweep_purge_faults(std::uint64_t wal_entries) {
   ScopedOverride write_path(Db::Impl::purge_wal_entries, wal_entries);
   TempDir dir;
@@ -885,8 +877,6 @@ void sweep_purge_faults(std::uint64_t wal_entries) {
   EXPECT_GT(erasure_failed, 0u);
   EXPECT_GT(done, 0u);
 }
-
-}  // namespace
 
 // The leaver's 42 entries go through the WAL (Db::Impl::purge_wal_entries).
 TEST(PurgeFaultSweep, APurgeIsDoneOrNotDoneWhateverFileOperationFails) {
