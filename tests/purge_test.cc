@@ -1202,7 +1202,7 @@ TEST(Purge, TheKeyStoresErasureCompactsAgainWhatACompactionBesideItWrote) {
   rocksdb::DB* users = storage.db(Storage::Engine::Users);
   ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), storage.bucket_keys()).ok());
   ASSERT_OK(db.leave_community_layer(kLeaver));
-  const testing::ErasureScan held = scan_files(path, kLeaver);
+  const testing::ErasureScan held = testing::scan_files_settled(path, kLeaver);
   ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
   StalledCompaction compaction(fault, path, users, storage.bucket_keys());
   ASSERT_TRUE(compaction.stalled()) << "the key store's compaction never reached its sync";

@@ -876,7 +876,7 @@ TEST_F(KeyStore, SplitBucketsKeepEveryKeyAndAPurgeErasesEveryBucketKeyThatWrappe
 
   // The files still hold u's key wrapped at depths 16 and 17 (flushed),
   // and the bucket keys that wrapped it.
-  const testing::ErasureScan held = scan_files(path, u);
+  const testing::ErasureScan held = testing::scan_files_settled(path, u);
   ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
   ASSERT_OK(db->leave_community_layer(u));
   Result<PurgeReceipt> r = db->purge_community_contributions(u);
@@ -937,7 +937,7 @@ TEST_F(KeyStore, ASplitsKeysStillInTheWalsAreErasedAfterAnEarlierErasure) {
   std::string wrapped;
   ASSERT_OK(storage.get(storage.keys(), encode_key_store_key(u), &wrapped));
   ASSERT_EQ(wrapped_key_header(wrapped)->depth, 17u);
-  const testing::ErasureScan held = scan_files(path, u);
+  const testing::ErasureScan held = testing::scan_files_settled(path, u);
   ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
   purge_erasing(u, held);
 }
@@ -965,7 +965,7 @@ TEST_F(KeyStore, TheLastGroupsSplitKeysAreErased) {
   // The old and the new keys in separate files of the last level.
   ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), {storage.keys(), storage.bucket_keys()}).ok());
   ASSERT_TRUE(users->CompactRange(rocksdb::CompactRangeOptions(), storage.bucket_keys(), nullptr, nullptr).ok());
-  const testing::ErasureScan held = scan_files(path, u);
+  const testing::ErasureScan held = testing::scan_files_settled(path, u);
   ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
   purge_erasing(u, held);
 }
@@ -1020,7 +1020,7 @@ TEST_F(KeyStore, ASplitDuringAnErasureKeepsTheKeysASnapshotTakenBeforeItReads) {
   signal(w, 1.5);
   ASSERT_OK(db->flush());
   ASSERT_TRUE(users->Flush(rocksdb::FlushOptions(), {storage.keys(), storage.bucket_keys()}).ok());
-  const testing::ErasureScan held = scan_files(path, u);
+  const testing::ErasureScan held = testing::scan_files_settled(path, u);
   ASSERT_OK(db->leave_community_layer(u));
   const rocksdb::Snapshot* before_split = nullptr;
   Status split_status;
@@ -1114,7 +1114,7 @@ TEST_F(KeyStore, AKeyStoreWrittenBeforeBucketsSplitIsCountedSplitAndErased) {
   ASSERT_TRUE(reopened.db(Storage::Engine::Users)
                   ->Flush(rocksdb::FlushOptions(), {reopened.keys(), reopened.bucket_keys()})
                   .ok());
-  const testing::ErasureScan held = scan_files(path, u);
+  const testing::ErasureScan held = testing::scan_files_settled(path, u);
   ASSERT_GE(held.user_keys.size(), 2u) << held.summary();
   purge_erasing(u, held, 2.0);
   EXPECT_EQ(stored_shape(reopened).keys, all.size());
@@ -1153,8 +1153,8 @@ TEST_F(KeyStore, ABulkPurgesErasureOfALevelInTwoHalvesErasesTheKeysOfBoth) {
   purged.erase(std::unique(purged.begin(), purged.end()), purged.end());
   const std::uint64_t first = user_of(last.files.front().smallestkey);
   const std::uint64_t end = user_of(last.files.back().smallestkey);
-  const testing::ErasureScan held_first = scan_files(path, first);
-  const testing::ErasureScan held_end = scan_files(path, end);
+  const testing::ErasureScan held_first = testing::scan_files_settled(path, first);
+  const testing::ErasureScan held_end = testing::scan_files_settled(path, end);
   ASSERT_EQ(held_first.user_keys.size(), 1u) << held_first.summary();
   ASSERT_EQ(held_end.user_keys.size(), 1u) << held_end.summary();
   for (std::uint64_t u : purged) ASSERT_OK(db->leave_community_layer(u));
@@ -1285,7 +1285,7 @@ TEST_F(KeyStore, APurgesErasureRewritesOnlyTheBucketKeyFilesThatHoldTheKey) {
     return lf.first == 0 && lf.second.smallestkey < key && key < lf.second.largestkey;
   })) << "a level-0 file should span the purged user's bucket";
 
-  const testing::ErasureScan held = scan_files(path, u);
+  const testing::ErasureScan held = testing::scan_files_settled(path, u);
   ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
   ASSERT_OK(db->leave_community_layer(u));
   Result<PurgeReceipt> r = db->purge_community_contributions(u);
@@ -1361,7 +1361,7 @@ TEST(SealedLedger, AKeyThatReplacedAnUndeletedPurgedKeyGetsItsBucketANewKey) {
   std::string broken = sibling_key;
   broken[30] = static_cast<char>(broken[30] ^ 1);
   put_sibling(broken);
-  const testing::ErasureScan held = scan_files(path, u);
+  const testing::ErasureScan held = testing::scan_files_settled(path, u);
   ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
   {
     auto db = open_db(path, manual_writes());
@@ -1417,13 +1417,7 @@ TEST(SealedLedger, APurgeFlushesTheUsersEngineOnlyWhileItsWalsMayHoldAPurgedKey)
   };
   // Purges `u`; true when it flushed the users engine. Its key is gone.
   const auto purge = [&](std::uint64_t u) {
-    // No file deleted while the scan reads: a compaction of the users
-    // engine that ends between the scan's listing and its reads would take
-    // away the files that held the key, and its output was not listed (seen
-    // once in 20 runs under ASan).
-    EXPECT_TRUE(users->DisableFileDeletions().ok());
-    const testing::ErasureScan held = scan_files(path, u);
-    EXPECT_TRUE(users->EnableFileDeletions(/*force=*/false).ok());
+    const testing::ErasureScan held = testing::scan_files_settled(path, u);
     EXPECT_EQ(held.user_keys.size(), 1u) << held.summary();
     EXPECT_OK(db->leave_community_layer(u));
     const std::uint64_t before = wal();
@@ -1478,7 +1472,7 @@ TEST_F(KeyStore, AnErasureLeavesAloneTheBucketKeyFilesThatCannotHoldAReplacedKey
     ASSERT_OK(db->signal_with_context({u, 1, 1.5}, {{4}}));
   };
   const auto purge = [&](std::uint64_t u) {
-    const testing::ErasureScan held = scan_files(path, u);
+    const testing::ErasureScan held = testing::scan_files_settled(path, u);
     ASSERT_EQ(held.user_keys.size(), 1u) << held.summary();
     ASSERT_OK(db->leave_community_layer(u));
     Result<PurgeReceipt> r = db->purge_community_contributions(u);
