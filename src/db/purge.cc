@@ -744,9 +744,9 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   // Through the WAL they go in the batch's own write: a memtable takes them
   // whatever it holds.
   IngestBatch mark_file(storage_.get(), "purge." + std::to_string(records.front().purged_at_ns) + ".marks");
-  IngestBatch& marks_batch = via == IngestBatch::Via::Wal ? batch : mark_file;
+  IngestBatch* const marks_file = via == IngestBatch::Via::Files ? &mark_file : nullptr;
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
-    w = marks_batch.put(storage_->state_meta(), erasure_pending_key(users[i]),
+    w = (marks_file != nullptr ? *marks_file : batch).put(storage_->state_meta(), erasure_pending_key(users[i]),
                       encode_erasure_mark({marks[i], keys[i] ? keys[i]->erasure_tag() : std::string()}));
   }
   if (!w.ok()) return from_rocksdb(w, what);
@@ -761,7 +761,7 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   // key (UserKey::erasure_tag), and the next open deletes it (erase_purged). A
   // reader of both engines sees the two steps as one (key_store_mu).
   std::unique_lock<std::shared_mutex> key_store(storage_->key_store_mu());
-  if (Status s = batch.ingest(what, via == IngestBatch::Via::Wal ? nullptr : &mark_file); !s.ok()) {
+  if (Status s = batch.ingest(what, marks_file); !s.ok()) {
     // Not applied, though it may be durable after a crash (RocksDB cannot
     // tell): the records are still there, and so are their keys, which the
     // writer reads again. Should the batch turn out durable, its marks name
