@@ -757,5 +757,50 @@ TEST(MigrationTest, AnUpgradeHoldsUpNoOtherOpenInTheProcess) {
   }
 }
 
+// No line of either engine's info LOG names a key (docs/PURGE.md, "What an
+// attacker holding the files can learn"): the erasure of records carried
+// from format 3 compacts each purged user's ledger range ([user][0x13]...),
+// which RocksDB logs as quoted hex.
+TEST(MigrationTest, APurgeOfCarriedRecordsLogsNoKey) {
+  TempDir dir;
+  const std::string path = extract_fixture(dir.path());
+  std::vector<std::uint64_t> users;
+  for (const std::string& line : expected_lines()) {
+    std::istringstream in(line);
+    std::string kind;
+    std::uint64_t user = 0;
+    if (in >> kind >> user && kind == "status") users.push_back(user);
+  }
+  ASSERT_GE(users.size(), 4u);
+  users.resize(4);
+  {
+    auto db = testing::open_db(path, feed_options());
+    ASSERT_OK(db->leave_community_layer(std::span<const std::uint64_t>(users)));
+    for (std::uint64_t u : users) {
+      Result<PurgeReceipt> receipt = db->purge_community_contributions(u);
+      ASSERT_OK(receipt.status());
+    }
+    ASSERT_OK(db->close());
+  }
+  const auto quoted_key = [](const std::string& line) {
+    for (std::size_t q = line.find('\''); q != std::string::npos; q = line.find('\'', q + 1)) {
+      std::size_t end = q + 1;
+      while (end < line.size() && std::isxdigit(static_cast<unsigned char>(line[end]))) ++end;
+      if (end < line.size() && line[end] == '\'' && end - q - 1 >= 2) return true;
+    }
+    return false;
+  };
+  std::size_t compactions = 0;
+  for (const std::string& log : {path + "/LOG", path + "/state/LOG"}) {
+    std::ifstream in(log);
+    ASSERT_TRUE(in) << log;
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("Manual compaction") != std::string::npos) ++compactions;
+      if (quoted_key(line)) ADD_FAILURE() << log << " names a key: " << line;
+    }
+  }
+  EXPECT_GT(compactions, 0u) << "the purges compacted no carried ledger range";
+}
+
 }  // namespace
 }  // namespace tidal

@@ -464,6 +464,57 @@ TEST(Purge, NoSstOrWalFileHoldsAKeyOfThePurgedLedgerOnReturn) {
   for (const std::string& f : scan_files(path, u, before.user_keys).found) ADD_FAILURE() << "after close: " << f;
 }
 
+// ---- what an attacker holding the files can learn (docs/PURGE.md) ----
+
+// The receipt key prefix [user BE][0x10] in any operation of any WAL of the
+// state engine: the purge's batch through the WAL holds the receipt beside
+// minus the user's exact sum for each cell, and a WAL holds whole batches.
+std::vector<std::string> wal_batches_naming(const std::string& state_dir, std::uint64_t user) {
+  const std::string prefix = encode_key_prefix(EntityId(user), Tag::PurgeManifest);
+  std::vector<std::string> found;
+  for (const auto& entry : fs::directory_iterator(state_dir)) {
+    if (entry.path().extension() != ".log") continue;
+    std::string error;
+    std::size_t end = 0;
+    for (const testing::WalOp& op : testing::wal_ops(testing::read_file(entry.path()), &error, &end)) {
+      if (op.key.starts_with(prefix)) {
+        found.push_back(entry.path().filename().string() + ": the batch at sequence " + std::to_string(op.sequence));
+      }
+    }
+  }
+  return found;
+}
+
+TEST(Purge, NoStateWalHoldsThePurgesBatchOnceItsErasureIsComplete) {
+  TempDir dir;
+  const std::string path = dir.sub("db");
+  const std::uint64_t u = 0xA1B2C3D4E5F60718ULL, other = 0x1122334455667788ULL;
+  auto db = open_db(path, manual_writes());
+  ASSERT_OK(db->join_community(u, 77));
+  ASSERT_OK(db->join_community(other, 77));
+  for (std::uint64_t i = 0; i < 30; ++i) {
+    ASSERT_OK(db->signal_with_context({u, i, 1.5}, {{4}}));
+    ASSERT_OK(db->signal_with_context({other, i, 2.5}, {{4}}));
+  }
+  ASSERT_OK(db->flush());
+  ASSERT_OK(db->leave_community_layer(u));
+  Result<PurgeReceipt> receipt = db->purge_community_contributions(u);
+  ASSERT_OK(receipt.status());
+  ASSERT_EQ(receipt->entries_removed, 60u) << "the batch must be small enough to go through the WAL";
+  Result<std::vector<PurgeReceipt>> receipts = db->purge_receipts(u);
+  ASSERT_OK(receipts.status());
+  ASSERT_EQ(receipts->size(), 1u);
+  ASSERT_TRUE(receipts->front().erasure_complete);
+  // With the Db still open, and after more writes of the state engine.
+  for (const std::string& f : wal_batches_naming(path + "/state", u)) ADD_FAILURE() << "open: " << f;
+  for (std::uint64_t i = 0; i < 30; ++i) ASSERT_OK(db->signal_with_context({other, 100 + i, 1.0}, {{4}}));
+  ASSERT_OK(db->flush());
+  for (const std::string& f : wal_batches_naming(path + "/state", u)) ADD_FAILURE() << "after a flush: " << f;
+  EXPECT_EQ(value_of(db->cohort_score(4, 3)), 2.5);
+  expect_healthy(*db, "after the purge");
+  ASSERT_OK(db->close());
+}
+
 // A purge's ingestion does not wait for a flush of what earlier erasures
 // deleted: an erasure deletes its users' marks with a write to the meta
 // column family's memtable, and RocksDB flushes a memtable before it

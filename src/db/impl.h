@@ -318,6 +318,15 @@ class Db::Impl {
                       const std::vector<std::uint64_t>& ids, const Storage::KeysWritten& written);
   // The engine's SST files that are not live (sorted names).
   Result<std::vector<std::string>> obsolete_files(Storage::Engine engine) const;
+  // The newest of the engine's WAL files that RocksDB no longer needs
+  // (older than rocksdb.min-log-number-to-keep) but has not deleted yet, or
+  // "" when there is none.
+  Result<std::string> stale_wal(Storage::Engine engine) const;
+  // Takes every write made so far out of the state engine's WALs: flushes
+  // its memtables and waits until RocksDB has deleted every WAL that held
+  // them. A purge's batch through the WAL holds the receipt (which names
+  // the user) beside minus the user's exact sum for each cell they touched.
+  Status retire_state_wals();
 
   const Options options_;
   std::unique_ptr<Storage> storage_;

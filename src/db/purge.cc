@@ -906,6 +906,10 @@ Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
     return s;
   }
   if (Status s = erase_ranges(storage_->ledger(), ledger_ranges, users, Storage::KeysWritten{}); !s.ok()) return s;
+  // The purge's own write, when it went through the state engine's WAL: the
+  // receipt beside the subtraction (docs/PURGE.md, "What an attacker holding
+  // the files can learn").
+  if (Status s = retire_state_wals(); !s.ok()) return s;
   // Erased: the marks go, except those of users whose next purge wrote its
   // batch (and its mark) after this erasure began: that purge's own
   // erasure removes it. Under marks_mu_, which a purge takes before its
@@ -1271,18 +1275,9 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
       std::set_difference(waiting.begin(), waiting.end(), ours.begin(), ours.end(), std::back_inserter(rest));
       waiting = std::move(rest);
     }
-    // A WAL older than the oldest one any column family needs.
-    std::uint64_t keep = 0;
-    if (!db->GetIntProperty(rocksdb::DB::Properties::kMinLogNumberToKeep, &keep)) {
-      return Status::IOError("cannot read rocksdb.min-log-number-to-keep of '" + dir + "'");
-    }
-    stale_wal.clear();
-    std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name.size() > 4 && name.ends_with(".log") && std::strtoull(name.c_str(), nullptr, 10) < keep) stale_wal = name;
-    }
-    if (ec) return Status::IOError("listing '" + dir + "': " + ec.message());
+    Result<std::string> wal = this->stale_wal(engine);
+    if (!wal.ok()) return wal.status();
+    stale_wal = std::move(*wal);
     if (waiting.empty() && stale_wal.empty()) return Status::OK();
     if (std::chrono::steady_clock::now() >= give_up) {
       return Status::IOError("obsolete file '" + dir + "/" +
@@ -1290,6 +1285,45 @@ Status Db::Impl::erase_ranges(rocksdb::ColumnFamilyHandle* cf, const std::vector
                              std::to_string(erasure_wait.count()) +
                              " ms (an iterator still open on the engine holds the files it reads)");
     }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+Result<std::string> Db::Impl::stale_wal(Storage::Engine engine) const {
+  const std::string dir = engine == Storage::Engine::Users ? storage_->path() : storage_->state_path();
+  std::uint64_t keep = 0;
+  if (!storage_->db(engine)->GetIntProperty(rocksdb::DB::Properties::kMinLogNumberToKeep, &keep)) {
+    return Status::IOError("cannot read rocksdb.min-log-number-to-keep of '" + dir + "'");
+  }
+  std::string stale;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 4 && name.ends_with(".log") && std::strtoull(name.c_str(), nullptr, 10) < keep) stale = name;
+  }
+  if (ec) return Status::IOError("listing '" + dir + "': " + ec.message());
+  return stale;
+}
+
+Status Db::Impl::retire_state_wals() {
+  rocksdb::DB* db = storage_->db(Storage::Engine::State);
+  if (db == nullptr) return Status::OK();
+  if (Status s = storage_->flush_past_wals(Storage::Engine::State); !s.ok()) return s;
+  // RocksDB deletes the WALs the flush made obsolete in the background;
+  // re-enabling file deletions deletes them in this thread (erase_mu_ keeps
+  // other erasures from holding deletions disabled meanwhile).
+  const auto give_up = std::chrono::steady_clock::now() + erasure_wait;
+  for (;;) {
+    Result<std::string> wal = stale_wal(Storage::Engine::State);
+    if (!wal.ok()) return wal.status();
+    if (wal->empty()) return Status::OK();
+    if (std::chrono::steady_clock::now() >= give_up) {
+      return Status::IOError("the state engine's WAL '" + storage_->state_path() + "/" + *wal +
+                             "', which may hold the purge's batch, was not deleted within " +
+                             std::to_string(erasure_wait.count()) + " ms");
+    }
+    if (Status s = from_rocksdb(db->DisableFileDeletions(), "disable file deletions"); !s.ok()) return s;
+    if (Status s = from_rocksdb(db->EnableFileDeletions(/*force=*/false), "enable file deletions"); !s.ok()) return s;
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdarg>
 #include <cstdio>
@@ -142,6 +143,12 @@ Status check_path(const std::string& path, const Storage::Config& config) {
 // logger started a new one per open and kept the old as LOG.old.<time>: 220
 // files after 200 opens), renamed LOG.old (replacing the previous one) once
 // it passes kMaxBytes. A Db directory holds two info logs, about 2 MiB.
+//
+// No line names a key: RocksDB writes a key it logs (a manual compaction's
+// range, a corrupt entry's key) as quoted hex ('0000000000000007130000...'),
+// and a ledger, receipt or key-store key names a user. Each such run of hex
+// digits is written as '<key>' (docs/PURGE.md, "What an attacker holding the
+// files can learn").
 class InfoLog final : public rocksdb::Logger {
  public:
   static constexpr off_t kMaxBytes = 1 << 20;
@@ -149,6 +156,30 @@ class InfoLog final : public rocksdb::Logger {
   explicit InfoLog(std::string dir) : log_path_(dir + "/LOG"), old_path_(dir + "/LOG.old") {}
   ~InfoLog() override {
     if (fd_ >= 0) ::close(fd_);
+  }
+
+  // Replaces, in place, every quoted run of two or more hex digits by
+  // '<key>'.
+  static void redact_keys(std::string* line) {
+    std::string out;
+    out.reserve(line->size());
+    std::size_t at = 0;
+    while (at < line->size()) {
+      const std::size_t open = line->find('\'', at);
+      if (open == std::string::npos) break;
+      std::size_t end = open + 1;
+      while (end < line->size() && std::isxdigit(static_cast<unsigned char>((*line)[end]))) ++end;
+      out.append(*line, at, open + 1 - at);
+      if (end < line->size() && (*line)[end] == '\'' && end - open - 1 >= 2) {
+        out += "<key>'";
+        at = end + 1;
+      } else {
+        at = open + 1;
+      }
+    }
+    if (at == 0) return;
+    out.append(*line, at, std::string::npos);
+    *line = std::move(out);
   }
 
   using rocksdb::Logger::Logv;
@@ -165,6 +196,7 @@ class InfoLog final : public rocksdb::Logger {
       line.pop_back();  // the terminating NUL
     }
     if (line.back() != '\n') line += '\n';
+    redact_keys(&line);
     std::lock_guard<std::mutex> lock(mu_);
     // The directory does not exist yet when a new Db's first lines arrive,
     // and a descriptor may have failed to open: try again on each line.
