@@ -22,11 +22,13 @@
 #include <rocksdb/db.h>
 #include <rocksdb/sst_file_reader.h>
 #include <rocksdb/table_properties.h>
+#include <rocksdb/utilities/debug.h>
 
 #include "db/erasure_ranges.h"
 #include "db/impl.h"
 #include "erasure_scan.h"
 #include "fault_fs.h"
+#include "raw_db.h"
 #include "storage/format.h"
 #include "storage/ingest_batch.h"
 #include "storage/receipt.h"
@@ -513,6 +515,81 @@ TEST(Purge, NoStateWalHoldsThePurgesBatchOnceItsErasureIsComplete) {
   EXPECT_EQ(value_of(db->cohort_score(4, 3)), 2.5);
   expect_healthy(*db, "after the purge");
   ASSERT_OK(db->close());
+}
+
+// Options::strict_erasure: once the purge returns, every cell the user
+// touched has one version in the state engine's files (the subtraction
+// merged into it, no value from before the purge), the receipt's sequence
+// number is 0 (no longer beside the subtraction's), and no range deletion of
+// the sealed index is left. Read as an attacker would, with RocksDB's
+// GetAllKeyVersions over every file (the WALs replayed) and every SST's
+// table properties, after a close and after a bulk purge too.
+TEST(Purge, AStrictErasureLeavesOneVersionOfEachTouchedCellAndNoImageOfThePurge) {
+  for (const bool bulk : {false, true}) {
+    SCOPED_TRACE(bulk ? "bulk purge" : "single purge");
+    TempDir dir;
+    const std::string path = dir.sub("db");
+    const std::uint64_t u = 0xA1B2C3D4E5F60718ULL;
+    const std::vector<std::uint64_t> others{0x1122334455667788ULL, 0x1122334455667799ULL};
+    Options options = manual_writes();
+    options.strict_erasure = true;
+    auto db = open_db(path, options);
+    std::vector<std::string> touched;
+    for (std::uint64_t user : {u, others[0], others[1]}) ASSERT_OK(db->join_community(user, 77));
+    for (int round = 0; round < 3; ++round) {
+      for (std::uint64_t i = 0; i < 30; ++i) {
+        ASSERT_OK(db->signal_with_context({u, i, 1.5}, {{4}}));
+        for (std::uint64_t o : others) ASSERT_OK(db->signal_with_context({o, i, 2.5}, {{4}}));
+      }
+      ASSERT_OK(db->flush());  // several versions of each cell, in several files
+    }
+    for (std::uint64_t i = 0; i < 30; ++i) {
+      touched.push_back(encode_aggregate_key(AggregateKind::Cohort, 4, i));
+      touched.push_back(encode_aggregate_key(AggregateKind::Community, 77, i));
+    }
+    ASSERT_OK(db->leave_community_layer(u));
+    if (bulk) ASSERT_OK(db->leave_community_layer(others[1]));
+    if (bulk) {
+      Result<std::vector<PurgeReceipt>> r = db->purge_community_contributions(std::vector<std::uint64_t>{u, others[1]});
+      ASSERT_OK(r.status());
+    } else {
+      Result<PurgeReceipt> r = db->purge_community_contributions(u);
+      ASSERT_OK(r.status());
+    }
+    Result<std::vector<PurgeReceipt>> receipts = db->purge_receipts(u);
+    ASSERT_OK(receipts.status());
+    ASSERT_EQ(receipts->size(), 1u);
+    EXPECT_TRUE(receipts->front().erasure_complete);
+    EXPECT_EQ(value_of(db->cohort_score(4, 3)), bulk ? 7.5 : 15.0);
+    expect_healthy(*db, "after the purge");
+    ASSERT_OK(db->close());
+
+    testing::RawReader state(path + "/state");
+    std::vector<rocksdb::KeyVersion> versions;
+    ASSERT_TRUE(rocksdb::GetAllKeyVersions(state.db(), state.cf("aggregates"), rocksdb::Slice(), rocksdb::Slice(),
+                                           std::numeric_limits<std::size_t>::max(), &versions)
+                    .ok());
+    std::map<std::string, std::vector<const rocksdb::KeyVersion*>> by_key;
+    for (const rocksdb::KeyVersion& v : versions) by_key[v.user_key].push_back(&v);
+    for (const std::string& k : touched) {
+      const auto& kv = by_key[k];
+      ASSERT_EQ(kv.size(), 1u) << "cell " << hex(k) << " has " << kv.size()
+                               << " versions in the state engine's files (the first of type " << kv.front()->type
+                               << ")";
+      EXPECT_EQ(kv.front()->sequence, 0u) << hex(k);
+    }
+    versions.clear();
+    ASSERT_TRUE(rocksdb::GetAllKeyVersions(state.db(), state.cf("receipts"), rocksdb::Slice(), rocksdb::Slice(),
+                                           std::numeric_limits<std::size_t>::max(), &versions)
+                    .ok());
+    ASSERT_EQ(versions.size(), bulk ? 2u : 1u);
+    for (const rocksdb::KeyVersion& v : versions) EXPECT_EQ(v.sequence, 0u) << "receipt " << hex(v.user_key);
+    rocksdb::TablePropertiesCollection index_files;
+    ASSERT_TRUE(state.db()->GetPropertiesOfAllTables(state.cf("sealed_index"), &index_files).ok());
+    for (const auto& [file, props] : index_files) {
+      EXPECT_EQ(props->num_range_deletions, 0u) << file << " keeps the purge's range deletion of the sealed index";
+    }
+  }
 }
 
 // A purge's ingestion does not wait for a flush of what earlier erasures

@@ -44,7 +44,7 @@ namespace {
 constexpr std::uint64_t kItems = 1000;   // item ids 1..kItems
 constexpr std::uint64_t kCohorts = 500;  // cohort ids 1..kCohorts
 
-constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--single-purges N] [--purge-after-ms N] [--light] [--dir PATH] [--keep]
+constexpr char kUsage[] = R"(Usage: tidal-demo [--users N] [--communities N] [--signals N] [--threads N] [--single-purges N] [--purge-after-ms N] [--light] [--strict-erasure] [--dir PATH] [--keep]
 
 Runs a workload on an embedded tidal Db and checks the leave guarantees.
   --users N        users (ids 1..N), each joins 1-3 communities   (default 100000)
@@ -60,6 +60,8 @@ Runs a workload on an embedded tidal Db and checks the leave guarantees.
                    returned (default 0: at once)
   --light          a light fan-out: each user joins 2 communities,
                    each signal names 1 cohort
+  --strict-erasure open the Db with Options::strict_erasure (each
+                   purge also compacts the cells it touched)
   --dir PATH       Db directory, wiped and recreated at start     (default ./tidal-demo-data)
   --keep           do not wipe --dir first (reuse what is there)
 Exit code: 0 all checks PASS, 1 a check FAILED or the Db failed, 2 bad usage.
@@ -73,6 +75,7 @@ struct Config {
   std::uint64_t single_purges = 10;  // every Nth purged user, purged alone while signals flow; 0: none
   std::uint64_t purge_after_ms = 0;  // how long after its leave each single purge starts
   bool light = false;                // 2 communities per user, 1 cohort per signal (else 1-3 and 0-4)
+  bool strict_erasure = false;       // Options::strict_erasure
   std::string dir = "./tidal-demo-data";
   bool keep = false;
 };
@@ -283,6 +286,8 @@ std::optional<Config> parse_args(int argc, char** argv, int* exit_code) {
       cfg.keep = true;
     } else if (arg == "--light") {
       cfg.light = true;
+    } else if (arg == "--strict-erasure") {
+      cfg.strict_erasure = true;
     } else if (arg == "--dir" && i + 1 < argc) {
       cfg.dir = argv[++i];
     } else {
@@ -883,7 +888,9 @@ std::optional<bool> check_reopen(const Config& cfg, std::unique_ptr<tidal::Db>& 
   const double close_secs = seconds_since(start);
   db.reset();
   start = SteadyClock::now();
-  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(cfg.dir, tidal::Options{});
+  tidal::Options options;
+  options.strict_erasure = cfg.strict_erasure;
+  tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(cfg.dir, options);
   if (!opened.ok()) return failed("reopen", opened.status());
   const double open_secs = seconds_since(start);
   db = std::move(*opened);
@@ -918,6 +925,7 @@ int run(const Config& cfg) {
   tidal::Options options;
   options.create_if_missing = false;
   options.contribution_sink = sink;
+  options.strict_erasure = cfg.strict_erasure;
   tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(cfg.dir, options);
   if (!opened.ok()) {
     fail_db("open", opened.status());

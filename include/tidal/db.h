@@ -215,6 +215,21 @@ struct Options {
   // asynchronous, and Stats shows the unconfirmed backlog. Needs journal.
   // Default: 0.
   std::chrono::milliseconds journal_wait{0};
+
+  // Strict erasure: before a purge reports its erasure complete, also
+  // compact, into the state engine's last level, the key ranges its batch
+  // wrote: the aggregate cells the purged users touched (so that no file
+  // keeps the subtraction's operands, nor any version of those cells from
+  // before the purge, from which the users' per-cell sums could be read),
+  // their receipts (whose sequence numbers then no longer sit beside the
+  // subtraction's) and the sealed index's range deletions. Without it those
+  // stay in the state engine's files until RocksDB's own compactions rewrite
+  // them (docs/PURGE.md, "What an attacker holding the files can learn").
+  // It costs a compaction of the aggregates over the span of the purged
+  // users' cells, every level-0 file included, on top of each purge (and of
+  // every range, at the next open, after a crash during an erasure):
+  // docs/PURGE.md gives the measured cost. Default: off.
+  bool strict_erasure = false;
 };
 
 // Counters a host would export. Each is a sum since open except users_left,

@@ -322,6 +322,12 @@ class Db::Impl {
   // (older than rocksdb.min-log-number-to-keep) but has not deleted yet, or
   // "" when there is none.
   Result<std::string> stale_wal(Storage::Engine engine) const;
+  // Options::strict_erasure: compacts the purge batches' key ranges
+  // (purge_image_) in the state engine's last level, so that no file keeps
+  // a version of a touched cell from before the purge, the subtraction's
+  // operands, the receipt at its sequence number or the sealed index's
+  // range deletion (docs/PURGE.md, "Strict erasure").
+  Status erase_purge_image();
   // Takes every write made so far out of the state engine's WALs: flushes
   // its memtables and waits until RocksDB has deleted every WAL that held
   // them. A purge's batch through the WAL holds the receipt (which names
@@ -360,6 +366,21 @@ class Db::Impl {
   std::mutex marks_mu_;
   std::uint64_t generation_ = 0;
   std::unordered_map<std::uint64_t, std::uint64_t> purge_generation_;
+  // Options::strict_erasure: the key ranges of the state engine that purge
+  // batches wrote and no erasure has compacted yet (under marks_mu_). After
+  // an open that found an unfinished erasure, every range (`everything`):
+  // the crash took the list.
+  struct PurgeImage {
+    std::vector<KeyRange> aggregates, receipts, sealed_index;
+    bool everything = false;
+    void add(const PurgeImage& other) {
+      aggregates.insert(aggregates.end(), other.aggregates.begin(), other.aggregates.end());
+      receipts.insert(receipts.end(), other.receipts.begin(), other.receipts.end());
+      sealed_index.insert(sealed_index.end(), other.sealed_index.begin(), other.sealed_index.end());
+      everything = everything || other.everything;
+    }
+  };
+  PurgeImage purge_image_;
 
   CommunitiesMap communities_;
   LeaveStatusMap leave_status_;

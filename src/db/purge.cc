@@ -664,6 +664,7 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   // purge_pass_cells cells in memory, whatever the ledgers hold.
   std::optional<CellKey> lo;
   std::string encoded, operand;
+  PurgeImage image;  // what the batch writes, for the strict erasure
   for (;;) {
     std::map<CellKey, Units> cells;
     std::optional<CellKey> cut;  // the first key of the next pass
@@ -682,6 +683,11 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
         }
       });
       if (!r.ok()) return r;
+    }
+    if (!cells.empty()) {
+      // [first cell, the key right after the last one)
+      image.aggregates.emplace_back(std::string(view(cells.begin()->first)),
+                                    std::string(view(std::prev(cells.end())->first)) + '\0');
     }
     for (const auto& [k, units] : cells) {
       operand.clear();
@@ -724,9 +730,12 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
   // keys are erased (storage/sealed_ledger.h).
   for (std::string_view p : pseudonyms) {
     if (w.ok()) w = batch.delete_range(storage_->sealed_index(), p, pseudonym_end(p));
+    image.sealed_index.emplace_back(std::string(p), pseudonym_end(p));
   }
   for (std::size_t i = 0; i < users.size() && w.ok(); ++i) {
-    w = batch.put(storage_->receipts(), encode_receipt_key(users[i], records[i].purged_at_ns), encode_receipt(records[i]));
+    std::string key = encode_receipt_key(users[i], records[i].purged_at_ns);
+    w = batch.put(storage_->receipts(), key, encode_receipt(records[i]));
+    image.receipts.emplace_back(key, key + '\0');
   }
   for (std::size_t stripe = 0; stripe < floors.size() && w.ok(); ++stripe) {
     if (floors[stripe] != 0) {
@@ -771,6 +780,10 @@ Status Db::Impl::write_purge_batch(const std::vector<std::uint64_t>& users, cons
     return s;
   }
   if (feed) feed_->committed(appended);
+  if (options_.strict_erasure) {
+    std::lock_guard<std::mutex> lock(marks_mu_);
+    purge_image_.add(image);
+  }
   Storage::test_step("purge", 1);
   std::vector<std::uint64_t> keyed;
   for (std::size_t i = 0; i < users.size(); ++i) {
@@ -910,6 +923,7 @@ Status Db::Impl::erase_purged(const std::vector<std::uint64_t>& users) {
   // receipt beside the subtraction (docs/PURGE.md, "What an attacker holding
   // the files can learn").
   if (Status s = retire_state_wals(); !s.ok()) return s;
+  if (Status s = erase_purge_image(); !s.ok()) return s;
   // Erased: the marks go, except those of users whose next purge wrote its
   // batch (and its mark) after this erasure began: that purge's own
   // erasure removes it. Under marks_mu_, which a purge takes before its
@@ -937,6 +951,10 @@ Status Db::Impl::complete_pending_erasures() {
   }
   if (Status s = from_rocksdb(it->status(), "scan of the erasure marks of '" + storage_->path() + "'"); !s.ok()) return s;
   it.reset();
+  if (!users.empty() && options_.strict_erasure) {
+    std::lock_guard<std::mutex> lock(marks_mu_);
+    purge_image_.everything = true;
+  }
   return erase_purged(users);
 }
 
@@ -1303,6 +1321,44 @@ Result<std::string> Db::Impl::stale_wal(Storage::Engine engine) const {
   }
   if (ec) return Status::IOError("listing '" + dir + "': " + ec.message());
   return stale;
+}
+
+Status Db::Impl::erase_purge_image() {
+  if (!options_.strict_erasure) return Status::OK();
+  PurgeImage image;
+  {
+    std::lock_guard<std::mutex> lock(marks_mu_);
+    std::swap(image, purge_image_);
+  }
+  if (image.everything) {
+    // Past every key of the three families (none is longer than 64 bytes).
+    const KeyRange all{std::string(), std::string(64, '\xff')};
+    image.aggregates.assign(1, all);
+    image.receipts.assign(1, all);
+    image.sealed_index.assign(1, all);
+  }
+  // Sorted and disjoint, as erase_ranges takes them.
+  const auto merged = [](std::vector<KeyRange> ranges) {
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<KeyRange> out;
+    for (KeyRange& r : ranges) {
+      if (!out.empty() && r.first <= out.back().second) out.back().second = std::max(out.back().second, r.second);
+      else out.push_back(std::move(r));
+    }
+    return out;
+  };
+  Status s;
+  for (auto [cf, ranges] : {std::pair{storage_->aggregates(), &image.aggregates},
+                            std::pair{storage_->receipts(), &image.receipts},
+                            std::pair{storage_->sealed_index(), &image.sealed_index}}) {
+    if (s.ok()) s = erase_ranges(cf, merged(*ranges), {}, Storage::KeysWritten{});
+  }
+  if (!s.ok()) {
+    // The next erasure compacts these again (the marks stay meanwhile).
+    std::lock_guard<std::mutex> lock(marks_mu_);
+    purge_image_.add(image);
+  }
+  return s;
 }
 
 Status Db::Impl::retire_state_wals() {
