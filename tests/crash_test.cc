@@ -27,6 +27,7 @@
 #include <vector>
 
 #include <rocksdb/db.h>
+#include <rocksdb/utilities/debug.h>
 #include <rocksdb/write_batch.h>
 
 #include "crash_child.h"
@@ -942,6 +943,45 @@ TEST(CrashTest, APurgeKilledBeforeItsKeyIsDeletedHasItErasedByTheNextOpen) {
   }
   EXPECT_EQ(testing::value_of((*db)->cohort_score(user, 2)), 0.0);
   ASSERT_OK((*db)->close());
+}
+
+// Options::strict_erasure after a kill between a purge's batch and its
+// erasure: the open that finishes the erasure no longer knows which cells
+// the batch touched, and compacts every range of the state engine's
+// aggregates, receipts and sealed index, so that each cell has one version
+// left and the receipt's sequence number is 0.
+TEST(CrashTest, AStrictErasureCutShortByAKillIsFinishedByTheNextOpenOverEveryRange) {
+  TempDir dir;
+  const std::string path = dir.path() + "/db";
+  const std::uint64_t user = 40;
+  ASSERT_TRUE(purge_child_killed_at("purge-keys", path, user, "K")) << "the child never reached the purge's key deletion";
+  Options options;
+  options.journal = true;
+  options.shard_id = 3;
+  options.strict_erasure = true;
+  {
+    auto db = Db::open(path, options);
+    ASSERT_TRUE(db.ok()) << db.status().to_string();
+    Result<std::vector<PurgeReceipt>> receipts = (*db)->purge_receipts(user);
+    ASSERT_OK(receipts);
+    ASSERT_EQ(receipts->size(), 1u);
+    EXPECT_TRUE((*receipts)[0].erasure_complete);
+    EXPECT_EQ(testing::value_of((*db)->cohort_score(user, 1)), 0.5);
+    ASSERT_OK((*db)->close());
+  }
+  testing::RawReader state(path + "/state");
+  for (const char* family : {"aggregates", "receipts"}) {
+    std::vector<rocksdb::KeyVersion> versions;
+    ASSERT_TRUE(rocksdb::GetAllKeyVersions(state.db(), state.cf(family), rocksdb::Slice(), rocksdb::Slice(),
+                                           std::numeric_limits<std::size_t>::max(), &versions)
+                    .ok());
+    ASSERT_FALSE(versions.empty()) << family;
+    std::map<std::string, int> count;
+    for (const rocksdb::KeyVersion& v : versions) {
+      EXPECT_EQ(++count[v.user_key], 1) << family << " key " << hex(v.user_key) << " has more than one version";
+      EXPECT_EQ(v.sequence, 0u) << family << " key " << hex(v.user_key);
+    }
+  }
 }
 
 // A backup SIGKILLed at each of its steps: once the Db is opened again,
