@@ -543,6 +543,36 @@ TEST(Purge, AStrictErasureLeavesOneVersionOfEachTouchedCellAndNoImageOfThePurge)
       }
       ASSERT_OK(db->flush());  // several versions of each cell, in several files
     }
+    const ErasureScan before = testing::scan_files_settled(path, u);
+    ASSERT_EQ(before.user_keys.size(), 1u);
+    const std::optional<UserKey> key =
+        UserKey::decode(std::string_view(before.user_keys.front()).substr(0, kKeyStoreValueSize));
+    ASSERT_TRUE(key.has_value());
+    const std::string pseudonym(key->pseudonym());
+    // No MANIFEST of the state engine holds a key that begins with the
+    // pseudonym (a sealed index file's boundary: its range deletion, or an
+    // entry of it), which an edit would tie to the receipt's. A boundary key
+    // is written as its length (a varint: 24 for [pseudonym] + the 8-byte
+    // trailer, 32 for an index key) and its bytes; the sealed ledger's keys
+    // ([epoch: 8][pseudonym]) hold it after their epoch, beside its records'
+    // files from before the purge, which are not the purge's.
+    const auto manifests_naming_pseudonym = [&] {
+      std::vector<std::string> found;
+      for (const auto& entry : fs::directory_iterator(path + "/state")) {
+        const std::string name = entry.path().filename().string();
+        if (!name.starts_with("MANIFEST-")) continue;
+        const std::string bytes = testing::read_file(entry.path());
+        for (std::size_t at = bytes.find(pseudonym); at != std::string::npos; at = bytes.find(pseudonym, at + 1)) {
+          const bool key_begins = at >= 1 && (bytes[at - 1] == 24 || bytes[at - 1] == 32);
+          const bool ledger_key = at >= 9 && bytes[at - 9] == 32;
+          if (key_begins && !ledger_key) {
+            found.push_back(name + " at byte " + std::to_string(at) + ": " +
+                            hex(std::string_view(bytes).substr(at - 12, 12 + 16 + 12)));
+          }
+        }
+      }
+      return found;
+    };
     for (std::uint64_t i = 0; i < 30; ++i) {
       touched.push_back(encode_aggregate_key(AggregateKind::Cohort, 4, i));
       touched.push_back(encode_aggregate_key(AggregateKind::Community, 77, i));
@@ -560,9 +590,11 @@ TEST(Purge, AStrictErasureLeavesOneVersionOfEachTouchedCellAndNoImageOfThePurge)
     ASSERT_OK(receipts.status());
     ASSERT_EQ(receipts->size(), 1u);
     EXPECT_TRUE(receipts->front().erasure_complete);
+    for (const std::string& m : manifests_naming_pseudonym()) ADD_FAILURE() << m << " names the purged pseudonym";
     EXPECT_EQ(value_of(db->cohort_score(4, 3)), bulk ? 7.5 : 15.0);
     expect_healthy(*db, "after the purge");
     ASSERT_OK(db->close());
+    for (const std::string& m : manifests_naming_pseudonym()) ADD_FAILURE() << "closed: " << m << " names the pseudonym";
 
     testing::RawReader state(path + "/state");
     std::vector<rocksdb::KeyVersion> versions;

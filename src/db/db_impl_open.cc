@@ -145,6 +145,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     // (docs/CONTRACT.md, G1).
     if (!options.sync_writes) config.users_wal_sync_period = options.aggregate_write_period;
     config.defer_upgrade = true;
+    config.state_manifest_per_edit = options.strict_erasure;
     Result<std::unique_ptr<Storage>> storage = Storage::open(path, config);
     if (!storage.ok()) return storage.status();
 

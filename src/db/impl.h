@@ -333,6 +333,12 @@ class Db::Impl {
   // them. A purge's batch through the WAL holds the receipt (which names
   // the user) beside minus the user's exact sum for each cell they touched.
   Status retire_state_wals();
+  // The name of a MANIFEST of the state engine other than the current one,
+  // or "" when there is none.
+  Result<std::string> stale_state_manifest() const;
+  // Deletes the state engine's obsolete files (re-enabling file deletions)
+  // until `stale` names none, for at most erasure_wait.
+  Status await_state_deletions(const std::function<Result<std::string>()>& stale, std::string_view what);
 
   const Options options_;
   std::unique_ptr<Storage> storage_;

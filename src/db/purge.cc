@@ -61,6 +61,7 @@
 #include <cstring>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <future>
 #include <limits>
 #include <map>
@@ -1353,6 +1354,14 @@ Status Db::Impl::erase_purge_image() {
                             std::pair{storage_->sealed_index(), &image.sealed_index}}) {
     if (s.ok()) s = erase_ranges(cf, merged(*ranges), {}, Storage::KeysWritten{});
   }
+  // The MANIFESTs so far recorded the files the purge's batch went into,
+  // which tie the receipts' keys to the purged pseudonyms by their sequence
+  // numbers. Each edit begins a new MANIFEST (Storage::Config::
+  // state_manifest_per_edit) with the live files as they were before it,
+  // then the edit: one more edit after the compactions' (a flush) begins
+  // one that lists the files they left, and the ones before are deleted.
+  if (s.ok()) s = storage_->flush_past_wals(Storage::Engine::State);
+  if (s.ok()) s = await_state_deletions([this] { return stale_state_manifest(); }, "MANIFEST");
   if (!s.ok()) {
     // The next erasure compacts these again (the marks stay meanwhile).
     std::lock_guard<std::mutex> lock(marks_mu_);
@@ -1362,21 +1371,40 @@ Status Db::Impl::erase_purge_image() {
 }
 
 Status Db::Impl::retire_state_wals() {
-  rocksdb::DB* db = storage_->db(Storage::Engine::State);
-  if (db == nullptr) return Status::OK();
+  if (storage_->db(Storage::Engine::State) == nullptr) return Status::OK();
   if (Status s = storage_->flush_past_wals(Storage::Engine::State); !s.ok()) return s;
-  // RocksDB deletes the WALs the flush made obsolete in the background;
-  // re-enabling file deletions deletes them in this thread (erase_mu_ keeps
-  // other erasures from holding deletions disabled meanwhile).
+  return await_state_deletions([this] { return stale_wal(Storage::Engine::State); },
+                               "WAL, which may hold the purge's batch,");
+}
+
+Result<std::string> Db::Impl::stale_state_manifest() const {
+  const std::string dir = storage_->state_path();
+  std::ifstream in(dir + "/CURRENT");
+  std::string current;
+  if (!std::getline(in, current)) return Status::IOError("cannot read '" + dir + "/CURRENT'");
+  std::string stale;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    std::string name = entry.path().filename().string();
+    if (name.starts_with("MANIFEST-") && name != current) stale = std::move(name);
+  }
+  if (ec) return Status::IOError("listing '" + dir + "': " + ec.message());
+  return stale;
+}
+
+Status Db::Impl::await_state_deletions(const std::function<Result<std::string>()>& stale, std::string_view what) {
+  rocksdb::DB* db = storage_->db(Storage::Engine::State);
+  // RocksDB deletes obsolete files in the background; re-enabling file
+  // deletions deletes them in this thread (erase_mu_ keeps other erasures
+  // from holding deletions disabled meanwhile).
   const auto give_up = std::chrono::steady_clock::now() + erasure_wait;
   for (;;) {
-    Result<std::string> wal = stale_wal(Storage::Engine::State);
-    if (!wal.ok()) return wal.status();
-    if (wal->empty()) return Status::OK();
+    Result<std::string> file = stale();
+    if (!file.ok()) return file.status();
+    if (file->empty()) return Status::OK();
     if (std::chrono::steady_clock::now() >= give_up) {
-      return Status::IOError("the state engine's WAL '" + storage_->state_path() + "/" + *wal +
-                             "', which may hold the purge's batch, was not deleted within " +
-                             std::to_string(erasure_wait.count()) + " ms");
+      return Status::IOError("the state engine's " + std::string(what) + " '" + storage_->state_path() + "/" + *file +
+                             "' was not deleted within " + std::to_string(erasure_wait.count()) + " ms");
     }
     if (Status s = from_rocksdb(db->DisableFileDeletions(), "disable file deletions"); !s.ok()) return s;
     if (Status s = from_rocksdb(db->EnableFileDeletions(/*force=*/false), "enable file deletions"); !s.ok()) return s;

@@ -765,6 +765,7 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   users_options.env = storage->users_env_.get();
   storage->path_ = path;
   storage->read_only_ = config.read_only;
+  storage->state_manifest_per_edit_ = config.state_manifest_per_edit;
   if (!config.read_only) storage->reclaim_ = std::make_shared<SealedRecordReclaim>();
   storage->key_erasure_ = std::make_shared<KeyStoreErasure>(storage.get());
   storage->block_cache_ = rocksdb::NewLRUCache(config.block_cache_bytes);
@@ -962,6 +963,7 @@ Status Storage::open_state(const rocksdb::Options& base, bool create) {
   // The compaction statistics of each column family (write amplification
   // per level) in state/LOG once a minute, where bench/README.md read them.
   options.stats_dump_period_sec = 60;
+  if (state_manifest_per_edit_) options.max_manifest_file_size = 0;
   std::vector<std::string> existing;
   const bool listed = rocksdb::DB::ListColumnFamilies(options, dir, &existing).ok();
   if (!create && !listed) {

@@ -96,6 +96,12 @@ class Storage {
     // A writable open of a format-2 Db leaves the upgrade to finish_upgrade(),
     // so that the caller's checks run first, on the format-2 records.
     bool defer_upgrade = false;
+    // The state engine writes a new MANIFEST (the live files alone) at each
+    // of its edits, and RocksDB deletes the one before: no MANIFEST keeps
+    // the edits of files that are gone (Options::strict_erasure). Each
+    // flush, ingestion and compaction then writes the whole list of live
+    // files.
+    bool state_manifest_per_edit = false;
   };
   enum class Engine { Users, State };
 
@@ -447,6 +453,7 @@ class Storage {
   // writing, while this handle holds it.
   std::optional<std::pair<dev_t, ino_t>> registry_id_;
   bool read_only_ = false;
+  bool state_manifest_per_edit_ = false;  // Config::state_manifest_per_edit
   std::shared_ptr<rocksdb::Cache> block_cache_;
   // The users engine's Env: the base Env's files, background threads of
   // its own (storage.cc, UsersEngineEnv). Outlives the engine.
