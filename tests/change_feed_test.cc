@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -217,9 +218,10 @@ TEST(ChangeFeed, TheShardIdIsFixedAndAFeedDbMustBeOpenedWithTheFeed) {
   EXPECT_EQ(plain->trim_changes(1).code(), StatusCode::InvalidArgument);
 }
 
-// Deletes the feed's incarnation record from the (closed) Db at `path`: a
-// feed made before incarnations.
-void drop_incarnation(const std::string& path) {
+// Rewrites the feed's incarnation record of the (closed) Db at `path`:
+// `value` (24 bytes, the random ones and the ordinal) becomes what `edit`
+// returns, or is deleted when that is empty.
+void edit_incarnation(const std::string& path, const std::function<std::string(const std::string& value)>& edit) {
   const std::string dir = state_engine_dir(path);
   std::vector<std::string> names;
   ASSERT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), dir, &names).ok());
@@ -236,11 +238,19 @@ void drop_incarnation(const std::string& path) {
   std::unique_ptr<rocksdb::DB> db(raw);
   std::string value;
   ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), handles[0], kFeedIncarnationKey, &value).ok());
-  EXPECT_EQ(value.size(), 16u);
+  EXPECT_EQ(value.size(), 24u);
+  const std::string edited = edit(value);
   rocksdb::WriteOptions wo;
   wo.sync = true;
-  ASSERT_TRUE(db->Delete(wo, handles[0], kFeedIncarnationKey).ok());
+  s = edited.empty() ? db->Delete(wo, handles[0], kFeedIncarnationKey)
+                     : db->Put(wo, handles[0], kFeedIncarnationKey, edited);
+  ASSERT_TRUE(s.ok()) << s.ToString();
   for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
+}
+
+// A feed made before incarnations.
+void drop_incarnation(const std::string& path) {
+  edit_incarnation(path, [](const std::string&) { return std::string(); });
 }
 
 // Issue 27: every feed has a random 128-bit incarnation, fixed when it is
@@ -299,6 +309,69 @@ TEST(ChangeFeed, EveryFeedHasItsOwnIncarnationFixedAtCreationAndCarriedByEveryBa
   auto db = open_db(dir.path(), feed_options(4));
   ASSERT_NE(db, nullptr);
   EXPECT_EQ(db->stats().change_feed_incarnation, given);
+}
+
+// Issue 64 item 6: every incarnation has an ordinal (ChangeBatch::
+// incarnation_ordinal), stored with it and carried by every batch. A feed
+// made before ordinals (its record 16 bytes) keeps its incarnation: unknown
+// ordinal on a read-only open, one given at the next writable open, kept
+// from then on.
+TEST(ChangeFeed, AFeedMadeBeforeOrdinalsKeepsItsIncarnationAndGetsAnOrdinalAtItsNextWritableOpen) {
+  TempDir dir;
+  std::string incarnation;
+  std::uint64_t ordinal = 0;
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    incarnation = db->stats().change_feed_incarnation;
+    ordinal = db->stats().change_feed_incarnation_ordinal;
+    EXPECT_GT(ordinal, 0u);
+    ASSERT_OK(db->signal_with_context({1, 1, 1.0}, {{2}}));
+    ASSERT_OK(db->flush());
+    Result<std::vector<ChangeBatch>> batches = db->read_changes(0, 1 << 20);
+    ASSERT_OK(batches);
+    ASSERT_FALSE(batches->empty());
+    for (const ChangeBatch& b : *batches) EXPECT_EQ(b.incarnation_ordinal, ordinal) << b.seq;
+    ASSERT_OK(db->close());
+  }
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    EXPECT_EQ(db->stats().change_feed_incarnation_ordinal, ordinal);  // stored
+    ASSERT_OK(db->close());
+  }
+  edit_incarnation(dir.path(), [](const std::string& value) { return value.substr(0, 16); });
+  {
+    Options ro;
+    ro.read_only = true;
+    auto reader = open_db(dir.path(), ro);
+    ASSERT_NE(reader, nullptr);
+    EXPECT_EQ(reader->stats().change_feed_incarnation, incarnation);
+    EXPECT_EQ(reader->stats().change_feed_incarnation_ordinal, 0u);
+    EXPECT_EQ(reader->read_changes(0, 1 << 20)->front().incarnation_ordinal, 0u);
+  }
+  std::uint64_t given = 0;
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    EXPECT_EQ(db->stats().change_feed_incarnation, incarnation);
+    given = db->stats().change_feed_incarnation_ordinal;
+    EXPECT_GT(given, 0u);
+    EXPECT_EQ(db->read_changes(0, 1 << 20)->front().incarnation_ordinal, given);
+    ASSERT_OK(db->close());
+  }
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    EXPECT_EQ(db->stats().change_feed_incarnation_ordinal, given);
+    ASSERT_OK(db->close());
+  }
+  // Another length: Corruption.
+  edit_incarnation(dir.path(), [](const std::string& value) { return value + "x"; });
+  Result<std::unique_ptr<Db>> bad = Db::open(dir.path(), feed_options(4));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::Corruption);
+  EXPECT_NE(bad.status().message().find("expected 16 or 24"), std::string::npos) << bad.status().to_string();
 }
 
 TEST(ChangeFeed, TurningTheFeedOnSeedsItWithTheSharedAggregatesSoAViewFromSeqOneIsComplete) {

@@ -427,6 +427,55 @@ TEST(Reseed, AViewThatMissedIncarnationsSkipsEveryOlderBatchInEveryOrder) {
   }
 }
 
+// Issue 64 item 6: a shard's incarnations only grow, across re-seeds, a
+// reopen and a restore from a backup older than the shard's last re-seeds
+// (finish_recovery's new incarnation is above every one the lost original
+// made after the backup), and every batch carries its incarnation's ordinal.
+TEST(Reseed, EveryNewIncarnationOfAShardHasAnOrdinalAboveEveryEarlierOne) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), feed_options(6));
+  ASSERT_NE(db, nullptr);
+  join_all({db.get()}, 0, 20);
+  signal_all({db.get()}, 0, 20, 51, 100);
+  ASSERT_OK(db->flush());
+  std::uint64_t last = db->stats().change_feed_incarnation_ordinal;
+  EXPECT_GT(last, 0u);
+  auto expect_batches_carry = [&](const Db& d) {
+    const Stats st = d.stats();
+    Result<std::vector<ChangeBatch>> batches = d.read_changes(st.change_feed_trimmed_seq, 64 << 20);
+    ASSERT_OK(batches);
+    ASSERT_FALSE(batches->empty());
+    for (const ChangeBatch& b : *batches) {
+      EXPECT_EQ(b.incarnation, st.change_feed_incarnation) << b.seq;
+      EXPECT_EQ(b.incarnation_ordinal, st.change_feed_incarnation_ordinal) << b.seq;
+    }
+  };
+  expect_batches_carry(*db);
+  ASSERT_OK(db->backup(dir.sub("backup")));
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK(db->reseed_change_feed());
+    const std::uint64_t now = db->stats().change_feed_incarnation_ordinal;
+    EXPECT_GT(now, last) << "re-seed " << i;
+    last = now;
+    expect_batches_carry(*db);
+  }
+  ASSERT_OK(db->close());
+  db = open_db(dir.sub("db"), feed_options(6));
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(db->stats().change_feed_incarnation_ordinal, last);  // stored
+  ASSERT_OK(db->close());
+  db.reset();
+  // The backup knows none of the three re-seeds; its restore's incarnation
+  // is above them all.
+  auto restored = open_db(dir.sub("backup"), feed_options(6));
+  ASSERT_NE(restored, nullptr);
+  ASSERT_TRUE(restored->stats().recovering);
+  EXPECT_LT(restored->stats().change_feed_incarnation_ordinal, last);
+  ASSERT_OK(restored->finish_recovery());
+  EXPECT_GT(restored->stats().change_feed_incarnation_ordinal, last);
+  expect_batches_carry(*restored);
+}
+
 // Re-seeds while 16 threads signal and a consumer keeps applying: every
 // snapshot is one consistent point of the shard, and the view ends equal to
 // the shard (the drain lock holds off every write between the snapshot's

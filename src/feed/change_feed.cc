@@ -1,6 +1,7 @@
 #include "feed/change_feed.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <random>
 #include <string_view>
@@ -19,6 +20,23 @@ std::string new_incarnation() {
     const std::uint32_t r = rd();
     for (int i = 0; i < 4 && out.size() < kIncarnationBytes; ++i) out.push_back(static_cast<char>((r >> (8 * i)) & 0xff));
   }
+  return out;
+}
+
+// The ordinal of a new incarnation: above `previous` (the feed's last; 0
+// for none) and at least the wall clock in ns, so that a Db restored from
+// an older copy, which does not know the ordinals its lost original issued
+// since, still makes one above them (ChangeBatch::incarnation_ordinal).
+std::uint64_t new_ordinal(std::uint64_t previous) {
+  const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::system_clock::now().time_since_epoch()).count();
+  return std::max(previous + 1, now > 0 ? static_cast<std::uint64_t>(now) : std::uint64_t{0});
+}
+
+// The feed_incarnation record: the 16 random bytes, then the ordinal [8 BE].
+std::string incarnation_record(const std::string& random, std::uint64_t ordinal) {
+  std::string out = random;
+  put_u64_be(&out, ordinal);
   return out;
 }
 
@@ -94,12 +112,17 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   if (!appended.ok()) return appended.status();
   // In key order (an ingested file's): "feed_incarnation" < "feed_shard_id".
   const std::string incarnation = new_incarnation();
-  if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
+  const std::uint64_t ordinal = new_ordinal(0);
+  if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedIncarnationKey,
+                                        incarnation_record(incarnation, ordinal)),
+                              what);
+      !s.ok()) {
     return s;
   }
   if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedShardKey, be64(shard_id)), what); !s.ok()) return s;
   if (Status s = batch.ingest(what); !s.ok()) return s;
   feed->incarnation_ = hex(incarnation);
+  feed->incarnation_ordinal_ = ordinal;
   feed->committed(*appended);
   return feed;
 }
@@ -107,23 +130,35 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
 Status ChangeFeed::load_incarnation() {
   std::string value;
   Status s = storage_->get(storage_->state_meta(), kFeedIncarnationKey, &value);
+  std::string random;
   if (s.ok()) {
-    if (value.size() != kIncarnationBytes) {
+    if (value.size() != kIncarnationBytes && value.size() != kIncarnationBytes + kIncarnationOrdinalBytes) {
       return Status::Corruption("the change feed's incarnation record of '" + storage_->path() + "' has " +
-                                std::to_string(value.size()) + " bytes; expected 16");
+                                std::to_string(value.size()) + " bytes; expected 16 or 24");
     }
-    incarnation_ = hex(value);
-    return Status::OK();
+    random = value.substr(0, kIncarnationBytes);
+    if (value.size() > kIncarnationBytes) {
+      incarnation_ = hex(random);
+      incarnation_ordinal_ = get_u64_be(value.data() + kIncarnationBytes);
+      return Status::OK();
+    }
+    // Made before ordinals: the incarnation stays, and gets its ordinal at
+    // the first writable open.
+    incarnation_ = hex(random);
+    if (storage_->read_only()) return Status::OK();  // ordinal unknown until then
+  } else {
+    if (s.code() != StatusCode::NotFound) return s;
+    if (storage_->read_only()) return Status::OK();  // unknown until the next writable open
+    random = new_incarnation();
   }
-  if (s.code() != StatusCode::NotFound) return s;
-  if (storage_->read_only()) return Status::OK();  // unknown until the next writable open
-  value = new_incarnation();
+  const std::uint64_t ordinal = new_ordinal(0);
   rocksdb::WriteBatch batch;
-  batch.Put(storage_->state_meta(), kFeedIncarnationKey, value);
+  batch.Put(storage_->state_meta(), kFeedIncarnationKey, incarnation_record(random, ordinal));
   s = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync,
                       "writing the change feed's incarnation of '" + storage_->path() + "'");
   if (!s.ok()) return s;
-  incarnation_ = hex(value);
+  incarnation_ = hex(random);
+  incarnation_ordinal_ = ordinal;
   return Status::OK();
 }
 
@@ -199,10 +234,12 @@ Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::
   std::shared_lock<std::shared_mutex> no_reseed(reseed_mu_);
   std::uint64_t trimmed = 0;
   std::string incarnation;
+  std::uint64_t ordinal = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     trimmed = trimmed_through_;
     incarnation = incarnation_;
+    ordinal = incarnation_ordinal_;
   }
   if (after_seq < trimmed) {
     return Status::NotFound("read_changes(after " + std::to_string(after_seq) + "): the change feed of shard " +
@@ -225,6 +262,7 @@ Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::
     b.shard_id = shard_id_;
     b.seq = seq;
     b.incarnation = incarnation;
+    b.incarnation_ordinal = ordinal;
     b.payload.assign(*payload);
     bytes += b.payload.size();
   }
@@ -286,11 +324,12 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
 
 Result<std::uint64_t> ChangeFeed::reseed() {
   std::lock_guard<std::mutex> one_trim(trim_mu_);
-  std::uint64_t last = 0, end = 0;
+  std::uint64_t last = 0, end = 0, previous_ordinal = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     last = last_seq_;
     end = end_offset_;
+    previous_ordinal = incarnation_ordinal_;
   }
   const std::string what = "re-seeding the change feed of shard " + std::to_string(shard_id_) + " in '" +
                            storage_->path() + "'";
@@ -310,7 +349,11 @@ Result<std::uint64_t> ChangeFeed::reseed() {
   Storage::test_step("reseed", 1);
   // In key order (an ingested file's): "feed_incarnation" < "feed_trimmed".
   const std::string incarnation = new_incarnation();
-  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
+  const std::uint64_t ordinal = new_ordinal(previous_ordinal);
+  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedIncarnationKey,
+                                        incarnation_record(incarnation, ordinal)),
+                              what);
+      !s.ok()) {
     return s;
   }
   if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedTrimmedKey, encode_log_point({last, end})), what);
@@ -324,6 +367,7 @@ Result<std::uint64_t> ChangeFeed::reseed() {
     Storage::test_step("reseed", 2);
     std::lock_guard<std::mutex> lock(mu_);
     incarnation_ = hex(incarnation);
+    incarnation_ordinal_ = ordinal;
     trimmed_through_ = last;
     trimmed_offset_ = end;
     last_seq_ = appended->last_seq;
@@ -337,7 +381,7 @@ Result<std::uint64_t> ChangeFeed::reseed() {
 
 ChangeFeed::Stats ChangeFeed::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return {shard_id_, last_seq_, trimmed_through_, end_offset_ - trimmed_offset_, incarnation_};
+  return {shard_id_, last_seq_, trimmed_through_, end_offset_ - trimmed_offset_, incarnation_, incarnation_ordinal_};
 }
 
 }  // namespace tidal

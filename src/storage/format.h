@@ -153,9 +153,12 @@ std::optional<ErasureMark> decode_erasure_mark(std::string_view value);
 // appended through it).
 inline constexpr char kFeedShardKey[] = "feed_shard_id";
 inline constexpr char kFeedTrimmedKey[] = "feed_trimmed";
-// The feed's incarnation: 16 random bytes, written with the shard id when
-// the feed is created (or at the first writable open of a feed made before
-// incarnations), never changed; ChangeBatch::incarnation is their hex.
+// The feed's incarnation: 16 random bytes, then its ordinal ([8 BE],
+// ChangeBatch::incarnation_ordinal), written with the shard id when the
+// feed is created and replaced by each re-seed; ChangeBatch::incarnation is
+// the random bytes' hex. A feed made before incarnations gets one at its
+// first writable open, one made before ordinals (16 bytes, no ordinal) its
+// ordinal there.
 inline constexpr char kFeedIncarnationKey[] = "feed_incarnation";
 
 // The manifest of a backup (Db::backup), in its directory: a Db directory
@@ -168,6 +171,7 @@ inline constexpr char kBackupManifest[] = "TIDAL_BACKUP";
 inline constexpr char kBackupStagingSuffix[] = ".tidal-backup-tmp";
 inline constexpr char kBackupPendingPrefix[] = "TIDAL_BACKUP_PENDING-";
 inline constexpr std::size_t kIncarnationBytes = 16;
+inline constexpr std::size_t kIncarnationOrdinalBytes = 8;
 
 // "clock_floor/" + [stripe: 8 bytes BE].
 std::string clock_floor_stripe_key(std::uint64_t stripe);
