@@ -33,9 +33,9 @@ std::uint64_t new_ordinal(std::uint64_t previous) {
   return std::max(previous + 1, now > 0 ? static_cast<std::uint64_t>(now) : std::uint64_t{0});
 }
 
-// The feed_incarnation record: the 16 random bytes, then the ordinal [8 BE].
-std::string incarnation_record(const std::string& random, std::uint64_t ordinal) {
-  std::string out = random;
+// The feed_incarnation_ordinal record: the incarnation's 16 bytes, then its ordinal [8 BE].
+std::string ordinal_record(const std::string& incarnation, std::uint64_t ordinal) {
+  std::string out = incarnation;
   put_u64_be(&out, ordinal);
   return out;
 }
@@ -110,11 +110,14 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   if (Status s = add_shared_aggregates(*storage, &seed, what); !s.ok()) return s;
   Result<Appended> appended = seed.finish();
   if (!appended.ok()) return appended.status();
-  // In key order (an ingested file's): "feed_incarnation" < "feed_shard_id".
+  // In key order (an ingested file's): "feed_incarnation" <
+  // "feed_incarnation_ordinal" < "feed_shard_id".
   const std::string incarnation = new_incarnation();
   const std::uint64_t ordinal = new_ordinal(0);
-  if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedIncarnationKey,
-                                        incarnation_record(incarnation, ordinal)),
+  if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
+    return s;
+  }
+  if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedOrdinalKey, ordinal_record(incarnation, ordinal)),
                               what);
       !s.ok()) {
     return s;
@@ -130,34 +133,40 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
 Status ChangeFeed::load_incarnation() {
   std::string value;
   Status s = storage_->get(storage_->state_meta(), kFeedIncarnationKey, &value);
-  std::string random;
+  rocksdb::WriteBatch batch;
   if (s.ok()) {
-    if (value.size() != kIncarnationBytes && value.size() != kIncarnationBytes + kIncarnationOrdinalBytes) {
+    if (value.size() != kIncarnationBytes) {
       return Status::Corruption("the change feed's incarnation record of '" + storage_->path() + "' has " +
-                                std::to_string(value.size()) + " bytes; expected 16 or 24");
+                                std::to_string(value.size()) + " bytes; expected 16");
     }
-    random = value.substr(0, kIncarnationBytes);
-    if (value.size() > kIncarnationBytes) {
-      incarnation_ = hex(random);
-      incarnation_ordinal_ = get_u64_be(value.data() + kIncarnationBytes);
-      return Status::OK();
-    }
-    // Made before ordinals: the incarnation stays, and gets its ordinal at
-    // the first writable open.
-    incarnation_ = hex(random);
-    if (storage_->read_only()) return Status::OK();  // ordinal unknown until then
   } else {
     if (s.code() != StatusCode::NotFound) return s;
     if (storage_->read_only()) return Status::OK();  // unknown until the next writable open
-    random = new_incarnation();
+    value = new_incarnation();
+    batch.Put(storage_->state_meta(), kFeedIncarnationKey, value);
   }
-  const std::uint64_t ordinal = new_ordinal(0);
-  rocksdb::WriteBatch batch;
-  batch.Put(storage_->state_meta(), kFeedIncarnationKey, incarnation_record(random, ordinal));
+  // Its ordinal: the stored one when it names this incarnation; otherwise
+  // (a feed made, or re-seeded, by a version before ordinals) a new one,
+  // above the stored one, written at a writable open.
+  std::string stored;
+  s = storage_->get(storage_->state_meta(), kFeedOrdinalKey, &stored);
+  if (!s.ok() && s.code() != StatusCode::NotFound) return s;
+  if (s.ok() && stored.size() != kIncarnationBytes + kIncarnationOrdinalBytes) {
+    return Status::Corruption("the change feed's incarnation ordinal record of '" + storage_->path() + "' has " +
+                              std::to_string(stored.size()) + " bytes; expected 24");
+  }
+  const std::uint64_t previous = s.ok() ? get_u64_be(stored.data() + kIncarnationBytes) : 0;
+  incarnation_ = hex(value);
+  if (s.ok() && std::string_view(stored).substr(0, kIncarnationBytes) == value) {
+    incarnation_ordinal_ = previous;
+    return Status::OK();
+  }
+  if (storage_->read_only()) return Status::OK();  // ordinal unknown until the next writable open
+  const std::uint64_t ordinal = new_ordinal(previous);
+  batch.Put(storage_->state_meta(), kFeedOrdinalKey, ordinal_record(value, ordinal));
   s = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync,
                       "writing the change feed's incarnation of '" + storage_->path() + "'");
   if (!s.ok()) return s;
-  incarnation_ = hex(random);
   incarnation_ordinal_ = ordinal;
   return Status::OK();
 }
@@ -347,11 +356,14 @@ Result<std::uint64_t> ChangeFeed::reseed() {
   Result<Appended> appended = snapshot.finish();
   if (!appended.ok()) return appended.status();
   Storage::test_step("reseed", 1);
-  // In key order (an ingested file's): "feed_incarnation" < "feed_trimmed".
+  // In key order (an ingested file's): "feed_incarnation" <
+  // "feed_incarnation_ordinal" < "feed_trimmed".
   const std::string incarnation = new_incarnation();
   const std::uint64_t ordinal = new_ordinal(previous_ordinal);
-  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedIncarnationKey,
-                                        incarnation_record(incarnation, ordinal)),
+  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
+    return s;
+  }
+  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedOrdinalKey, ordinal_record(incarnation, ordinal)),
                               what);
       !s.ok()) {
     return s;

@@ -123,8 +123,9 @@ class ChangeFeed {
   Status load();  // last seq, trim point and offsets, from disk
   static Status add_shared_aggregates(const Storage& storage, Appender* to, const std::string& what);
   // The stored incarnation and its ordinal, or a new one written (a feed
-  // made before incarnations), or an ordinal written for the stored one (a
-  // feed made before ordinals); left unknown (empty, 0) on a read-only open.
+  // made before incarnations), or a new ordinal written for the stored one
+  // (a feed made or re-seeded by a version before ordinals); left unknown
+  // (empty, 0) on a read-only open.
   Status load_incarnation();
 
   Storage* const storage_;

@@ -153,13 +153,17 @@ std::optional<ErasureMark> decode_erasure_mark(std::string_view value);
 // appended through it).
 inline constexpr char kFeedShardKey[] = "feed_shard_id";
 inline constexpr char kFeedTrimmedKey[] = "feed_trimmed";
-// The feed's incarnation: 16 random bytes, then its ordinal ([8 BE],
-// ChangeBatch::incarnation_ordinal), written with the shard id when the
-// feed is created and replaced by each re-seed; ChangeBatch::incarnation is
-// the random bytes' hex. A feed made before incarnations gets one at its
-// first writable open, one made before ordinals (16 bytes, no ordinal) its
-// ordinal there.
+// The feed's incarnation: 16 random bytes, written with the shard id when
+// the feed is created (or at the first writable open of a feed made before
+// incarnations) and replaced by each re-seed; ChangeBatch::incarnation is
+// their hex.
 inline constexpr char kFeedIncarnationKey[] = "feed_incarnation";
+// Its ordinal (ChangeBatch::incarnation_ordinal): [incarnation: 16 bytes]
+// [ordinal: 8 BE], written with each new incarnation. One that names
+// another incarnation than kFeedIncarnationKey's (a re-seed by a version
+// before ordinals), or none (a feed made before them), is replaced by a new
+// ordinal at the next writable open.
+inline constexpr char kFeedOrdinalKey[] = "feed_incarnation_ordinal";
 
 // The manifest of a backup (Db::backup), in its directory: a Db directory
 // that holds it is recovering until finish_recovery() removes it.
