@@ -909,10 +909,10 @@ TEST(GlobalView, ABatchOfAnotherIncarnationIsCorruptionNamingShardIncarnationsAn
 // Issue 64 item 6 (V10): a shard's incarnations are ordered by
 // ChangeBatch::incarnation_ordinal. Every batch of an incarnation older than
 // one the view applied for the shard is skipped and counted as superseded,
-// also one the view never saw and a re-seed's first batch; one without an
-// ordinal is older than any with one; a newer one's re-seed replaces the
-// shard and its other batches are refused until then. The highest ordinal
-// survives a reopen.
+// also one the view never saw and a re-seed's first batch; a newer one's
+// re-seed replaces the shard and its other batches are refused until then;
+// a re-seed without an ordinal, which cannot be ordered, is refused. The
+// highest ordinal survives a reopen.
 TEST(GlobalView, EveryBatchOfAnIncarnationOlderThanOneAppliedIsSkippedAsSuperseded) {
   TempDir dir;
   auto of = [](ChangeBatch x, char inc, std::uint64_t ordinal) {
@@ -931,7 +931,7 @@ TEST(GlobalView, EveryBatchOfAnIncarnationOlderThanOneAppliedIsSkippedAsSupersed
   const ChangeBatch a3 = of(batch(7, 3, {cohort(1, 1, weight(100.0))}), 'a', 100);
   const ChangeBatch c_reseed = of(batch(7, 5, {cohort(1, 1, weight(1000.0))}, FeedOrigin::Reseed), 'c', 200);
   const ChangeBatch c6 = of(batch(7, 6, {cohort(1, 1, weight(10000.0))}), 'c', 200);
-  const ChangeBatch d_reseed = of(batch(7, 1, {cohort(1, 1, weight(5.0))}, FeedOrigin::Reseed), 'd', 0);
+  const ChangeBatch d40 = of(batch(7, 40, {cohort(1, 1, weight(5.0))}), 'd', 250);
   auto view = open_view(dir.path());
   ASSERT_NE(view, nullptr);
   ASSERT_TRUE(applied(*view, of(batch(7, 1, {cohort(1, 1, weight(1.0))}), 'a', 100)));
@@ -942,7 +942,7 @@ TEST(GlobalView, EveryBatchOfAnIncarnationOlderThanOneAppliedIsSkippedAsSupersed
   EXPECT_EQ(value_of(view->cohort_score(1, 1)), 4.0);
   EXPECT_EQ(ordinal_of(*view, 7), 300u);
   for (int round = 0; round < 2; ++round) {
-    for (const ChangeBatch* late : {&c_reseed, &c6, &a3, &d_reseed}) {
+    for (const ChangeBatch* late : {&c_reseed, &c6, &a3, &d40}) {
       Result<ApplyOutcome> out = view->apply(std::span<const ChangeBatch>(late, 1));
       ASSERT_OK(out);
       EXPECT_OK(out->refused);
@@ -977,13 +977,20 @@ TEST(GlobalView, EveryBatchOfAnIncarnationOlderThanOneAppliedIsSkippedAsSupersed
 
   // Shard 8, fed by writers without ordinals: as before (a re-seed of
   // another incarnation replaces the shard; a replaced one is skipped) until
-  // an ordered incarnation arrives, then every unordered one is older.
+  // an ordered incarnation arrives.
   ASSERT_TRUE(applied(*view, of(batch(8, 1, {cohort(2, 1, weight(1.0))}), '1', 0)));
   ASSERT_TRUE(applied(*view, of(batch(8, 4, {cohort(2, 1, weight(2.0))}, FeedOrigin::Reseed), '2', 0)));
   EXPECT_FALSE(applied(*view, of(batch(8, 2, {cohort(2, 1, weight(4.0))}), '1', 0)));
   EXPECT_EQ(ordinal_of(*view, 8), 0u);
   ASSERT_TRUE(applied(*view, of(batch(8, 9, {cohort(2, 1, weight(8.0))}, FeedOrigin::Reseed), '3', 50)));
-  EXPECT_FALSE(applied(*view, of(batch(8, 3, {cohort(2, 1, weight(16.0))}, FeedOrigin::Reseed), '9', 0)));
+  // A re-seed without an ordinal now cannot be ordered: refused, naming it.
+  Result<bool> unordered = view->apply(of(batch(8, 3, {cohort(2, 1, weight(16.0))}, FeedOrigin::Reseed), '9', 0));
+  ASSERT_FALSE(unordered.ok());
+  EXPECT_EQ(unordered.status().code(), StatusCode::Corruption);
+  for (const std::string& word : {std::string("shard 8"), std::string(32, '9'), std::string(32, '3'),
+                                  std::string("ordinal 50"), std::string("no ordinal")}) {
+    expect_has(unordered.status(), word);
+  }
   EXPECT_FALSE(applied(*view, of(batch(8, 5, {cohort(2, 1, weight(16.0))}), '2', 0)));
   EXPECT_EQ(value_of(view->cohort_score(2, 1)), 8.0);
   EXPECT_EQ(ordinal_of(*view, 8), 50u);

@@ -27,7 +27,8 @@ struct ChangeBatch {
   // earlier one, wall-clock ns at its making or the previous one + 1,
   // whichever is larger. A GlobalView skips every batch of an incarnation
   // older than one it applied for the shard, also one it never saw
-  // (docs/CONTRACT.md, V10). 0: not known (a batch of an older writer).
+  // (docs/CONTRACT.md, V10). 0: not known (a batch of an older writer,
+  // judged by its incarnation alone).
   std::uint64_t incarnation_ordinal = 0;
 };
 

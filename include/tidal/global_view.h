@@ -133,11 +133,15 @@ class GlobalView {
   //     made before per-shard sums that applied the shard (view_format 2);
   //   - false, nothing changed: a batch of an incarnation older than one the
   //     view applied for the shard (superseded, ApplyOutcome::superseded),
-  //     whether or not the view saw that incarnation: its
-  //     incarnation_ordinal is below the shard's (ShardProgress), or it has
-  //     none while the shard's has one (a batch of an older writer), or a
+  //     whether or not the view saw that incarnation: its nonzero
+  //     incarnation_ordinal is below the shard's (ShardProgress), or a
   //     re-seed the view applied replaced it. This is checked first, so a
   //     superseded re-seed's first batch replaces nothing;
+  //   - Corruption, nothing changed: a re-seed's first batch without an
+  //     ordinal (an older writer) of an incarnation the view does not know,
+  //     for a shard whose applied ordinal is known: it cannot be ordered, so
+  //     it may be older (the message names the shard, both incarnations and
+  //     the ordinal);
   //   - InvalidArgument, nothing changed: batch.seq == 0, or a read-only view;
   //   - another error of the write: the batch may or may not be stored (a
   //     failed fsync may still have reached the disk); applied_seq tells,

@@ -650,10 +650,8 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     std::string& incarnation = record.incarnation;
     if (!batch.incarnation.empty() && batch.incarnation != incarnation) {
       // A batch of an incarnation older than one applied for the shard,
-      // seen or not (a late delivery): superseded. One without an ordinal
-      // is older than any with one (every writer of ordinals gives one to
-      // each incarnation it makes).
-      if (record.ordinal > 0 && batch.incarnation_ordinal < record.ordinal) {
+      // seen or not (a late delivery): superseded.
+      if (batch.incarnation_ordinal > 0 && batch.incarnation_ordinal < record.ordinal) {
         ++out.taken;
         ++out.superseded;
         continue;
@@ -671,6 +669,19 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     // tell that apart once it applied the shard).
     if (feed_origin(batch.payload) == FeedOrigin::Reseed && !batch.incarnation.empty() &&
         batch.incarnation != incarnation) {
+      // Without an ordinal (a writer before ordinals), it cannot be ordered
+      // against the shard's, which has one: it may be older (delivered
+      // late), so it replaces nothing.
+      if (record.ordinal > 0 && batch.incarnation_ordinal == 0) {
+        out.refused = Status::Corruption(
+            "re-seed: shard " + std::to_string(batch.shard_id) + " has applied through seq " +
+            std::to_string(applied) + " of incarnation " + incarnation + " (ordinal " +
+            std::to_string(record.ordinal) + "); batch seq " + std::to_string(batch.seq) +
+            " re-seeds it as incarnation " + batch.incarnation + ", which has no ordinal (written by a version "
+            "before ordinals), so the " + view_at(path_) + " cannot tell whether it is older; " + untouched(i) +
+            ": if that Db owns the shard now, upgrade it and re-seed it again (Db::reseed_change_feed)");
+        break;
+      }
       if (applied > 0 && !per_shard_) {
         out.refused = Status::Corruption(
             "re-seed: shard " + std::to_string(batch.shard_id) + " has applied through seq " +
