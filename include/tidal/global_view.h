@@ -14,6 +14,13 @@
 // a consumer may deliver at least once (redeliver after any doubt) and the
 // sums count every batch exactly once.
 //
+// Incarnations are ordered: a shard's feed gets a new incarnation at each
+// re-seed (and restore), with an ordinal above the earlier ones
+// (ChangeBatch::incarnation_ordinal). The view keeps, per shard, the highest
+// ordinal it applied and skips every batch of a lower one, whether or not it
+// saw that incarnation, so a late delivery of an older incarnation's batch
+// never replaces a newer one's contribution.
+//
 // Sums are exact integers of 1e-9 units (as in a Db): the order in which the
 // shards' batches arrive never changes a score, bit for bit.
 //

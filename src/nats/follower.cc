@@ -120,12 +120,20 @@ class Follower::Impl {
     std::uint64_t seq = 0;
     std::string incarnation;
     std::uint64_t stream_seq = 0;
+    std::uint64_t ordinal = 0;  // the incarnation's (0: unknown)
   };
 
   void note_taken(const ChangeBatch& b, std::uint64_t stream_seq) {
     auto [it, fresh] = taken_.try_emplace(b.shard_id);
     Taken& t = it->second;
-    if (fresh || b.incarnation != t.incarnation || b.seq > t.seq) t = {b.seq, b.incarnation, stream_seq};
+    // A batch of an older incarnation than the one noted was skipped by the
+    // view (superseded): the noted one still says where the view is.
+    if (!fresh && b.incarnation != t.incarnation && b.incarnation_ordinal > 0 && b.incarnation_ordinal < t.ordinal) {
+      return;
+    }
+    if (fresh || b.incarnation != t.incarnation || b.seq > t.seq) {
+      t = {b.seq, b.incarnation, stream_seq, b.incarnation_ordinal};
+    }
   }
 
   // Where a parked shard's reader starts: after its Taken when the view
