@@ -642,11 +642,10 @@ class Follower::Impl {
       const std::uint64_t stream_seq = natsMsg_GetSequence(m);
       Result<ChangeBatch> last = internal::batch_of(m, config_);
       if (!last.ok() || stream_seq > delivered) continue;  // no batch; or the consumer delivers it
+      // The last message of an older incarnation (published late) says
+      // nothing of whether the view holds the newer one's: parked too; the
+      // repair skips the older batches.
       if (last->incarnation == p.incarnation && last->seq <= p.applied_seq) continue;  // the view holds it
-      if (!last->incarnation.empty() && last->incarnation != p.incarnation && last->incarnation_ordinal > 0 &&
-          last->incarnation_ordinal < p.incarnation_ordinal) {
-        continue;  // of an older incarnation: the view skips it
-      }
       park_quietly(p.shard_id);
     }
     return Status::OK();
