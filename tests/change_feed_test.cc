@@ -5,12 +5,14 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
 #include <random>
 #include <set>
 #include <span>
+#include <tuple>
 #include <string>
 #include <thread>
 #include <vector>
@@ -217,9 +219,11 @@ TEST(ChangeFeed, TheShardIdIsFixedAndAFeedDbMustBeOpenedWithTheFeed) {
   EXPECT_EQ(plain->trim_changes(1).code(), StatusCode::InvalidArgument);
 }
 
-// Deletes the feed's incarnation record from the (closed) Db at `path`: a
-// feed made before incarnations.
-void drop_incarnation(const std::string& path) {
+// Rewrites the meta record `key` of the (closed) Db at `path`'s state
+// engine: its value becomes what `edit` returns, or is deleted when that is
+// empty.
+void edit_meta(const std::string& path, const char* key,
+               const std::function<std::string(const std::string& value)>& edit) {
   const std::string dir = state_engine_dir(path);
   std::vector<std::string> names;
   ASSERT_TRUE(rocksdb::DB::ListColumnFamilies(rocksdb::Options(), dir, &names).ok());
@@ -235,12 +239,21 @@ void drop_incarnation(const std::string& path) {
   ASSERT_TRUE(s.ok()) << s.ToString();
   std::unique_ptr<rocksdb::DB> db(raw);
   std::string value;
-  ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), handles[0], kFeedIncarnationKey, &value).ok());
-  EXPECT_EQ(value.size(), 16u);
+  ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), handles[0], key, &value).ok()) << key;
+  const std::string edited = edit(value);
   rocksdb::WriteOptions wo;
   wo.sync = true;
-  ASSERT_TRUE(db->Delete(wo, handles[0], kFeedIncarnationKey).ok());
+  s = edited.empty() ? db->Delete(wo, handles[0], key) : db->Put(wo, handles[0], key, edited);
+  ASSERT_TRUE(s.ok()) << s.ToString();
   for (auto* h : handles) (void)db->DestroyColumnFamilyHandle(h);
+}
+
+// A feed made before incarnations.
+void drop_incarnation(const std::string& path) {
+  edit_meta(path, kFeedIncarnationKey, [](const std::string& value) {
+    EXPECT_EQ(value.size(), 16u);
+    return std::string();
+  });
 }
 
 // Issue 27: every feed has a random 128-bit incarnation, fixed when it is
@@ -299,6 +312,79 @@ TEST(ChangeFeed, EveryFeedHasItsOwnIncarnationFixedAtCreationAndCarriedByEveryBa
   auto db = open_db(dir.path(), feed_options(4));
   ASSERT_NE(db, nullptr);
   EXPECT_EQ(db->stats().change_feed_incarnation, given);
+}
+
+// Issue 64 item 6: every incarnation has an ordinal (ChangeBatch::
+// incarnation_ordinal), stored beside it and carried by every batch. A feed
+// made before ordinals (no ordinal record) keeps its incarnation: unknown
+// ordinal on a read-only open, one given at the next writable open, kept
+// from then on; one re-seeded by a version before ordinals (the record names
+// the incarnation it replaced) gets a new ordinal above the stored one.
+TEST(ChangeFeed, AFeedMadeBeforeOrdinalsKeepsItsIncarnationAndGetsAnOrdinalAtItsNextWritableOpen) {
+  TempDir dir;
+  std::string incarnation;
+  std::uint64_t ordinal = 0;
+  auto open_stats = [&](bool read_only) {
+    Options options = feed_options(4);
+    if (read_only) {
+      options = Options();
+      options.read_only = true;
+    }
+    auto db = open_db(dir.path(), options);
+    EXPECT_NE(db, nullptr);
+    if (db == nullptr) return std::make_pair(Stats(), std::uint64_t{0});
+    Result<std::vector<ChangeBatch>> batches = db->read_changes(0, 1 << 20);
+    EXPECT_TRUE(batches.ok() && !batches->empty());
+    const std::uint64_t carried = batches.ok() && !batches->empty() ? batches->front().incarnation_ordinal : 0;
+    return std::make_pair(db->stats(), carried);
+  };
+  {
+    auto db = open_db(dir.path(), feed_options(4));
+    ASSERT_NE(db, nullptr);
+    incarnation = db->stats().change_feed_incarnation;
+    ordinal = db->stats().change_feed_incarnation_ordinal;
+    EXPECT_GT(ordinal, 0u);
+    ASSERT_OK(db->signal_with_context({1, 1, 1.0}, {{2}}));
+    ASSERT_OK(db->flush());
+    Result<std::vector<ChangeBatch>> batches = db->read_changes(0, 1 << 20);
+    ASSERT_OK(batches);
+    ASSERT_FALSE(batches->empty());
+    for (const ChangeBatch& b : *batches) EXPECT_EQ(b.incarnation_ordinal, ordinal) << b.seq;
+  }
+  auto [st, carried] = open_stats(false);
+  EXPECT_EQ(st.change_feed_incarnation_ordinal, ordinal);  // stored
+  // Made before ordinals.
+  edit_meta(dir.path(), kFeedOrdinalKey, [](const std::string& value) {
+    EXPECT_EQ(value.size(), 24u);
+    return std::string();
+  });
+  std::tie(st, carried) = open_stats(true);
+  EXPECT_EQ(st.change_feed_incarnation, incarnation);
+  EXPECT_EQ(st.change_feed_incarnation_ordinal, 0u);
+  EXPECT_EQ(carried, 0u);
+  std::tie(st, carried) = open_stats(false);
+  EXPECT_EQ(st.change_feed_incarnation, incarnation);
+  const std::uint64_t given = st.change_feed_incarnation_ordinal;
+  EXPECT_GT(given, 0u);
+  EXPECT_EQ(carried, given);
+  std::tie(st, carried) = open_stats(false);
+  EXPECT_EQ(st.change_feed_incarnation_ordinal, given);  // kept
+  // Re-seeded by a version before ordinals: another incarnation, the ordinal
+  // record still naming the one it replaced.
+  edit_meta(dir.path(), kFeedIncarnationKey, [](const std::string&) { return std::string(16, '\x5a'); });
+  std::tie(st, carried) = open_stats(true);
+  EXPECT_EQ(st.change_feed_incarnation, "5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a");
+  EXPECT_EQ(st.change_feed_incarnation_ordinal, 0u);
+  std::tie(st, carried) = open_stats(false);
+  EXPECT_EQ(st.change_feed_incarnation, "5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a");
+  EXPECT_GT(st.change_feed_incarnation_ordinal, given);
+  EXPECT_EQ(carried, st.change_feed_incarnation_ordinal);
+  // A record of another length: Corruption.
+  edit_meta(dir.path(), kFeedOrdinalKey, [](const std::string& value) { return value + "x"; });
+  Result<std::unique_ptr<Db>> bad = Db::open(dir.path(), feed_options(4));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::Corruption);
+  EXPECT_NE(bad.status().message().find("expected 24"), std::string::npos) << bad.status().to_string();
 }
 
 TEST(ChangeFeed, TurningTheFeedOnSeedsItWithTheSharedAggregatesSoAViewFromSeqOneIsComplete) {

@@ -906,6 +906,104 @@ TEST(GlobalView, ABatchOfAnotherIncarnationIsCorruptionNamingShardIncarnationsAn
             StatusCode::Corruption);
 }
 
+// Issue 64 item 6 (V10): a shard's incarnations are ordered by
+// ChangeBatch::incarnation_ordinal. Every batch of an incarnation older than
+// one the view applied for the shard is skipped and counted as superseded,
+// also one the view never saw and a re-seed's first batch; a newer one's
+// re-seed replaces the shard and its other batches are refused until then;
+// a re-seed without an ordinal, which cannot be ordered, is refused. The
+// highest ordinal survives a reopen.
+TEST(GlobalView, EveryBatchOfAnIncarnationOlderThanOneAppliedIsSkippedAsSuperseded) {
+  TempDir dir;
+  auto of = [](ChangeBatch x, char inc, std::uint64_t ordinal) {
+    x.incarnation = std::string(32, inc);
+    x.incarnation_ordinal = ordinal;
+    return x;
+  };
+  auto ordinal_of = [](const GlobalView& view, std::uint64_t shard) -> std::uint64_t {
+    Result<std::vector<ShardProgress>> shards = view.applied_shards();
+    EXPECT_TRUE(shards.ok());
+    for (const ShardProgress& p : shards.ok() ? *shards : std::vector<ShardProgress>{}) {
+      if (p.shard_id == shard) return p.incarnation_ordinal;
+    }
+    return ~std::uint64_t{0};
+  };
+  const ChangeBatch a3 = of(batch(7, 3, {cohort(1, 1, weight(100.0))}), 'a', 100);
+  const ChangeBatch c_reseed = of(batch(7, 5, {cohort(1, 1, weight(1000.0))}, FeedOrigin::Reseed), 'c', 200);
+  const ChangeBatch c6 = of(batch(7, 6, {cohort(1, 1, weight(10000.0))}), 'c', 200);
+  const ChangeBatch d40 = of(batch(7, 40, {cohort(1, 1, weight(5.0))}), 'd', 250);
+  auto view = open_view(dir.path());
+  ASSERT_NE(view, nullptr);
+  ASSERT_TRUE(applied(*view, of(batch(7, 1, {cohort(1, 1, weight(1.0))}), 'a', 100)));
+  ASSERT_TRUE(applied(*view, of(batch(7, 2, {cohort(1, 1, weight(2.0))}), 'a', 100)));
+  EXPECT_EQ(ordinal_of(*view, 7), 100u);
+  // B (ordinal 300) re-seeds; C (200) was made between A and B, never seen.
+  ASSERT_TRUE(applied(*view, of(batch(7, 10, {cohort(1, 1, weight(4.0))}, FeedOrigin::Reseed), 'b', 300)));
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 4.0);
+  EXPECT_EQ(ordinal_of(*view, 7), 300u);
+  for (int round = 0; round < 2; ++round) {
+    for (const ChangeBatch* late : {&c_reseed, &c6, &a3, &d40}) {
+      Result<ApplyOutcome> out = view->apply(std::span<const ChangeBatch>(late, 1));
+      ASSERT_OK(out);
+      EXPECT_OK(out->refused);
+      EXPECT_EQ(out->taken, 1u) << "incarnation " << late->incarnation << " seq " << late->seq;
+      EXPECT_EQ(out->applied, 0u) << "incarnation " << late->incarnation << " seq " << late->seq;
+      EXPECT_EQ(out->superseded, 1u) << "incarnation " << late->incarnation << " seq " << late->seq;
+    }
+    EXPECT_EQ(value_of(view->cohort_score(1, 1)), 4.0);
+    EXPECT_EQ(seq_of(*view, 7), 10u);
+    ASSERT_OK(view->close());
+    view = open_view(dir.path());  // the ordinal is stored
+    ASSERT_NE(view, nullptr);
+    EXPECT_EQ(ordinal_of(*view, 7), 300u);
+  }
+  // In a run: the older ones skipped, B's next applied, a redelivery of it skipped.
+  const ChangeBatch b11 = of(batch(7, 11, {cohort(1, 1, weight(8.0))}), 'b', 300);
+  std::vector<ChangeBatch> run = {c_reseed, b11, a3, b11, c6};
+  Result<ApplyOutcome> out = view->apply(std::span<const ChangeBatch>(run));
+  ASSERT_OK(out);
+  EXPECT_OK(out->refused);
+  EXPECT_EQ(out->taken, 5u);
+  EXPECT_EQ(out->applied, 1u);
+  EXPECT_EQ(out->superseded, 3u);
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 12.0);
+  // A newer incarnation's batch other than its re-seed: refused until the re-seed.
+  Result<bool> twin = view->apply(of(batch(7, 12, {cohort(1, 1, weight(1.0))}), 'e', 400));
+  EXPECT_EQ(twin.status().code(), StatusCode::Corruption);
+  ASSERT_TRUE(applied(*view, of(batch(7, 20, {cohort(1, 1, weight(16.0))}, FeedOrigin::Reseed), 'e', 400)));
+  EXPECT_EQ(ordinal_of(*view, 7), 400u);
+  EXPECT_FALSE(applied(*view, of(batch(7, 12, {cohort(1, 1, weight(1.0))}), 'b', 300)));
+  EXPECT_EQ(value_of(view->cohort_score(1, 1)), 16.0);
+
+  // Shard 8, fed by writers without ordinals: as before (a re-seed of
+  // another incarnation replaces the shard; a replaced one is skipped) until
+  // an ordered incarnation arrives.
+  ASSERT_TRUE(applied(*view, of(batch(8, 1, {cohort(2, 1, weight(1.0))}), '1', 0)));
+  ASSERT_TRUE(applied(*view, of(batch(8, 4, {cohort(2, 1, weight(2.0))}, FeedOrigin::Reseed), '2', 0)));
+  EXPECT_FALSE(applied(*view, of(batch(8, 2, {cohort(2, 1, weight(4.0))}), '1', 0)));
+  EXPECT_EQ(ordinal_of(*view, 8), 0u);
+  ASSERT_TRUE(applied(*view, of(batch(8, 9, {cohort(2, 1, weight(8.0))}, FeedOrigin::Reseed), '3', 50)));
+  // A re-seed without an ordinal now cannot be ordered: refused, naming it.
+  Result<bool> unordered = view->apply(of(batch(8, 3, {cohort(2, 1, weight(16.0))}, FeedOrigin::Reseed), '9', 0));
+  ASSERT_FALSE(unordered.ok());
+  EXPECT_EQ(unordered.status().code(), StatusCode::Corruption);
+  for (const std::string& word : {std::string("shard 8"), std::string(32, '9'), std::string(32, '3'),
+                                  std::string("ordinal 50"), std::string("no ordinal")}) {
+    expect_has(unordered.status(), word);
+  }
+  EXPECT_FALSE(applied(*view, of(batch(8, 5, {cohort(2, 1, weight(16.0))}), '2', 0)));
+  EXPECT_EQ(value_of(view->cohort_score(2, 1)), 8.0);
+  EXPECT_EQ(ordinal_of(*view, 8), 50u);
+
+  // Shard 9: a feed made before ordinals gets one for its incarnation; the
+  // same incarnation's batches apply with or without it.
+  ASSERT_TRUE(applied(*view, of(batch(9, 1, {cohort(3, 1, weight(1.0))}), '4', 0)));
+  ASSERT_TRUE(applied(*view, of(batch(9, 2, {cohort(3, 1, weight(2.0))}), '4', 70)));
+  ASSERT_TRUE(applied(*view, of(batch(9, 3, {cohort(3, 1, weight(4.0))}), '4', 0)));
+  EXPECT_EQ(ordinal_of(*view, 9), 70u);
+  EXPECT_EQ(value_of(view->cohort_score(3, 1)), 7.0);
+}
+
 TEST(GlobalViewFormat, AViewOfFormatOneOpensAndIsMarkedTwo) {
   TempDir dir;
   {

@@ -3,6 +3,7 @@
 // shard's shared aggregates, and a view that replaces the shard's whole
 // contribution by it. Every test compares a view, bit for bit, with one Db
 // that received exactly what the shards hold now.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -317,6 +318,162 @@ TEST(Reseed, BatchesOfEveryReplacedIncarnationDeliveredLateAreSkipped) {
     view = GlobalView::open(dir.sub("view"));
     ASSERT_OK(view);
   }
+}
+
+// Issue 64 item 6: shard 5 re-seeds three times (I0 -> I1 -> I2 -> I3), and
+// a view applies I0 and then I3: it never saw I1 or I2. Every batch of I0,
+// I1 and I2 delivered late, in every order (one at a time and as one run),
+// is skipped, and I3's batches go on applying: the view stays equal to the
+// shard. (A view that knew only the incarnations it had replaced took I1's
+// re-seed as a new incarnation, replacing the shard's contribution, and
+// then skipped I3's batches as of a replaced incarnation.)
+TEST(Reseed, AViewThatMissedIncarnationsSkipsEveryOlderBatchInEveryOrder) {
+  TempDir dir;
+  Options options = feed_options(5);
+  options.aggregate_write_period = std::chrono::hours(1);  // a batch per flush
+  auto db = open_db(dir.sub("db"), options);
+  ASSERT_NE(db, nullptr);
+  join_all({db.get()}, 0, 20);
+  auto view = GlobalView::open(dir.sub("view"));
+  ASSERT_OK(view);
+  // Each incarnation's batches: I0 one writer batch, I1 and I2 their
+  // re-seed's snapshot and two writer batches.
+  std::vector<std::vector<ChangeBatch>> older(3);
+  std::uint64_t cursor = 0;
+  for (std::uint64_t i = 0; i < older.size(); ++i) {
+    std::uint64_t from = 0;
+    if (i > 0) {
+      Result<std::uint64_t> reseed = db->reseed_change_feed();
+      ASSERT_OK(reseed);
+      from = *reseed - 1;
+    }
+    for (int flushes = 0; flushes < (i == 0 ? 1 : 2); ++flushes) {
+      signal_all({db.get()}, 0, 20, 31 + 2 * i + static_cast<std::uint64_t>(flushes), 60);
+      ASSERT_OK(db->flush());
+    }
+    Result<std::vector<ChangeBatch>> read = db->read_changes(from, 64 << 20);
+    ASSERT_OK(read);
+    ASSERT_EQ(read->size(), i == 0 ? 1u : 3u) << "incarnation " << i;
+    EXPECT_EQ(feed_origin(read->front().payload) == FeedOrigin::Reseed, i > 0) << "incarnation " << i;
+    older[i] = *read;
+    if (i == 0) carry(*db, &cursor, **view);  // the view applies I0 only
+  }
+  Result<std::uint64_t> reseed = db->reseed_change_feed();
+  ASSERT_OK(reseed);
+  cursor = *reseed - 1;
+  signal_all({db.get()}, 0, 20, 41, 60);
+  carry(*db, &cursor, **view);  // I3: its re-seed, then a writer batch
+  ASSERT_GT(expect_view_equals(**view, *db), 20u);
+
+  // I1's and I2's re-seeds delivered late, in the order they were made,
+  // then I3 goes on.
+  for (std::size_t i : {std::size_t{1}, std::size_t{2}}) {
+    Result<bool> late = (*view)->apply(older[i].front());
+    ASSERT_OK(late);
+    EXPECT_FALSE(*late) << "incarnation " << i << "'s re-seed, delivered late, was applied";
+  }
+  signal_all({db.get()}, 0, 20, 42, 60);
+  carry(*db, &cursor, **view);
+  ASSERT_GT(expect_view_equals(**view, *db), 20u);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+
+  // Every older batch, in every order, one at a time: each is skipped.
+  std::vector<const ChangeBatch*> all;
+  for (const auto& run : older) {
+    for (const ChangeBatch& b : run) all.push_back(&b);
+  }
+  ASSERT_EQ(all.size(), 7u);
+  std::vector<std::size_t> order(all.size());
+  for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::size_t orders = 0;
+  do {
+    ++orders;
+    for (std::size_t k : order) {
+      Result<bool> r = (*view)->apply(*all[k]);
+      ASSERT_OK(r);
+      ASSERT_FALSE(*r) << "order " << orders << ": the older batch seq " << all[k]->seq << " of incarnation "
+                       << all[k]->incarnation << " was applied";
+    }
+  } while (std::next_permutation(order.begin(), order.end()));
+  EXPECT_EQ(orders, 5040u);
+  // As runs (one write a run), in the reverse order of their making, then
+  // all at once; again after a reopen.
+  for (int round = 0; round < 2; ++round) {
+    for (std::size_t i : {std::size_t{2}, std::size_t{0}, std::size_t{1}}) {
+      Result<ApplyOutcome> out = (*view)->apply(older[i]);
+      ASSERT_OK(out);
+      EXPECT_OK(out->refused);
+      EXPECT_EQ(out->taken, older[i].size()) << "incarnation " << i;
+      EXPECT_EQ(out->applied, 0u) << "incarnation " << i;
+    }
+    std::vector<ChangeBatch> mixed;
+    for (std::size_t k = all.size(); k-- > 0;) mixed.push_back(*all[k]);
+    Result<ApplyOutcome> out = (*view)->apply(mixed);
+    ASSERT_OK(out);
+    EXPECT_OK(out->refused);
+    EXPECT_EQ(out->taken, mixed.size());
+    EXPECT_EQ(out->applied, 0u);
+    signal_all({db.get()}, 0, 20, 43 + static_cast<std::uint64_t>(round), 60);
+    carry(*db, &cursor, **view);
+    EXPECT_GT(expect_view_equals(**view, *db), 20u);
+    Result<std::vector<ShardProgress>> progress = (*view)->applied_shards();
+    ASSERT_OK(progress);
+    ASSERT_EQ(progress->size(), 1u);
+    EXPECT_EQ((*progress)[0].incarnation, db->stats().change_feed_incarnation);
+    EXPECT_EQ((*progress)[0].applied_seq, db->stats().change_feed_last_seq);
+    ASSERT_OK((*view)->close());
+    view = GlobalView::open(dir.sub("view"));
+    ASSERT_OK(view);
+  }
+}
+
+// Issue 64 item 6: a shard's incarnations only grow, across re-seeds, a
+// reopen and a restore from a backup older than the shard's last re-seeds
+// (finish_recovery's new incarnation is above every one the lost original
+// made after the backup), and every batch carries its incarnation's ordinal.
+TEST(Reseed, EveryNewIncarnationOfAShardHasAnOrdinalAboveEveryEarlierOne) {
+  TempDir dir;
+  auto db = open_db(dir.sub("db"), feed_options(6));
+  ASSERT_NE(db, nullptr);
+  join_all({db.get()}, 0, 20);
+  signal_all({db.get()}, 0, 20, 51, 100);
+  ASSERT_OK(db->flush());
+  std::uint64_t last = db->stats().change_feed_incarnation_ordinal;
+  EXPECT_GT(last, 0u);
+  auto expect_batches_carry = [&](const Db& d) {
+    const Stats st = d.stats();
+    Result<std::vector<ChangeBatch>> batches = d.read_changes(st.change_feed_trimmed_seq, 64 << 20);
+    ASSERT_OK(batches);
+    ASSERT_FALSE(batches->empty());
+    for (const ChangeBatch& b : *batches) {
+      EXPECT_EQ(b.incarnation, st.change_feed_incarnation) << b.seq;
+      EXPECT_EQ(b.incarnation_ordinal, st.change_feed_incarnation_ordinal) << b.seq;
+    }
+  };
+  expect_batches_carry(*db);
+  ASSERT_OK(db->backup(dir.sub("backup")));
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK(db->reseed_change_feed());
+    const std::uint64_t now = db->stats().change_feed_incarnation_ordinal;
+    EXPECT_GT(now, last) << "re-seed " << i;
+    last = now;
+    expect_batches_carry(*db);
+  }
+  ASSERT_OK(db->close());
+  db = open_db(dir.sub("db"), feed_options(6));
+  ASSERT_NE(db, nullptr);
+  EXPECT_EQ(db->stats().change_feed_incarnation_ordinal, last);  // stored
+  ASSERT_OK(db->close());
+  db.reset();
+  // The backup knows none of the three re-seeds; its restore's incarnation
+  // is above them all.
+  auto restored = open_db(dir.sub("backup"), feed_options(6));
+  ASSERT_NE(restored, nullptr);
+  ASSERT_TRUE(restored->stats().recovering);
+  EXPECT_LT(restored->stats().change_feed_incarnation_ordinal, last);
+  ASSERT_OK(restored->finish_recovery());
+  EXPECT_GT(restored->stats().change_feed_incarnation_ordinal, last);
+  expect_batches_carry(*restored);
 }
 
 // Re-seeds while 16 threads signal and a consumer keeps applying: every

@@ -22,6 +22,14 @@ struct ChangeBatch {
   // A GlobalView refuses a batch of another incarnation than the one it
   // applied for the shard. Empty: unknown (a batch of an older writer).
   std::string incarnation;
+  // The incarnation's place in the shard's order: each new incarnation of a
+  // feed (a re-seed, a restore's finish_recovery) gets one above every
+  // earlier one, wall-clock ns at its making or the previous one + 1,
+  // whichever is larger. A GlobalView skips every batch of an incarnation
+  // older than one it applied for the shard, also one it never saw
+  // (docs/CONTRACT.md, V10). 0: not known (a batch of an older writer,
+  // judged by its incarnation alone).
+  std::uint64_t incarnation_ordinal = 0;
 };
 
 // The largest payload of one batch: a larger write becomes several

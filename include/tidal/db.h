@@ -280,7 +280,9 @@ struct Stats {
   std::uint64_t change_feed_trimmed_seq = 0;    // trimmed through this seq
   std::uint64_t change_feed_pending_bytes = 0;  // payload bytes of the untrimmed batches
   std::uint64_t change_feed_refused_signals = 0;  // signals refused (Busy) while the feed was at its bound
-  std::string change_feed_incarnation;          // 32 hex digits, fixed when the feed was created
+  std::string change_feed_incarnation;          // 32 hex digits, new at each re-seed (and restore)
+  std::uint64_t change_feed_incarnation_ordinal = 0;  // its ChangeBatch::incarnation_ordinal, above every earlier
+                                                //   one's (0: unknown, a read-only open of an older feed)
   bool recovering = false;                      // opened from a backup, finish_recovery() not yet called
   // The privacy journal (all 0 without one): what is not yet confirmed
   // replicated is last_seq - confirmed_seq entries of pending_bytes.

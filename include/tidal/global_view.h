@@ -14,6 +14,13 @@
 // a consumer may deliver at least once (redeliver after any doubt) and the
 // sums count every batch exactly once.
 //
+// Incarnations are ordered: a shard's feed gets a new incarnation at each
+// re-seed (and restore), with an ordinal above the earlier ones
+// (ChangeBatch::incarnation_ordinal). The view keeps, per shard, the highest
+// ordinal it applied and skips every batch of a lower one, whether or not it
+// saw that incarnation, so a late delivery of an older incarnation's batch
+// never replaces a newer one's contribution.
+//
 // Sums are exact integers of 1e-9 units (as in a Db): the order in which the
 // shards' batches arrive never changes a score, bit for bit.
 //
@@ -57,6 +64,9 @@ struct ShardProgress {
   std::uint64_t shard_id = 0;
   std::uint64_t applied_seq = 0;  // the seq of the last batch applied
   std::string incarnation;        // the incarnation of the shard's feed it came from (empty: not known)
+  // The highest ChangeBatch::incarnation_ordinal applied for the shard
+  // (0: none known): every batch of a lower one is skipped as superseded.
+  std::uint64_t incarnation_ordinal = 0;
 };
 
 // What GlobalView::apply(std::span<const ChangeBatch>) did with a run of
@@ -68,6 +78,10 @@ struct ApplyOutcome {
   std::size_t taken = 0;
   // How many of the `taken` batches were applied (the others were skipped).
   std::size_t applied = 0;
+  // How many of the skipped batches were superseded: of an incarnation
+  // older than one the view applied for the shard (a late delivery); the
+  // other skipped ones were redeliveries of applied seqs.
+  std::size_t superseded = 0;
   // OK when taken == the span's size. Otherwise why batches[taken] was
   // refused, exactly as apply(batch) refuses it: Corruption for a gap, a
   // payload that does not decode or another incarnation, InvalidArgument
@@ -111,20 +125,30 @@ class GlobalView {
   //     and why), checked before the seq is compared (so also at a seq
   //     already applied);
   //   - Corruption, nothing changed: batch.incarnation is not the one the
-  //     view applied for the shard (both known, the shard applied at least
-  //     once; the message names the shard, both incarnations and both seqs),
-  //     also at a seq already applied: another Db published the shard, which
-  //     must be re-seeded. A batch with an empty incarnation is not checked;
-  //     the first known one is stored with the shard's applied seq;
+  //     view applied for the shard and not older than it (both known, the
+  //     shard applied at least once; the message names the shard, both
+  //     incarnations and both seqs), also at a seq already applied: another
+  //     Db published the shard, which must be re-seeded. A batch with an
+  //     empty incarnation is not checked; the first known one is stored with
+  //     the shard's applied seq;
   //   - true: the first batch of a re-seed (Db::reseed_change_feed: its
   //     payload's origin is 5, docs/FORMAT.md) of an incarnation other than
-  //     the shard's, at whatever seq: the shard's whole contribution is
-  //     taken out of the sums and replaced by the batch's values, and the
+  //     the shard's and not older than it, at whatever seq: the shard's
+  //     whole contribution is taken out of the sums and replaced by the batch's values, and the
   //     batch's incarnation and seq become the shard's (the view keeps each
   //     shard's sums apart for this). Corruption, nothing changed, in a view
   //     made before per-shard sums that applied the shard (view_format 2);
-  //   - false, nothing changed: a batch of the incarnation the shard's last
-  //     re-seed replaced (delivered late: superseded);
+  //   - false, nothing changed: a batch of an incarnation older than one the
+  //     view applied for the shard (superseded, ApplyOutcome::superseded),
+  //     whether or not the view saw that incarnation: its nonzero
+  //     incarnation_ordinal is below the shard's (ShardProgress), or a
+  //     re-seed the view applied replaced it. This is checked first, so a
+  //     superseded re-seed's first batch replaces nothing;
+  //   - Corruption, nothing changed: a re-seed's first batch without an
+  //     ordinal (an older writer) of an incarnation the view does not know,
+  //     for a shard whose applied ordinal is known: it cannot be ordered, so
+  //     it may be older (the message names the shard, both incarnations and
+  //     the ordinal);
   //   - InvalidArgument, nothing changed: batch.seq == 0, or a read-only view;
   //   - another error of the write: the batch may or may not be stored (a
   //     failed fsync may still have reached the disk); applied_seq tells,

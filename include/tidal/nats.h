@@ -180,6 +180,8 @@ struct FollowerStats {
   std::vector<FollowerShardStats> shards;  // per shard: applied, seen, lag, parked, refusals (by shard_id)
   std::uint64_t applied_batches = 0;     // messages applied since start
   std::uint64_t redeliveries_skipped = 0;  // messages the view had applied already (acked, nothing changed)
+  std::uint64_t superseded_skipped = 0;  // messages of an incarnation older than one the view applied for their
+                                         //   shard (ApplyOutcome::superseded; acked, nothing changed)
   std::uint64_t gaps = 0;                // messages refused (a gap, another incarnation, undecodable), every shard
   std::uint64_t errors = 0;              // failed attempts (connect, consumer, fetch, apply), each retried
   std::uint64_t lag_messages = 0;        // stream messages the consumer has not delivered yet (asked of the

@@ -61,6 +61,7 @@ Stats Db::Impl::stats() const {
     out.change_feed_pending_bytes = f.pending_bytes;
     out.change_feed_refused_signals = st.feed_refused_signals;
     out.change_feed_incarnation = f.incarnation;
+    out.change_feed_incarnation_ordinal = f.incarnation_ordinal;
   }
   if (journal_) {
     const Journal::Stats j = journal_->stats();

@@ -1,6 +1,7 @@
 #include "feed/change_feed.h"
 
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <random>
 #include <string_view>
@@ -19,6 +20,23 @@ std::string new_incarnation() {
     const std::uint32_t r = rd();
     for (int i = 0; i < 4 && out.size() < kIncarnationBytes; ++i) out.push_back(static_cast<char>((r >> (8 * i)) & 0xff));
   }
+  return out;
+}
+
+// The ordinal of a new incarnation: above `previous` (the feed's last; 0
+// for none) and at least the wall clock in ns, so that a Db restored from
+// an older copy, which does not know the ordinals its lost original issued
+// since, still makes one above them (ChangeBatch::incarnation_ordinal).
+std::uint64_t new_ordinal(std::uint64_t previous) {
+  const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::system_clock::now().time_since_epoch()).count();
+  return std::max(previous + 1, now > 0 ? static_cast<std::uint64_t>(now) : std::uint64_t{0});
+}
+
+// The feed_incarnation_ordinal record: the incarnation's 16 bytes, then its ordinal [8 BE].
+std::string ordinal_record(const std::string& incarnation, std::uint64_t ordinal) {
+  std::string out = incarnation;
+  put_u64_be(&out, ordinal);
   return out;
 }
 
@@ -92,14 +110,22 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
   if (Status s = add_shared_aggregates(*storage, &seed, what); !s.ok()) return s;
   Result<Appended> appended = seed.finish();
   if (!appended.ok()) return appended.status();
-  // In key order (an ingested file's): "feed_incarnation" < "feed_shard_id".
+  // In key order (an ingested file's): "feed_incarnation" <
+  // "feed_incarnation_ordinal" < "feed_shard_id".
   const std::string incarnation = new_incarnation();
+  const std::uint64_t ordinal = new_ordinal(0);
   if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
+    return s;
+  }
+  if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedOrdinalKey, ordinal_record(incarnation, ordinal)),
+                              what);
+      !s.ok()) {
     return s;
   }
   if (Status s = from_rocksdb(batch.put(storage->state_meta(), kFeedShardKey, be64(shard_id)), what); !s.ok()) return s;
   if (Status s = batch.ingest(what); !s.ok()) return s;
   feed->incarnation_ = hex(incarnation);
+  feed->incarnation_ordinal_ = ordinal;
   feed->committed(*appended);
   return feed;
 }
@@ -107,23 +133,41 @@ Result<std::unique_ptr<ChangeFeed>> ChangeFeed::open(Storage* storage, std::uint
 Status ChangeFeed::load_incarnation() {
   std::string value;
   Status s = storage_->get(storage_->state_meta(), kFeedIncarnationKey, &value);
+  rocksdb::WriteBatch batch;
   if (s.ok()) {
     if (value.size() != kIncarnationBytes) {
       return Status::Corruption("the change feed's incarnation record of '" + storage_->path() + "' has " +
                                 std::to_string(value.size()) + " bytes; expected 16");
     }
-    incarnation_ = hex(value);
+  } else {
+    if (s.code() != StatusCode::NotFound) return s;
+    if (storage_->read_only()) return Status::OK();  // unknown until the next writable open
+    value = new_incarnation();
+    batch.Put(storage_->state_meta(), kFeedIncarnationKey, value);
+  }
+  // Its ordinal: the stored one when it names this incarnation; otherwise
+  // (a feed made, or re-seeded, by a version before ordinals) a new one,
+  // above the stored one, written at a writable open.
+  std::string stored;
+  s = storage_->get(storage_->state_meta(), kFeedOrdinalKey, &stored);
+  if (!s.ok() && s.code() != StatusCode::NotFound) return s;
+  if (s.ok() && stored.size() != kIncarnationBytes + kIncarnationOrdinalBytes) {
+    return Status::Corruption("the change feed's incarnation ordinal record of '" + storage_->path() + "' has " +
+                              std::to_string(stored.size()) + " bytes; expected 24");
+  }
+  const std::uint64_t previous = s.ok() ? get_u64_be(stored.data() + kIncarnationBytes) : 0;
+  incarnation_ = hex(value);
+  if (s.ok() && std::string_view(stored).substr(0, kIncarnationBytes) == value) {
+    incarnation_ordinal_ = previous;
     return Status::OK();
   }
-  if (s.code() != StatusCode::NotFound) return s;
-  if (storage_->read_only()) return Status::OK();  // unknown until the next writable open
-  value = new_incarnation();
-  rocksdb::WriteBatch batch;
-  batch.Put(storage_->state_meta(), kFeedIncarnationKey, value);
+  if (storage_->read_only()) return Status::OK();  // ordinal unknown until the next writable open
+  const std::uint64_t ordinal = new_ordinal(previous);
+  batch.Put(storage_->state_meta(), kFeedOrdinalKey, ordinal_record(value, ordinal));
   s = storage_->write(Storage::Engine::State, &batch, Storage::WriteMode::Sync,
                       "writing the change feed's incarnation of '" + storage_->path() + "'");
   if (!s.ok()) return s;
-  incarnation_ = hex(value);
+  incarnation_ordinal_ = ordinal;
   return Status::OK();
 }
 
@@ -199,10 +243,12 @@ Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::
   std::shared_lock<std::shared_mutex> no_reseed(reseed_mu_);
   std::uint64_t trimmed = 0;
   std::string incarnation;
+  std::uint64_t ordinal = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     trimmed = trimmed_through_;
     incarnation = incarnation_;
+    ordinal = incarnation_ordinal_;
   }
   if (after_seq < trimmed) {
     return Status::NotFound("read_changes(after " + std::to_string(after_seq) + "): the change feed of shard " +
@@ -225,6 +271,7 @@ Result<std::vector<ChangeBatch>> ChangeFeed::read(std::uint64_t after_seq, std::
     b.shard_id = shard_id_;
     b.seq = seq;
     b.incarnation = incarnation;
+    b.incarnation_ordinal = ordinal;
     b.payload.assign(*payload);
     bytes += b.payload.size();
   }
@@ -286,11 +333,12 @@ Status ChangeFeed::trim(std::uint64_t through_seq) {
 
 Result<std::uint64_t> ChangeFeed::reseed() {
   std::lock_guard<std::mutex> one_trim(trim_mu_);
-  std::uint64_t last = 0, end = 0;
+  std::uint64_t last = 0, end = 0, previous_ordinal = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     last = last_seq_;
     end = end_offset_;
+    previous_ordinal = incarnation_ordinal_;
   }
   const std::string what = "re-seeding the change feed of shard " + std::to_string(shard_id_) + " in '" +
                            storage_->path() + "'";
@@ -308,9 +356,16 @@ Result<std::uint64_t> ChangeFeed::reseed() {
   Result<Appended> appended = snapshot.finish();
   if (!appended.ok()) return appended.status();
   Storage::test_step("reseed", 1);
-  // In key order (an ingested file's): "feed_incarnation" < "feed_trimmed".
+  // In key order (an ingested file's): "feed_incarnation" <
+  // "feed_incarnation_ordinal" < "feed_trimmed".
   const std::string incarnation = new_incarnation();
+  const std::uint64_t ordinal = new_ordinal(previous_ordinal);
   if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedIncarnationKey, incarnation), what); !s.ok()) {
+    return s;
+  }
+  if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedOrdinalKey, ordinal_record(incarnation, ordinal)),
+                              what);
+      !s.ok()) {
     return s;
   }
   if (Status s = from_rocksdb(batch.put(storage_->state_meta(), kFeedTrimmedKey, encode_log_point({last, end})), what);
@@ -324,6 +379,7 @@ Result<std::uint64_t> ChangeFeed::reseed() {
     Storage::test_step("reseed", 2);
     std::lock_guard<std::mutex> lock(mu_);
     incarnation_ = hex(incarnation);
+    incarnation_ordinal_ = ordinal;
     trimmed_through_ = last;
     trimmed_offset_ = end;
     last_seq_ = appended->last_seq;
@@ -337,7 +393,7 @@ Result<std::uint64_t> ChangeFeed::reseed() {
 
 ChangeFeed::Stats ChangeFeed::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return {shard_id_, last_seq_, trimmed_through_, end_offset_ - trimmed_offset_, incarnation_};
+  return {shard_id_, last_seq_, trimmed_through_, end_offset_ - trimmed_offset_, incarnation_, incarnation_ordinal_};
 }
 
 }  // namespace tidal

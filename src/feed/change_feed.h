@@ -46,13 +46,15 @@ class ChangeFeed {
     std::uint64_t trimmed_through = 0;
     std::uint64_t pending_bytes = 0;  // payload bytes of the untrimmed batches
     std::string incarnation;          // 32 hex digits (ChangeBatch::incarnation)
+    std::uint64_t incarnation_ordinal = 0;  // ChangeBatch::incarnation_ordinal (0: unknown)
   };
 
   // The feed of a Db opened with Options::change_feed: checks the stored
   // shard id (InvalidArgument, nothing changed, when it differs), or at the
   // first such open creates the feed and seeds it (see FORMAT.md) with the
-  // Db's current shared aggregates and a new random incarnation (a feed
-  // without one, made by an older version, gets one here). `storage` is
+  // Db's current shared aggregates and a new random incarnation with its
+  // ordinal (a feed without one, or without an ordinal, made by an older
+  // version, gets it here). `storage` is
   // writable and its state store's writer is not running yet.
   static Result<std::unique_ptr<ChangeFeed>> open(Storage* storage, std::uint64_t shard_id, std::uint64_t max_bytes);
   // The shard id stored in a Db, if it keeps a feed.
@@ -106,7 +108,8 @@ class ChangeFeed {
   Stats stats() const;
 
   // Re-seeds the feed (docs/SCALE.md, "Re-seeding a shard"): in one atomic,
-  // durable step, a new random incarnation, the untrimmed batches trimmed,
+  // durable step, a new random incarnation (its ordinal above the one it
+  // replaces, ChangeBatch::incarnation_ordinal), the untrimmed batches trimmed,
   // and a snapshot of every nonzero shared aggregate appended as the next
   // batches (the first of origin Reseed, FeedOrigin), so a view replaces
   // what it holds of this shard by the shard's current aggregates. Returns
@@ -119,15 +122,19 @@ class ChangeFeed {
       : storage_(storage), shard_id_(shard_id), max_bytes_(max_bytes) {}
   Status load();  // last seq, trim point and offsets, from disk
   static Status add_shared_aggregates(const Storage& storage, Appender* to, const std::string& what);
-  // The stored incarnation, or a new one written (a feed made before
-  // incarnations; left unknown, empty, on a read-only open).
+  // The stored incarnation and its ordinal, or a new one written (a feed
+  // made before incarnations), or a new ordinal written for the stored one
+  // (a feed made or re-seeded by a version before ordinals); left unknown
+  // (empty, 0) on a read-only open.
   Status load_incarnation();
 
   Storage* const storage_;
   const std::uint64_t shard_id_;
   const std::uint64_t max_bytes_;
-  // Guarded by mu_ once open() returned: hex (empty: unknown); changed by reseed().
+  // Guarded by mu_ once open() returned: hex (empty: unknown) and ordinal
+  // (0: unknown); changed by reseed().
   std::string incarnation_;
+  std::uint64_t incarnation_ordinal_ = 0;
   // Held shared by read() throughout, and exclusively by reseed() from its
   // ingestion to its new incarnation: a read sees the records and the
   // incarnation of one feed. Taken before mu_.

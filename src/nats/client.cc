@@ -197,6 +197,14 @@ Result<LogRecord> record_of(natsMsg* msg, const Config& config, const std::strin
   if (natsMsgHeader_Get(msg, kIncarnationHeader, &incarnation) == NATS_OK && incarnation != nullptr) {
     r.incarnation = incarnation;
   }
+  const char* ordinal = nullptr;
+  if (natsMsgHeader_Get(msg, kIncarnationOrdinalHeader, &ordinal) == NATS_OK && ordinal != nullptr &&
+      (!parse_u64(ordinal, &r.incarnation_ordinal) || r.incarnation.empty())) {
+    return Status::Corruption(std::string("message on ") + subject + " in stream " + config.stream + " has " +
+                              kIncarnationOrdinalHeader + " '" + ordinal + "'" +
+                              (r.incarnation.empty() ? std::string(" without a ") + kIncarnationHeader
+                                                     : ", not a decimal 64-bit number"));
+  }
   const int len = natsMsg_GetDataLength(msg);
   if (len > 0) r.payload.assign(natsMsg_GetData(msg), static_cast<std::size_t>(len));
   return r;
@@ -209,6 +217,7 @@ Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config) {
   b.shard_id = r->shard_id;
   b.seq = r->seq;
   b.incarnation = std::move(r->incarnation);
+  b.incarnation_ordinal = r->incarnation_ordinal;
   b.payload = std::move(r->payload);
   return b;
 }

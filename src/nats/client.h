@@ -29,6 +29,8 @@ inline constexpr const char* kShardHeader = "Tidal-Shard";
 inline constexpr const char* kSeqHeader = "Tidal-Seq";
 // The feed's incarnation (ChangeBatch::incarnation); absent when unknown.
 inline constexpr const char* kIncarnationHeader = "Tidal-Incarnation";
+// Its ordinal (ChangeBatch::incarnation_ordinal, decimal); absent when unknown.
+inline constexpr const char* kIncarnationOrdinalHeader = "Tidal-Incarnation-Ordinal";
 // Which log a message belongs to: absent on the change feed's messages,
 // "journal" on the privacy journal's (JournalPublisher).
 inline constexpr const char* kLogHeader = "Tidal-Log";
@@ -55,7 +57,7 @@ inline bool is_reseed(const ChangeBatch& b) {
   return b.payload.size() >= 6 && b.payload[0] == 1 && b.payload[1] == 5 && !b.incarnation.empty();
 }
 
-// A message's batch: shard, seq and incarnation (if any) from its headers
+// A message's batch: shard, seq, incarnation and its ordinal (if any) from its headers
 // (checked against the subject), the payload from its data. Corruption
 // saying why otherwise.
 Result<ChangeBatch> batch_of(natsMsg* msg, const Config& config);

@@ -120,12 +120,20 @@ class Follower::Impl {
     std::uint64_t seq = 0;
     std::string incarnation;
     std::uint64_t stream_seq = 0;
+    std::uint64_t ordinal = 0;  // the incarnation's (0: unknown)
   };
 
   void note_taken(const ChangeBatch& b, std::uint64_t stream_seq) {
     auto [it, fresh] = taken_.try_emplace(b.shard_id);
     Taken& t = it->second;
-    if (fresh || b.incarnation != t.incarnation || b.seq > t.seq) t = {b.seq, b.incarnation, stream_seq};
+    // A batch of an older incarnation than the one noted was skipped by the
+    // view (superseded): the noted one still says where the view is.
+    if (!fresh && b.incarnation != t.incarnation && b.incarnation_ordinal > 0 && b.incarnation_ordinal < t.ordinal) {
+      return;
+    }
+    if (fresh || b.incarnation != t.incarnation || b.seq > t.seq) {
+      t = {b.seq, b.incarnation, stream_seq, b.incarnation_ordinal};
+    }
   }
 
   // Where a parked shard's reader starts: after its Taken when the view
@@ -410,7 +418,8 @@ class Follower::Impl {
         ++stats_.view_writes;
         stats_.apply_micros += static_cast<std::uint64_t>(micros);
         stats_.applied_batches += outcome->applied;
-        stats_.redeliveries_skipped += outcome->taken - outcome->applied;
+        stats_.redeliveries_skipped += outcome->taken - outcome->applied - outcome->superseded;
+        stats_.superseded_skipped += outcome->superseded;
       }
       // Applied (durable) or already applied: either way the stream may
       // forget them for this consumer. A lost ack only means a
@@ -469,10 +478,12 @@ class Follower::Impl {
     if (!progress.ok()) return progress.status();
     std::uint64_t applied = 0;
     std::string incarnation;  // of the shard's feed the view applied (empty: not known)
+    std::uint64_t ordinal = 0;  // the highest incarnation ordinal the view applied for the shard (0: none known)
     for (const ShardProgress& p : *progress) {
       if (p.shard_id == shard) {
         applied = p.applied_seq;
         incarnation = p.incarnation;
+        ordinal = p.incarnation_ordinal;
       }
     }
     if (r.from_taken) {
@@ -511,6 +522,7 @@ class Follower::Impl {
     std::vector<std::uint64_t> run_stream_seqs;
     std::uint64_t next = applied + 1;
     std::optional<Status> refusal;
+    std::uint64_t superseded = 0;  // batches of an older incarnation, skipped here as the view would
     auto refuse = [&](std::uint64_t stream_seq, Status why) {
       if (r.first_refused == 0 || stream_seq < r.first_refused) r.first_refused = stream_seq;
       if (!refusal) refusal = std::move(why);
@@ -518,12 +530,19 @@ class Follower::Impl {
     for (Delivered& d : items) {
       if (!d.batch) {
         // not a batch of any shard: nothing waits for it (as on the consumer)
+      } else if (!d.batch->incarnation.empty() && d.batch->incarnation != incarnation &&
+                 d.batch->incarnation_ordinal > 0 && d.batch->incarnation_ordinal < ordinal) {
+        // Of an incarnation older than one the view applied (published late,
+        // after a newer one): the view skips it (GlobalView::apply), so
+        // nothing waits for it.
+        ++superseded;
       } else if (internal::is_reseed(*d.batch) && d.batch->incarnation != incarnation) {
         // A re-seed's first batch of another incarnation: at whatever seq it
         // replaces all the view holds of the shard (the gap with it), and
         // its incarnation's batches continue from it.
         next = d.batch->seq + 1;
         incarnation = d.batch->incarnation;
+        ordinal = std::max(ordinal, d.batch->incarnation_ordinal);
         run_stream_seqs.push_back(d.stream_seq);
         run.push_back(std::move(*d.batch));
       } else if (d.batch->seq < next) {
@@ -538,6 +557,10 @@ class Follower::Impl {
                                                 std::to_string(d.batch->seq) + " (stream seq " +
                                                 std::to_string(d.stream_seq) + ")"));
       }
+    }
+    if (superseded > 0) {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      stats_.superseded_skipped += superseded;
     }
     bool progressed = false;
     if (!run.empty()) {
@@ -557,6 +580,7 @@ class Follower::Impl {
       ++stats_.view_writes;
       stats_.apply_micros += static_cast<std::uint64_t>(micros);
       stats_.applied_batches += outcome->applied;
+      stats_.superseded_skipped += outcome->superseded;
     }
     if (refusal) note_refusal(conn, shard, *refusal, /*count=*/!progressed && at_end);
     const auto now = Clock::now();
@@ -618,6 +642,9 @@ class Follower::Impl {
       const std::uint64_t stream_seq = natsMsg_GetSequence(m);
       Result<ChangeBatch> last = internal::batch_of(m, config_);
       if (!last.ok() || stream_seq > delivered) continue;  // no batch; or the consumer delivers it
+      // The last message of an older incarnation (published late) says
+      // nothing of whether the view holds the newer one's: parked too; the
+      // repair skips the older batches.
       if (last->incarnation == p.incarnation && last->seq <= p.applied_seq) continue;  // the view holds it
       park_quietly(p.shard_id);
     }

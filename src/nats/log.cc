@@ -48,7 +48,8 @@ class ChangeFeedLog final : public Log {
     std::vector<LogRecord> out;
     out.reserve(batches->size());
     for (ChangeBatch& b : *batches) {
-      out.push_back(LogRecord{b.shard_id, b.seq, std::move(b.incarnation), std::move(b.payload)});
+      out.push_back(
+          LogRecord{b.shard_id, b.seq, std::move(b.incarnation), std::move(b.payload), b.incarnation_ordinal});
     }
     return out;
   }

@@ -26,6 +26,7 @@ struct LogRecord {
   std::uint64_t seq = 0;
   std::string incarnation;  // the feed's incarnation; empty for the journal
   std::string payload;
+  std::uint64_t incarnation_ordinal = 0;  // ChangeBatch::incarnation_ordinal; 0 for the journal
 };
 
 // Where a log stands, from Db::stats().

@@ -336,6 +336,19 @@ class LogPublisher::Engine {
       Result<std::vector<LogRecord>> next = log_->read(pos.done_seq, 1);
       if (!next.ok()) return db_error(conn, log_->read_call(), next.status());
       if (!next->empty() && log_->is_reseed(next->front())) {
+        const std::uint64_t mine = next->front().incarnation_ordinal, theirs = stored->incarnation_ordinal;
+        if (theirs > 0 && mine <= theirs) {
+          // Every view would skip the re-seed as older than the stream's
+          // incarnation (the ordinals are wall-clock ns: this host's clock
+          // is behind the one that made the stream's).
+          return halt(Status::Corruption(
+              where(conn) + ": the re-seed's incarnation " + next->front().incarnation + " has ordinal " +
+              std::to_string(mine) + ", not above ordinal " + std::to_string(theirs) + " of incarnation " +
+              stored->incarnation + " that the stream's last batch of this shard (seq " + std::to_string(in_stream) +
+              ", stream seq " + std::to_string(at.subject_seq) + ") is of: every view would skip it as older; " +
+              nothing_done() + ". Re-seed again (Db::reseed_change_feed, tidalctl reseed) once this host's clock "
+              "(ns since the epoch) is past " + std::to_string(theirs) + ", and start the publisher again"));
+        }
         at.seq = pos.done_seq;
         std::lock_guard<std::mutex> lock(stats_mu_);
         ++stats_.reseeds;
@@ -402,6 +415,10 @@ class LogPublisher::Engine {
     if (ns == NATS_OK && !b.incarnation.empty()) {
       ns = natsMsgHeader_Set(msg, kIncarnationHeader, b.incarnation.c_str());
     }
+    const std::string ordinal = std::to_string(b.incarnation_ordinal);
+    if (ns == NATS_OK && !b.incarnation.empty() && b.incarnation_ordinal > 0) {
+      ns = natsMsgHeader_Set(msg, kIncarnationOrdinalHeader, ordinal.c_str());
+    }
     if (ns == NATS_OK && !marker.empty()) ns = natsMsgHeader_Set(msg, kLogHeader, marker.c_str());
     jsPubOptions po;
     jsPubOptions_Init(&po);
@@ -457,6 +474,8 @@ class LogPublisher::Engine {
   }
 
   static bool same(const LogRecord& a, const LogRecord& b) {
+    // The ordinal is not compared: the incarnation names it, and a batch
+    // published before its feed had one is stored without it.
     return a.shard_id == b.shard_id && a.seq == b.seq && a.incarnation == b.incarnation && a.payload == b.payload;
   }
 

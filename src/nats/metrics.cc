@@ -45,6 +45,8 @@ Result<std::string> prometheus_text(const FollowerStats& st, const MetricLabels&
           {"tidal_follower_applied_batches_total", "counter", st.applied_batches, "Messages applied since start."},
           {"tidal_follower_redeliveries_skipped_total", "counter", st.redeliveries_skipped,
            "Messages the view had applied already (acked, nothing changed)."},
+          {"tidal_follower_superseded_skipped_total", "counter", st.superseded_skipped,
+           "Messages of an incarnation older than one the view applied for their shard (acked, nothing changed)."},
           {"tidal_follower_gaps_total", "counter", st.gaps,
            "Messages refused (a gap, another incarnation, undecodable): not acked, delivered again later."},
           {"tidal_follower_errors_total", "counter", st.errors, "Failed attempts, each retried."},

@@ -155,8 +155,15 @@ inline constexpr char kFeedShardKey[] = "feed_shard_id";
 inline constexpr char kFeedTrimmedKey[] = "feed_trimmed";
 // The feed's incarnation: 16 random bytes, written with the shard id when
 // the feed is created (or at the first writable open of a feed made before
-// incarnations), never changed; ChangeBatch::incarnation is their hex.
+// incarnations) and replaced by each re-seed; ChangeBatch::incarnation is
+// their hex.
 inline constexpr char kFeedIncarnationKey[] = "feed_incarnation";
+// Its ordinal (ChangeBatch::incarnation_ordinal): [incarnation: 16 bytes]
+// [ordinal: 8 BE], written with each new incarnation. One that names
+// another incarnation than kFeedIncarnationKey's (a re-seed by a version
+// before ordinals), or none (a feed made before them), is replaced by a new
+// ordinal at the next writable open.
+inline constexpr char kFeedOrdinalKey[] = "feed_incarnation_ordinal";
 
 // The manifest of a backup (Db::backup), in its directory: a Db directory
 // that holds it is recovering until finish_recovery() removes it.
@@ -168,6 +175,7 @@ inline constexpr char kBackupManifest[] = "TIDAL_BACKUP";
 inline constexpr char kBackupStagingSuffix[] = ".tidal-backup-tmp";
 inline constexpr char kBackupPendingPrefix[] = "TIDAL_BACKUP_PENDING-";
 inline constexpr std::size_t kIncarnationBytes = 16;
+inline constexpr std::size_t kIncarnationOrdinalBytes = 8;
 
 // "clock_floor/" + [stripe: 8 bytes BE].
 std::string clock_floor_stripe_key(std::uint64_t stripe);

@@ -419,7 +419,27 @@ Result<AppliedRecord> GlobalView::Impl::read_applied_record(std::uint64_t shard_
                               view_at(path_) + " has a " + std::to_string(value.size()) +
                               "-byte value; expected 8, 24 or 40");
   }
+  Result<std::uint64_t> ordinal = read_ordinal(shard_id);
+  if (!ordinal.ok()) return ordinal.status();
+  record->ordinal = *ordinal;
   return std::move(*record);
+}
+
+Result<std::uint64_t> GlobalView::Impl::read_ordinal(std::uint64_t shard_id) const {
+  const std::string key = encode_ordinal_key(shard_id);
+  std::string value;
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), meta(), key, &value);
+  if (s.IsNotFound()) return std::uint64_t{0};
+  if (!s.ok()) {
+    return from_rocksdb(s, "read of shard " + std::to_string(shard_id) + "'s incarnation ordinal (key " + hex(key) +
+                               ") of the " + view_at(path_));
+  }
+  if (value.size() != 8) {
+    return Status::Corruption("shard " + std::to_string(shard_id) + "'s incarnation ordinal (key " + hex(key) +
+                              ") of the " + view_at(path_) + " has a " + std::to_string(value.size()) +
+                              "-byte value; expected 8");
+  }
+  return get_u64_be(value.data());
 }
 
 Result<bool> GlobalView::Impl::is_retired(std::uint64_t shard_id, const std::string& incarnation,
@@ -517,6 +537,9 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     for (auto& [shard, state] : seqs) {
       if (!state.second) continue;
       added = write.Put(meta(), encode_applied_key(shard), encode_applied(state.first));
+      if (added.ok() && state.first.ordinal > 0) {
+        added = write.Put(meta(), encode_ordinal_key(shard), encode_ordinal(state.first.ordinal));
+      }
       if (!added.ok()) return from_rocksdb(added, what_all + ": building its write failed; nothing changed");
     }
     rocksdb::WriteOptions wo;
@@ -567,8 +590,13 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
           if (added.ok() && per_shard_) added = write.Merge(shards(), encode_shard_cell_key(batch.shard_id, key), units);
         },
         &error);
-    AppliedRecord next{batch.seq, batch.incarnation, record->incarnation};
+    // Not older than the shard's (apply checked): its ordinal is the highest.
+    AppliedRecord next{batch.seq, batch.incarnation, record->incarnation,
+                       std::max(record->ordinal, batch.incarnation_ordinal)};
     if (added.ok()) added = write.Put(meta(), encode_applied_key(batch.shard_id), encode_applied(next));
+    if (added.ok() && next.ordinal > 0) {
+      added = write.Put(meta(), encode_ordinal_key(batch.shard_id), encode_ordinal(next.ordinal));
+    }
     // Every incarnation replaced is remembered, not only the last: a batch
     // of any of them delivered late is skipped (an incarnation is random
     // and new at each re-seed and restore, so none comes back).
@@ -621,10 +649,18 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     std::uint64_t& applied = record.seq;
     std::string& incarnation = record.incarnation;
     if (!batch.incarnation.empty() && batch.incarnation != incarnation) {
+      // A batch of an incarnation older than one applied for the shard,
+      // seen or not (a late delivery): superseded.
+      if (batch.incarnation_ordinal > 0 && batch.incarnation_ordinal < record.ordinal) {
+        ++out.taken;
+        ++out.superseded;
+        continue;
+      }
       Result<bool> retired = is_retired(batch.shard_id, batch.incarnation, record);
       if (!retired.ok()) return retired.status();
       if (*retired) {
         ++out.taken;  // a batch of an incarnation a re-seed replaced, delivered late: superseded
+        ++out.superseded;
         continue;
       }
     }
@@ -633,6 +669,19 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     // tell that apart once it applied the shard).
     if (feed_origin(batch.payload) == FeedOrigin::Reseed && !batch.incarnation.empty() &&
         batch.incarnation != incarnation) {
+      // Without an ordinal (a writer before ordinals), it cannot be ordered
+      // against the shard's, which has one: it may be older (delivered
+      // late), so it replaces nothing.
+      if (record.ordinal > 0 && batch.incarnation_ordinal == 0) {
+        out.refused = Status::Corruption(
+            "re-seed: shard " + std::to_string(batch.shard_id) + " has applied through seq " +
+            std::to_string(applied) + " of incarnation " + incarnation + " (ordinal " +
+            std::to_string(record.ordinal) + "); batch seq " + std::to_string(batch.seq) +
+            " re-seeds it as incarnation " + batch.incarnation + ", which has no ordinal (written by a version "
+            "before ordinals), so the " + view_at(path_) + " cannot tell whether it is older; " + untouched(i) +
+            ": if that Db owns the shard now, upgrade it and re-seed it again (Db::reseed_change_feed)");
+        break;
+      }
       if (applied > 0 && !per_shard_) {
         out.refused = Status::Corruption(
             "re-seed: shard " + std::to_string(batch.shard_id) + " has applied through seq " +
@@ -674,6 +723,9 @@ Result<ApplyOutcome> GlobalView::Impl::apply(std::span<const ChangeBatch> batche
     pending.emplace_back(batch.shard_id, batch.payload);
     applied = batch.seq;
     if (incarnation.empty()) incarnation = batch.incarnation;  // the first known, kept from now on
+    // A feed made before ordinals gets one for its incarnation at its first
+    // writable open: the same incarnation's batches then carry it.
+    if (!batch.incarnation.empty()) record.ordinal = std::max(record.ordinal, batch.incarnation_ordinal);
     it->second.second = true;
     ++out.taken;
     ++out.applied;
@@ -703,7 +755,9 @@ Result<std::vector<ShardProgress>> GlobalView::Impl::applied_shards() const {
                                 "a 16-byte incarnation), got a " +
                                 std::to_string(it->value().size()) + "-byte value");
     }
-    out.push_back({*shard, record->seq, std::move(record->incarnation)});
+    Result<std::uint64_t> ordinal = read_ordinal(*shard);
+    if (!ordinal.ok()) return ordinal.status();
+    out.push_back({*shard, record->seq, std::move(record->incarnation), *ordinal});
   }
   if (Status s = from_rocksdb(it->status(), "applied_shards of the " + view_at(path_)); !s.ok()) return s;
   return out;

@@ -54,8 +54,11 @@ class GlobalView::Impl {
   rocksdb::ColumnFamilyHandle* shards() const { return handles_.size() > 2 ? handles_[2] : nullptr; }
   // The applied seq stored for the shard (0 when none); no Call of its own.
   Result<std::uint64_t> read_applied(std::uint64_t shard_id) const;
-  // The shard's applied record: seq and incarnation (a zero seq when none).
+  // The shard's applied record: seq, incarnations and ordinal (a zero seq
+  // when none).
   Result<AppliedRecord> read_applied_record(std::uint64_t shard_id) const;
+  // The shard's highest incarnation ordinal applied (0: none known).
+  Result<std::uint64_t> read_ordinal(std::uint64_t shard_id) const;
   // Whether a re-seed of the shard replaced `incarnation` (32 hex digits):
   // the record's last retired one, or a "retired/" record.
   Result<bool> is_retired(std::uint64_t shard_id, const std::string& incarnation, const AppliedRecord& record) const;

@@ -17,6 +17,11 @@
 //                                            -> empty: every incarnation a
 //                                               re-seed of the shard replaced
 //                                               (older versions ignore these)
+//               "ordinal/" + [shard_id: 8 BE] -> [ordinal: 8 BE]: the highest
+//                                               incarnation ordinal applied
+//                                               for the shard (absent: none
+//                                               known; older versions ignore
+//                                               these), written with "applied/"
 //               "clean_close"                -> empty (memtable only; never read)
 //   aggregates  [kind: 1, 2 cohort / 3 community][owner: 8 BE][item: 8 BE]
 //               -> Units, 16 bytes LE (storage/state_format.h), merge operands
@@ -67,6 +72,20 @@ inline std::optional<std::uint64_t> decode_applied_key(std::string_view key) {
 }
 
 inline constexpr char kRetiredPrefix[] = "retired/";
+inline constexpr char kOrdinalPrefix[] = "ordinal/";
+
+// "ordinal/" + [shard_id: 8 BE].
+inline std::string encode_ordinal_key(std::uint64_t shard_id) {
+  std::string key(kOrdinalPrefix);
+  put_u64_be(&key, shard_id);
+  return key;
+}
+// An "ordinal/" record's value: [ordinal: 8 BE].
+inline std::string encode_ordinal(std::uint64_t ordinal) {
+  std::string value;
+  put_u64_be(&value, ordinal);
+  return value;
+}
 
 // "retired/" + [shard_id: 8 BE] + the incarnation's 16 bytes.
 inline std::string encode_retired_key(std::uint64_t shard_id, std::string_view incarnation) {
@@ -86,11 +105,14 @@ inline std::string encode_shard_cell_key(std::uint64_t shard_id, std::string_vie
 
 // A shard's applied record: its last applied seq, the incarnation of the
 // feed it came from and the one a re-seed replaced (32 lowercase hex
-// digits; empty when not known, or none).
+// digits; empty when not known, or none); and, from its own "ordinal/"
+// record (not in encode_applied), the highest incarnation ordinal applied
+// for the shard (0: none known).
 struct AppliedRecord {
   std::uint64_t seq = 0;
   std::string incarnation;
   std::string retired;
+  std::uint64_t ordinal = 0;
 };
 
 // The 16 bytes of 32 lowercase hex digits; empty unless exactly that.

@@ -1740,9 +1740,9 @@ TEST(NatsCheckpoint, AShardReseededAfterTheCheckpointIsReadFromItsReseed) {
 
 // Batch `seq` of shard `shard` published by hand (no message id, no
 // fence): what a repair tool or a test does; with the feed's incarnation
-// when one is given, as the shard's Publisher would.
+// and its ordinal when given, as the shard's Publisher would.
 void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::uint64_t seq,
-                     const std::string& payload, const std::string& incarnation = "") {
+                     const std::string& payload, const std::string& incarnation = "", std::uint64_t ordinal = 0) {
   natsMsg* m = nullptr;
   const std::string subject = config.subject_prefix + "." + std::to_string(shard);
   ASSERT_EQ(natsMsg_Create(&m, subject.c_str(), nullptr, payload.data(), static_cast<int>(payload.size())), NATS_OK);
@@ -1750,6 +1750,9 @@ void publish_by_hand(jsCtx* js, const Config& config, std::uint64_t shard, std::
   ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Seq", std::to_string(seq).c_str()), NATS_OK);
   if (!incarnation.empty()) {
     ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation", incarnation.c_str()), NATS_OK);
+  }
+  if (ordinal > 0) {
+    ASSERT_EQ(natsMsgHeader_Set(m, "Tidal-Incarnation-Ordinal", std::to_string(ordinal).c_str()), NATS_OK);
   }
   const natsStatus ns = testing::publish_retrying(js, m, nullptr);
   natsMsg_Destroy(m);
@@ -1865,6 +1868,132 @@ TEST(NatsGap, ReseedingAParkedShardUnparksItAndTheViewEqualsTheShard) {
   EXPECT_EQ(compare(*view, *db), "");
   EXPECT_OK(p->stop());
   EXPECT_OK(f->stop());
+}
+
+// Issue 64 item 6 through the Follower: shard 5 re-seeds three times (I0 ->
+// I1 -> I2 -> I3) and its stream holds I0's batches, then I3's, then I1's
+// and I2's published late (a stale writer's), then more of I3's. A view
+// reading the stream applies I0 and I3 and skips every batch of I1 and I2
+// (counted as superseded), through the consumer; and through a parked
+// shard's repair, which reads the subject from its start, when one of I0's
+// batches is lost. Both views end equal to the shard. (Red before views
+// ordered incarnations: I1's late re-seed replaced the shard's
+// contribution, and I3's later batches were skipped as of a replaced
+// incarnation.)
+TEST(NatsReseed, ALateViewSkipsEveryBatchOfAnOlderIncarnationPublishedAfterANewerOne) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  auto db = open_shard(dir.sub("db"), 5);
+  ASSERT_NE(db, nullptr);
+  // Each incarnation's batches: a few users signalled, a flush after each.
+  std::uint64_t user = 0;
+  auto grow = [&](int n) {
+    for (int k = 0; k < n; ++k) {
+      ++user;
+      EXPECT_OK(db->join_community(user, 1 + user % 3));
+      EXPECT_TRUE(db->signal_with_context({user, user % 7, 1.5 + static_cast<double>(user)}, {{2 + user % 4}}).ok());
+      EXPECT_OK(db->flush());
+    }
+  };
+  auto read_from = [&](std::uint64_t after) {
+    Result<std::vector<ChangeBatch>> batches = db->read_changes(after, 64 << 20);
+    EXPECT_TRUE(batches.ok()) << batches.status().to_string();
+    return batches.ok() ? std::move(*batches) : std::vector<ChangeBatch>();
+  };
+  std::vector<std::vector<ChangeBatch>> inc(4);
+  grow(3);
+  inc[0] = read_from(0);
+  ASSERT_GE(inc[0].size(), 3u);
+  for (std::size_t i = 1; i < inc.size(); ++i) {
+    Result<std::uint64_t> first = db->reseed_change_feed();
+    ASSERT_TRUE(first.ok()) << first.status().to_string();
+    grow(2);
+    inc[i] = read_from(*first - 1);
+    ASSERT_GE(inc[i].size(), 2u);
+    EXPECT_GT(inc[i].front().incarnation_ordinal, inc[i - 1].front().incarnation_ordinal);
+  }
+  const std::uint64_t i3_before = *db->last_change_seq();
+  grow(2);
+  // I3's batches after its first ones, as published so far (each stream's
+  // round adds one).
+  std::vector<ChangeBatch> i3_later = read_from(i3_before);
+  ASSERT_FALSE(i3_later.empty());
+  const std::size_t stale = inc[1].size() + inc[2].size();
+
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  for (const char* stream : {"LATE", "LATEPARK"}) {
+    SCOPED_TRACE(stream);
+    const Config config = test_config(cluster, stream, 1);
+    ASSERT_EQ(js.add_stream(stream, [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+    const bool lose_one = std::string(stream) == "LATEPARK";
+    auto publish = [&](const std::vector<ChangeBatch>& run) {
+      for (const ChangeBatch& b : run) {
+        if (lose_one && b.incarnation == inc[0].front().incarnation && b.seq == 2) continue;  // lost for good
+        ASSERT_NO_FATAL_FAILURE(
+            publish_by_hand(js.js(), config, 5, b.seq, b.payload, b.incarnation, b.incarnation_ordinal));
+      }
+    };
+    for (const std::vector<ChangeBatch>* run :
+         std::initializer_list<const std::vector<ChangeBatch>*>{&inc[0], &inc[3], &inc[1], &inc[2], &i3_later}) {
+      publish(*run);
+    }
+    auto view = open_view(dir.sub(std::string("view-") + stream));
+    auto f = start_follower(view.get(), config, "view");
+    ASSERT_TRUE(view && f);
+    ASSERT_TRUE(eventually([&] { return caught_up({db.get()}, *view) && !f->stats().stalled_on_gap; }, 30s))
+        << "applied " << *view->applied_seq(5) << " of " << *db->last_change_seq() << "; "
+        << f->stats().last_error;
+    EXPECT_EQ(compare(*view, *db), "");
+    const FollowerStats st = f->stats();
+    EXPECT_GE(st.superseded_skipped, stale) << st.last_error;  // a redelivery counts again
+    Result<std::vector<ShardProgress>> progress = view->applied_shards();
+    ASSERT_TRUE(progress.ok());
+    ASSERT_EQ(progress->size(), 1u);
+    EXPECT_EQ((*progress)[0].incarnation_ordinal, inc[3].front().incarnation_ordinal);
+    // The shard flows on.
+    ASSERT_TRUE(db->signal_with_context({1, 77, 2.0}, {{2}}).ok());
+    ASSERT_OK(db->flush());
+    const std::vector<ChangeBatch> next = read_from(i3_later.back().seq);
+    ASSERT_FALSE(next.empty());
+    publish(next);
+    i3_later.insert(i3_later.end(), next.begin(), next.end());
+    ASSERT_TRUE(eventually([&] { return caught_up({db.get()}, *view); }, 30s)) << f->stats().last_error;
+    EXPECT_EQ(compare(*view, *db), "");
+    EXPECT_OK(f->stop());
+  }
+}
+
+// A Publisher does not publish a re-seed over a stream whose last batch of
+// the shard has a higher ordinal (a host clock behind the one that made
+// it): every view would skip it as older. It stops, naming both ordinals.
+TEST(NatsFence, AReseedWhoseOrdinalIsNotAboveTheStreamsIsRefusedNamingBoth) {
+  NatsCluster cluster(1);
+  ASSERT_TRUE(cluster.start_all()) << cluster.log_tail(0);
+  TempDir dir;
+  const Config config = test_config(cluster, "ORDINAL", 1);
+  auto db = open_shard(dir.sub("db"), 9);
+  ASSERT_NE(db, nullptr);
+  const std::vector<ChangeBatch> batches = five_batches(db.get());
+  ASSERT_GE(batches.size(), 5u);
+  Js js(cluster);
+  ASSERT_TRUE(js.ok());
+  ASSERT_EQ(js.add_stream("ORDINAL", [](jsStreamConfig& sc) { sc.Replicas = 1; }), "");
+  // Another incarnation's batch, of an ordinal far ahead of this host's clock.
+  const std::string theirs(32, 'e');
+  const std::uint64_t ahead = std::uint64_t{1} << 63;
+  ASSERT_NO_FATAL_FAILURE(publish_by_hand(js.js(), config, 9, 1, batches[0].payload, theirs, ahead));
+  ASSERT_TRUE(db->reseed_change_feed().ok());
+  const std::uint64_t mine = db->stats().change_feed_incarnation_ordinal;
+  ASSERT_LT(mine, ahead);
+  const Status refused = testing::refusal(Publisher::start(db.get(), config));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.code(), StatusCode::Corruption) << refused.to_string();
+  for (const std::string& word : {std::to_string(mine), std::to_string(ahead), theirs, db->stats().change_feed_incarnation,
+                                  std::string("older")}) {
+    EXPECT_NE(refused.message().find(word), std::string::npos) << word << ": " << refused.to_string();
+  }
 }
 
 // Issue 41 (the follower's repair under file faults): the parked shard of
