@@ -121,6 +121,8 @@ Options:
                    (tidal_db_* / tidal_view_*, labelled db="PATH" or view="PATH")
   --from FILE      bulk input for leave/rejoin/purge
   --repair         with rematerialize: rewrite the mismatching aggregates
+  --strict-erasure with purge: Options::strict_erasure (also compact away the
+                   purged users' cells' older versions; docs/PURGE.md)
   --keep N         with backup: how many backups to keep in DIR (N >= 1)
   -h, --help       this help
 
@@ -152,6 +154,7 @@ struct Args {
   bool prometheus = false;
   bool help = false;
   bool repair = false;
+  bool strict_erasure = false;          // purge --strict-erasure
   std::optional<std::uint64_t> keep;    // backup --keep N
   // restore --nats SERVERS [--journal-stream NAME] [--journal-subject-prefix PREFIX]
   std::optional<std::string> nats, journal_stream, journal_subject_prefix;
@@ -189,6 +192,8 @@ std::optional<std::string> parse_args(int argc, char** argv, Args* args) {
       args->prometheus = true;
     } else if (arg == "--repair") {
       args->repair = true;
+    } else if (arg == "--strict-erasure") {
+      args->strict_erasure = true;
     } else if (is("--db")) {
       args->db = value_of("--db");
       if (!args->db || args->db->empty()) return "--db needs a PATH";
@@ -1080,6 +1085,7 @@ int cmd_view(const Args& args) {
   if (args.db) return usage_error("view takes the view's directory as its first operand (view PATH ...), not --db");
   if (args.from) return usage_error("--from applies to leave, rejoin and purge only, not view");
   if (args.repair) return usage_error("--repair applies to rematerialize only, not view");
+  if (args.strict_erasure) return usage_error("--strict-erasure applies to purge only, not view");
   if (args.prometheus && args.json) return usage_error("--prometheus and --json are two output formats: give one");
   const std::vector<std::string> operands(args.positional.begin() + 1, args.positional.end());
   const std::string forms = "view PATH applied, view PATH cohort ID ITEM or view PATH community ID ITEM";
@@ -1165,6 +1171,7 @@ int run(int argc, char** argv) {
   std::vector<std::string> lines;
   if (args.from && !command->writes) return usage_error("--from applies to leave, rejoin and purge only, not " + name);
   if (args.repair && name != "rematerialize") return usage_error("--repair applies to rematerialize only, not " + name);
+  if (args.strict_erasure && name != "purge") return usage_error("--strict-erasure applies to purge only, not " + name);
   if (args.from) {
     if (!operands.empty()) return usage_error(name + " takes either USER or --from FILE, not both");
     if (!read_lines(*args.from, &lines)) {
@@ -1197,6 +1204,7 @@ int run(int argc, char** argv) {
   tidal::Options options;
   options.create_if_missing = false;
   options.read_only = !command->writes && !args.repair;
+  options.strict_erasure = args.strict_erasure;
   // verify must run to list what is wrong, so it gates a corrupt leave record
   // instead of failing the open (read-only: nothing is written).
   if (name == "verify") options.corrupt_record_policy = tidal::CorruptRecordPolicy::TreatAsLeft;

@@ -177,7 +177,8 @@ FEEDDB=$WORK/feeddb
 "$HOLDER" "$FEEDDB" --seed --feed 9 </dev/null >/dev/null || { echo "FAIL: could not seed $FEEDDB"; exit 1; }
 t --db "$FEEDDB" --json changes; rc_is 0; json 'd["change_feed"] and d["shard_id"] == 9 and d["last_seq"] == 1 and d["pending_bytes"] > 0'
 t --db "$FEEDDB" leave 4; rc_is 0
-t --db "$FEEDDB" --json purge 4; rc_is 0; json 'd["entries_removed"] == 3'
+t --db "$FEEDDB" --strict-erasure receipts 4; rc_is 2; err_has -- '--strict-erasure applies to purge only'
+t --db "$FEEDDB" --json --strict-erasure purge 4; rc_is 0; json 'd["entries_removed"] == 3 and d["erasure_complete"] is True'
 t --db "$FEEDDB" changes; rc_is 0; out_has '^shard_id +9$'; out_has '^last_seq +2$'; out_has '^incarnation +[0-9a-f]{32}$'
 inc=$("$CTL" --db "$FEEDDB" --json changes | python3 -c 'import json,sys; print(json.load(sys.stdin)["incarnation"])')
 t --db "$FEEDDB" --json reseed; rc_is 0
