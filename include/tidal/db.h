@@ -364,7 +364,7 @@ class Db {
   // itself once the cause is gone (space freed), and a call that writes
   // waits for that first, so a retry of the failed call then works on the
   // same handle, no reopen needed (docs/CONTRACT.md G6); while the cause
-  // stays, the call fails within about 100 ms saying so, changing nothing.
+  // stays, the call fails within about a second saying so, changing nothing.
   // An error the engine does not recover from (EIO, a read-only file system)
   // says to close the Db and open it again. A write that failed is not in
   // the Db once it has recovered (or been reopened); until then a crash may
