@@ -22,6 +22,17 @@
 //                        "score <cohort> <community>"
 //   files                every later purge's batch ingested as files, none
 //                        through the WAL (Db::Impl::purge_wal_entries): "ok"
+//   open-journal <path>  open with the privacy journal and the change feed
+//                        (shard 1): "ok" | "err <status>"
+//   backup <dir>         "ok" | "err <status>"
+//   journal              keeps the journal's entries (all of them) for
+//                        `replay`: "journal <n>"
+//   replay               replay_journal of the kept entries: "ok" | "err ..."
+//   finish-recovery      "ok" | "err <status>"
+//   engine-flush         flushes both engines' memtables (Storage::flush,
+//                        what close() and a purge's erasure do): "ok" | "err ..."
+//   recoveries           "recoveries <n>": how many times an engine resumed
+//                        writing in place after an error (Storage::recover)
 // At end of input it closes the Db and exits 0.
 #include <unistd.h>
 
@@ -32,6 +43,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "db/impl.h"
 #include "tidal/db.h"
@@ -61,6 +73,7 @@ class CountingSink : public tidal::ContributionSink {
 int main() {
   auto sink = std::make_shared<CountingSink>();
   std::unique_ptr<tidal::Db> db;
+  std::vector<tidal::JournalEntry> journal;
   std::string path;
   std::string line;
   while (std::getline(std::cin, line)) {
@@ -69,11 +82,16 @@ int main() {
     std::uint64_t a = 0;
     std::uint64_t b = 0;
     in >> cmd;
-    if (cmd == "open" || cmd == "open-ro") {
+    if (cmd == "open" || cmd == "open-ro" || cmd == "open-journal") {
       in >> path;
       tidal::Options options;
       options.contribution_sink = sink;
       options.read_only = cmd == "open-ro";
+      if (cmd == "open-journal") {
+        options.journal = true;
+        options.change_feed = true;
+        options.shard_id = 1;
+      }
       auto opened = tidal::Db::open(path, options);
       if (opened.ok()) db = std::move(*opened);
       say(result(opened.status()));
@@ -153,6 +171,22 @@ int main() {
     } else if (cmd == "files") {
       tidal::Db::Impl::purge_wal_entries = 0;
       say("ok");
+    } else if (cmd == "backup") {
+      std::string dir;
+      in >> dir;
+      say(result(db->backup(dir)));
+    } else if (cmd == "journal") {
+      auto entries = db->read_journal(0, std::size_t{1} << 30);
+      if (entries.ok()) journal = std::move(*entries);
+      say(entries.ok() ? "journal " + std::to_string(journal.size()) : result(entries.status()));
+    } else if (cmd == "replay") {
+      say(result(db->replay_journal(journal)));
+    } else if (cmd == "finish-recovery") {
+      say(result(db->finish_recovery()));
+    } else if (cmd == "engine-flush") {
+      say(result(tidal::Db::Impl::storage_for_testing(*db).flush()));
+    } else if (cmd == "recoveries") {
+      say("recoveries " + std::to_string(tidal::Db::Impl::storage_for_testing(*db).recoveries()));
     } else if (cmd == "flush") {
       say(result(db->flush()));
     } else if (cmd == "close") {

@@ -414,6 +414,208 @@ TEST(HostileFsTest, APurgeOnAFullDiskFailsWholeOrIsDoneAndNeverAborts) {
   }
 }
 
+// ---- Recovery in place from a full disk (issue 64, item 9) ----
+//
+// A failed write stops a RocksDB engine until DB::Resume(); RocksDB's own
+// recovery left the engine on the WAL whose writer had failed, and every
+// retry then failed ("Writer has previous error") until a reopen. Each test
+// below fills a real tmpfs until a call fails, frees the space, and retries
+// in the same process: the retry works, the Db verifies, the scores are
+// exact, close() returns OK, and a reopen sees the same.
+
+bool has(const std::string& answer, const std::string& text) { return answer.find(text) != std::string::npos; }
+
+// A leave that failed on a full disk (the users engine's WAL) succeeds when
+// called again once space is freed, without a reopen; while the disk is
+// still full the retry fails saying so.
+TEST(HostileFsTest, ALeaveThatFailedOnAFullDiskSucceedsWhenRetriedOnceSpaceIsFreed) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  auto disk = Mount::tmpfs(16 << 20);
+  ASSERT_NE(disk, nullptr);
+  const std::string db = disk->dir() + "/db";
+  std::uint64_t last = 0;
+  {
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok");
+    ASSERT_EQ(p.call("fill 1 100"), "filled 100 ok");
+    disk->fill_leaving(0);
+    const std::string filled = p.call("fill 101 1000000");
+    ASSERT_TRUE(starts_with(filled, "filled ") && has(filled, "err IOError")) << filled;
+    EXPECT_TRUE(has(filled, "free space there and call again")) << "the error says what to do: " << filled;
+    EXPECT_TRUE(has(filled, "no reopen needed")) << filled;
+    const std::string failed = std::to_string(101 + count_in(filled, "filled"));
+    EXPECT_EQ(p.call("gated " + failed), "gated");
+    const std::string still_full = p.call("leave " + failed);
+    EXPECT_TRUE(starts_with(still_full, "err IOError") && has(still_full, "still full")) << still_full;
+    disk->free_space();
+    EXPECT_EQ(p.call("leave " + failed), "ok") << "the retry once space was freed";
+    EXPECT_EQ(p.call("left 1 " + failed), "left " + failed);
+    last = std::stoull(failed) + 200;
+    EXPECT_EQ(p.call("fill " + std::to_string(std::stoull(failed) + 1) + " " + std::to_string(last)),
+              "filled 200 ok");
+    EXPECT_NE(p.call("recoveries"), "recoveries 0");
+    EXPECT_EQ(p.call("verify"), "ok");
+    EXPECT_EQ(p.call("close"), "ok");
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+  DbProcess p;
+  ASSERT_EQ(p.call("open " + db), "ok");
+  EXPECT_EQ(p.call("left 1 " + std::to_string(last)), "left " + std::to_string(last));
+  EXPECT_EQ(p.call("verify"), "ok");
+  EXPECT_EQ(p.call("close"), "ok");
+  EXPECT_EQ(p.finish(), "exit 0");
+}
+
+// A purge that failed on a full disk (its batch through the state engine's
+// WAL, or ingested as files) is done by a retry once space is freed,
+// without a reopen: the receipt is there once, the scores exact.
+TEST(HostileFsTest, APurgeThatFailedOnAFullDiskIsDoneByARetryOnceSpaceIsFreed) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  for (const bool as_files : {false, true}) {
+    const std::string way = as_files ? "batches as files" : "batches through the WAL";
+    auto disk = Mount::tmpfs(16 << 20);
+    ASSERT_NE(disk, nullptr);
+    const std::string db = disk->dir() + "/db";
+    {
+      DbProcess p;
+      ASSERT_EQ(p.call("open " + db), "ok");
+      if (as_files) {
+        ASSERT_EQ(p.call("files"), "ok");
+      }
+      ASSERT_EQ(p.call("contribute 1 20"), "ok");
+      ASSERT_EQ(p.call("flush"), "ok");
+      ASSERT_EQ(p.call("score"), "score 20 20");
+      disk->fill_leaving(0);
+      std::uint64_t failed = 0;
+      std::string error;
+      for (std::uint64_t u = 1; u <= 20 && failed == 0; ++u) {
+        const std::string answer = p.call("purge " + std::to_string(u));
+        if (answer != "purged 2") {
+          failed = u;
+          error = answer;
+        }
+      }
+      ASSERT_NE(failed, 0u) << way << ": no purge failed on the full disk: the test tests nothing";
+      EXPECT_TRUE(starts_with(error, "err IOError")) << way << ": " << error;
+      std::printf("%s, full tmpfs: %llu purges done, then: %s\n", way.c_str(),
+                  static_cast<unsigned long long>(failed - 1), error.c_str());
+      disk->free_space();
+      const std::string retry = p.call("purge " + std::to_string(failed));
+      EXPECT_TRUE(retry == "purged 2" || retry == "purged 0") << way << ": the retry once space was freed: " << retry;
+      EXPECT_EQ(p.call("receipts " + std::to_string(failed)), "receipts 1 2") << way;
+      const std::uint64_t left = 20 - failed;
+      EXPECT_EQ(p.call("score"), "score " + std::to_string(left) + " " + std::to_string(left)) << way;
+      for (std::uint64_t u = failed + 1; u <= 20; ++u) {
+        EXPECT_EQ(p.call("purge " + std::to_string(u)), "purged 2") << way << ": user " << u;
+      }
+      EXPECT_EQ(p.call("score"), "score 0 0") << way;
+      EXPECT_EQ(p.call("verify"), "ok") << way;
+      EXPECT_EQ(p.call("close"), "ok") << way;
+      EXPECT_EQ(p.finish(), "exit 0") << way;
+    }
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok") << way;
+    EXPECT_EQ(p.call("verify"), "ok") << way;
+    EXPECT_EQ(p.call("score"), "score 0 0") << way;
+    for (std::uint64_t u = 1; u <= 20; ++u) {
+      EXPECT_EQ(p.call("receipts " + std::to_string(u)), "receipts 1 2") << way << ": user " << u;
+    }
+    EXPECT_EQ(p.call("close"), "ok") << way;
+    EXPECT_EQ(p.finish(), "exit 0") << way;
+  }
+}
+
+// The replay of a restored Db on a full disk fails (its purge after the
+// intent, or the intent); called again once space is freed it finishes,
+// without a reopen, and so does finish_recovery: the purges are there, the
+// scores exact. (Before, every retry failed until a reopen, though the
+// message said "call replay_journal again".)
+TEST(HostileFsTest, AReplayThatFailedOnAFullDiskFinishesWhenCalledAgainOnceSpaceIsFreed) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  auto disk = Mount::tmpfs(16 << 20);
+  ASSERT_NE(disk, nullptr);
+  TempDir source;
+  const std::string db = disk->dir() + "/db";
+  {
+    DbProcess p;
+    ASSERT_EQ(p.call("open-journal " + source.sub("db")), "ok");
+    ASSERT_EQ(p.call("contribute 1 20"), "ok");
+    ASSERT_EQ(p.call("flush"), "ok");
+    ASSERT_EQ(p.call("backup " + db), "ok");
+    for (int u = 1; u <= 3; ++u) ASSERT_EQ(p.call("purge " + std::to_string(u)), "purged 2");
+    const std::string journal = p.call("journal");
+    ASSERT_TRUE(starts_with(journal, "journal ")) << journal;
+    ASSERT_EQ(p.call("close"), "ok");
+    ASSERT_EQ(p.call("open-journal " + db), "ok");
+    disk->fill_leaving(0);
+    const std::string failed = p.call("replay");
+    ASSERT_TRUE(starts_with(failed, "err IOError")) << "the replay on the full disk: " << failed;
+    std::printf("full tmpfs: replay_journal: %s\n", failed.c_str());
+    EXPECT_TRUE(has(failed, "call replay_journal again") || has(failed, "call again")) << failed;
+    disk->free_space();
+    EXPECT_EQ(p.call("replay"), "ok") << "the replay called again once space was freed";
+    EXPECT_EQ(p.call("finish-recovery"), "ok");
+    EXPECT_EQ(p.call("score"), "score 17 17");
+    for (int u = 1; u <= 3; ++u) EXPECT_EQ(p.call("receipts " + std::to_string(u)), "receipts 1 2") << "user " << u;
+    EXPECT_EQ(p.call("verify"), "ok");
+    EXPECT_EQ(p.call("close"), "ok");
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+  DbProcess p;
+  ASSERT_EQ(p.call("open-journal " + db), "ok");
+  EXPECT_EQ(p.call("score"), "score 17 17");
+  EXPECT_EQ(p.call("verify"), "ok");
+  EXPECT_EQ(p.call("close"), "ok");
+  EXPECT_EQ(p.finish(), "exit 0");
+}
+
+// The writer's batch (Db::flush) and a flush of the engines' memtables
+// that failed on a full disk both work once space is freed, as does every
+// call they stopped, without a reopen; the writer's batch is written once
+// (the scores exact). Then a flush fails again and close(), the first call
+// once space is freed, returns OK.
+TEST(HostileFsTest, FlushesThatFailedOnAFullDiskWorkOnceSpaceIsFreedAndCloseReturnsOk) {
+  SKIP_UNLESS_ROOT("mount a small tmpfs and fill it");
+  auto disk = Mount::tmpfs(16 << 20);
+  ASSERT_NE(disk, nullptr);
+  const std::string db = disk->dir() + "/db";
+  {
+    DbProcess p;
+    ASSERT_EQ(p.call("open " + db), "ok");
+    ASSERT_EQ(p.call("contribute 1 20"), "ok");  // the signals wait in the writer's buffers
+    disk->fill_leaving(0);
+    const std::string batch = p.call("flush");
+    const std::string engines = p.call("engine-flush");
+    std::printf("full tmpfs: the writer's batch: %s\n  the engines' flush: %s\n", batch.c_str(), engines.c_str());
+    EXPECT_TRUE(starts_with(batch, "err IOError")) << batch;
+    EXPECT_TRUE(starts_with(engines, "err IOError")) << engines;
+    EXPECT_TRUE(starts_with(p.call("leave 500"), "err IOError"));
+    disk->free_space();
+    EXPECT_EQ(p.call("flush"), "ok") << "the writer's batch once space was freed";
+    EXPECT_EQ(p.call("score"), "score 20 20");
+    EXPECT_EQ(p.call("engine-flush"), "ok");
+    EXPECT_EQ(p.call("leave 500"), "ok");
+    EXPECT_NE(p.call("recoveries"), "recoveries 0");
+    ASSERT_EQ(p.call("contribute 21 30"), "ok");
+    EXPECT_EQ(p.call("flush"), "ok");
+    EXPECT_EQ(p.call("score"), "score 30 30");
+    EXPECT_EQ(p.call("verify"), "ok");
+    ASSERT_EQ(p.call("contribute 31 40"), "ok");
+    disk->fill_leaving(0);
+    EXPECT_TRUE(starts_with(p.call("engine-flush"), "err IOError"));
+    disk->free_space();
+    EXPECT_EQ(p.call("close"), "ok") << "close(), the first call once space was freed";
+    EXPECT_EQ(p.finish(), "exit 0");
+  }
+  DbProcess p;
+  ASSERT_EQ(p.call("open " + db), "ok");
+  EXPECT_EQ(p.call("score"), "score 40 40");
+  EXPECT_EQ(p.call("left 1 40"), "left 40");
+  EXPECT_EQ(p.call("verify"), "ok");
+  EXPECT_EQ(p.call("close"), "ok");
+  EXPECT_EQ(p.finish(), "exit 0");
+}
+
 TEST(HostileFsTest, DiskTurnedReadOnlyByAnErrorFailsTheLeaveKeepsTheGateClosedAndNeverAborts) {
   SKIP_UNLESS_ROOT("loop-mount an ext4 image and make it fail");
   auto disk = Mount::ext4(64 << 20);

@@ -359,6 +359,11 @@ class Db {
   // cannot starve it. Busy from inside a ContributionSink callback, and from
   // inside a for_each_left callback of the same Db (close would wait for itself).
   //
+  // After a storage error (a full disk), close() waits for the writes to
+  // resume first, as any call does (flush below): once the cause is gone it
+  // returns OK. A close() that failed is not repeated: a second call
+  // returns OK.
+  //
   // A Db still open when the process exits (std::exit, or a return from
   // main) is closed by an exit handler that tidal registers at its first
   // open, before the static objects that RocksDB needs are destroyed; its
@@ -369,6 +374,19 @@ class Db {
   // Writes every aggregate update acknowledged so far, durably (the state
   // store fsyncs every batch, whatever sync_writes says), keeping the Db
   // open. The writer's error when it fails.
+  //
+  // Storage errors (every call that writes): a failed write, fsync, flush or
+  // ingestion (ENOSPC on a full disk) stops the engine's writes; the error
+  // says what to do. The Db recovers in place: it resumes the engine by
+  // itself once the cause is gone (space freed), and a call that writes
+  // waits for that first, so a retry of the failed call then works on the
+  // same handle, no reopen needed (docs/CONTRACT.md G6); while the cause
+  // stays, the call fails within about a second saying so, changing nothing.
+  // An error the engine does not recover from (EIO, a read-only file system)
+  // says to close the Db and open it again. A write that failed is not in
+  // the Db once it has recovered (or been reopened); until then a crash may
+  // still bring it back from the WAL, and each call below says what its
+  // retry does in either case.
   Status flush();
 
   // Joins/exits a community. Durable before returning; joining twice or
@@ -406,7 +424,8 @@ class Db {
   // Leaves the community layer: durable (G1) and effective (G2) on return,
   // with left_at_ns above every earlier contribution's forwarded_at_ns (G3).
   // OK and no change when already Left (G7). On a storage error the error is
-  // returned and the gate stays closed for the user (G6).
+  // returned and the gate stays closed for the user (G6); a retry completes
+  // the leave once the cause is gone (space freed), without a reopen.
   // With Options::journal, the leave, and each rejoin or bulk change below
   // that changes state, appends a journal entry in the same write (a call
   // that changes nothing appends none). With journal_wait, OK comes once
@@ -462,7 +481,9 @@ class Db {
   //
   // Errors: when the batch's write fails, its outcome is unknown (a failed
   // fsync may still have reached the disk): the message says so, and
-  // purge_receipts tells after a reopen. When the erasure fails (or the
+  // purge_receipts tells once the Db has recovered from the error (by
+  // itself, once the cause is gone: flush() above) or been reopened; a retry
+  // of the purge is safe either way (it purges what is left, if anything). When the erasure fails (or the
   // process dies during it), the purge itself is complete and durable, the
   // receipt says erasure_complete == false, and the user's next purge or the
   // Db's next writable open finishes the erasure.
@@ -565,7 +586,9 @@ class Db {
   // both), a payload that does not decode, or a purge whose user is not Left
   // at its boundary; InvalidArgument for another shard, a Db without a
   // journal, or one that is not recovering. What was applied before an
-  // error stays applied; call again from there.
+  // error stays applied; call again from there (after a storage error, once
+  // its cause is gone: the Db recovers in place; a purge whose intent was
+  // written is finished first).
   Status replay_journal(std::span<const JournalEntry> entries);
   // The privacy journal (Options::journal; docs/CONTRACT.md J1-J6).
   // InvalidArgument when the Db keeps none. Entries with seq > after_seq,

@@ -625,8 +625,10 @@ Result<std::vector<PurgeReceipt>> Db::Impl::purge_registered(const char* what, c
           // A failed write may still have reached the disk (RocksDB cannot
           // tell): its users' outcome is unknown, not "untouched".
           return Status(w.code(), w.message() + "; the purge of " + ids +
-                                      " may or may not be durable (a failed write's outcome is unknown: "
-                                      "purge_receipts tells after a reopen); " +
+                                      " may or may not be durable (a failed write's outcome is unknown until "
+                                      "the Db has recovered from the error, by itself once the cause is gone, or "
+                                      "been reopened: purge_receipts tells from then on; a retry of the purge is "
+                                      "safe either way); " +
                                       (begin == 0 ? std::string("no earlier batch was written")
                                                   : std::to_string(begin) + " users before them were purged") +
                                       (end == users.size() ? std::string()

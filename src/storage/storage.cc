@@ -6,7 +6,9 @@
 #include <rocksdb/cache.h>
 #include <rocksdb/compaction_filter.h>
 #include <rocksdb/convenience.h>
+#include <rocksdb/file_system.h>
 #include <rocksdb/filter_policy.h>
+#include <rocksdb/listener.h>
 #include <rocksdb/slice_transform.h>
 #include <rocksdb/snapshot.h>
 #include <rocksdb/table.h>
@@ -273,8 +275,169 @@ void set_hostile_fs_options(const std::string& path, rocksdb::Options* options) 
   // waited 4.6-6.5 s for the compaction under way; at 16 MiB 45.7k
   // signals/s, 3.2 GB, 0.24 s and 1.3 s (bench/README.md, "The WAL cap").
   options->max_total_wal_size = 16 << 20;
+  // RocksDB resumes an engine stopped by a retryable error (ENOSPC, as
+  // NoSpaceIsRetryable reports it) by itself, one attempt every interval
+  // until one succeeds (Storage::recover waits for the next one).
+  options->max_bgerror_resume_count = std::numeric_limits<int>::max();
+  options->bgerror_resume_retry_interval =
+      static_cast<std::uint64_t>(std::chrono::microseconds(Storage::kResumeInterval).count());
 }
 
+bool is_no_space(const rocksdb::Status& s) {
+  return s.IsNoSpace() || s.ToString().find("No space left on device") != std::string::npos;
+}
+
+// ENOSPC reported to RocksDB as a retryable I/O error, the message kept
+// ("IO error: No space left on device: While appending to file: ..."):
+// RocksDB 7.8.3 resumes an engine after a retryable error completely, and
+// after a NoSpace one only in part (Storage::recover).
+rocksdb::IOStatus retryable_if_no_space(rocksdb::IOStatus s) {
+  if (!s.IsNoSpace()) return s;
+  rocksdb::IOStatus r = rocksdb::IOStatus::IOError("No space left on device", s.getState() ? s.getState() : "");
+  r.SetRetryable(true);
+  return r;
+}
+
+class NoSpaceIsRetryableFile final : public rocksdb::FSWritableFileOwnerWrapper {
+ public:
+  using IOStatus = rocksdb::IOStatus;
+  using IOOptions = rocksdb::IOOptions;
+  using IODebugContext = rocksdb::IODebugContext;
+  using Slice = rocksdb::Slice;
+  explicit NoSpaceIsRetryableFile(std::unique_ptr<rocksdb::FSWritableFile>&& target)
+      : FSWritableFileOwnerWrapper(std::move(target)) {}
+  IOStatus Append(const Slice& data, const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->Append(data, o, dbg));
+  }
+  IOStatus Append(const Slice& data, const IOOptions& o, const rocksdb::DataVerificationInfo& info,
+                  IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->Append(data, o, info, dbg));
+  }
+  IOStatus PositionedAppend(const Slice& data, uint64_t offset, const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->PositionedAppend(data, offset, o, dbg));
+  }
+  IOStatus PositionedAppend(const Slice& data, uint64_t offset, const IOOptions& o,
+                            const rocksdb::DataVerificationInfo& info, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->PositionedAppend(data, offset, o, info, dbg));
+  }
+  IOStatus Truncate(uint64_t size, const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->Truncate(size, o, dbg));
+  }
+  IOStatus Close(const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->Close(o, dbg));
+  }
+  IOStatus Flush(const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->Flush(o, dbg));
+  }
+  IOStatus Sync(const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->Sync(o, dbg));
+  }
+  IOStatus Fsync(const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->Fsync(o, dbg));
+  }
+  IOStatus RangeSync(uint64_t offset, uint64_t nbytes, const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->RangeSync(offset, nbytes, o, dbg));
+  }
+  IOStatus Allocate(uint64_t offset, uint64_t len, const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->Allocate(offset, len, o, dbg));
+  }
+};
+
+class NoSpaceIsRetryable final : public rocksdb::FileSystemWrapper {
+ public:
+  using IOStatus = rocksdb::IOStatus;
+  using IOOptions = rocksdb::IOOptions;
+  using IODebugContext = rocksdb::IODebugContext;
+  using FileOptions = rocksdb::FileOptions;
+  explicit NoSpaceIsRetryable(const std::shared_ptr<rocksdb::FileSystem>& target) : FileSystemWrapper(target) {}
+  static const char* kClassName() { return "TidalNoSpaceIsRetryable"; }
+  const char* Name() const override { return kClassName(); }
+  IOStatus NewWritableFile(const std::string& f, const FileOptions& o, std::unique_ptr<rocksdb::FSWritableFile>* r,
+                           IODebugContext* dbg) override {
+    return wrap(target()->NewWritableFile(f, o, r, dbg), r);
+  }
+  IOStatus ReopenWritableFile(const std::string& f, const FileOptions& o,
+                              std::unique_ptr<rocksdb::FSWritableFile>* r, IODebugContext* dbg) override {
+    return wrap(target()->ReopenWritableFile(f, o, r, dbg), r);
+  }
+  IOStatus ReuseWritableFile(const std::string& f, const std::string& old, const FileOptions& o,
+                             std::unique_ptr<rocksdb::FSWritableFile>* r, IODebugContext* dbg) override {
+    return wrap(target()->ReuseWritableFile(f, old, o, r, dbg), r);
+  }
+  IOStatus RenameFile(const std::string& s, const std::string& d, const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->RenameFile(s, d, o, dbg));
+  }
+  IOStatus LinkFile(const std::string& s, const std::string& d, const IOOptions& o, IODebugContext* dbg) override {
+    return retryable_if_no_space(target()->LinkFile(s, d, o, dbg));
+  }
+
+ private:
+  static IOStatus wrap(IOStatus s, std::unique_ptr<rocksdb::FSWritableFile>* r) {
+    if (s.ok()) *r = std::make_unique<NoSpaceIsRetryableFile>(std::move(*r));
+    return retryable_if_no_space(std::move(s));
+  }
+};
+
+// The base Env with NoSpaceIsRetryable over its file system.
+class NoSpaceIsRetryableEnv final : public rocksdb::EnvWrapper {
+ public:
+  explicit NoSpaceIsRetryableEnv(rocksdb::Env* base) : EnvWrapper(base) {
+    file_system_ = std::make_shared<NoSpaceIsRetryable>(base->GetFileSystem());
+    system_clock_ = base->GetSystemClock();
+  }
+  const char* Name() const override { return "TidalNoSpaceIsRetryableEnv"; }
+};
+
+// Tells Storage::recover when an engine stops writing and when RocksDB has
+// resumed it (EngineHealth), and counts the default column family's
+// memtable switches (the anchor: Storage::anchor).
+class ErrorWatch final : public rocksdb::EventListener {
+ public:
+  explicit ErrorWatch(std::shared_ptr<EngineHealth> health) : health_(std::move(health)) {}
+  const char* Name() const override { return "TidalErrorWatch"; }
+  void OnBackgroundError(rocksdb::BackgroundErrorReason reason, rocksdb::Status* error) override {
+    if (error->ok()) return;
+    // A retryable error arrives without a severity; RocksDB makes it a soft
+    // one for a compaction (which it reschedules), a hard one otherwise, and
+    // resumes the engine by itself. Any other error arrives with its
+    // severity; below a hard one writes go on.
+    const auto severity = error->severity();
+    const bool retryable = severity == rocksdb::Status::Severity::kNoError;
+    if (retryable ? reason == rocksdb::BackgroundErrorReason::kCompaction
+                  : severity < rocksdb::Status::Severity::kHardError) {
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(health_->mu);
+      health_->stopped.store(true, std::memory_order_release);
+      if (severity >= rocksdb::Status::Severity::kFatalError) health_->needs_reopen = true;
+      ++health_->failures;
+      health_->error = error->ToString();
+    }
+    health_->changed.notify_all();
+  }
+  void OnErrorRecoveryEnd(const rocksdb::BackgroundErrorRecoveryInfo& info) override {
+    if (info.new_bg_error.IsShutdownInProgress()) return;
+    {
+      std::lock_guard<std::mutex> lock(health_->mu);
+      if (info.new_bg_error.ok()) {
+        health_->stopped.store(false, std::memory_order_release);
+        health_->recoveries.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        // RocksDB gave up: no attempt follows.
+        health_->needs_reopen = true;
+        health_->error = info.new_bg_error.ToString();
+      }
+    }
+    health_->changed.notify_all();
+  }
+  void OnMemTableSealed(const rocksdb::MemTableInfo& info) override {
+    if (info.cf_name == rocksdb::kDefaultColumnFamilyName) health_->seals.fetch_add(1, std::memory_order_acq_rel);
+  }
+
+ private:
+  const std::shared_ptr<EngineHealth> health_;
+};
 
 // The column families of a state store (the state engine's, or format 2's
 // in the users engine while it is migrated): the integer-add merge operator
@@ -750,19 +913,21 @@ Result<std::unique_ptr<Storage>> Storage::open(const std::string& path, const St
   options.create_missing_column_families = true;
   options.paranoid_checks = true;
   options.avoid_flush_during_shutdown = false;
-  if (config.env != nullptr) options.env = config.env;
+  auto storage = std::unique_ptr<Storage>(new Storage());
+  storage->env_ = std::make_unique<NoSpaceIsRetryableEnv>(config.env != nullptr ? config.env : rocksdb::Env::Default());
+  options.env = storage->env_.get();
   // A read-only open writes nothing, not even a LOG (RocksDB then logs nowhere).
   if (!config.read_only) set_hostile_fs_options(path, &options);
   // Each engine's memtables, across its column families, stay within 64 MiB
   // (besides tidal's own write buffers and the block cache).
   options.db_write_buffer_size = 64 << 20;
 
-  auto storage = std::unique_ptr<Storage>(new Storage());
   storage->users_env_ = std::make_unique<UsersEngineEnv>(options.env);
   // The users engine's own background threads; `options` stays the state
   // engine's base (open_state).
   rocksdb::Options users_options(options);
   users_options.env = storage->users_env_.get();
+  if (!config.read_only) users_options.listeners.push_back(std::make_shared<ErrorWatch>(storage->health_[0]));
   storage->path_ = path;
   storage->read_only_ = config.read_only;
   storage->state_manifest_per_edit_ = config.state_manifest_per_edit;
@@ -959,7 +1124,10 @@ Status Storage::open_state(const rocksdb::Options& base, bool create) {
   const std::string dir = state_path();
   rocksdb::Options options(base);
   options.create_if_missing = create;
-  if (!read_only_) set_hostile_fs_options(dir, &options);
+  if (!read_only_) {
+    set_hostile_fs_options(dir, &options);
+    options.listeners.push_back(std::make_shared<ErrorWatch>(health_[1]));
+  }
   // The compaction statistics of each column family (write amplification
   // per level) in state/LOG once a minute, where bench/README.md read them.
   options.stats_dump_period_sec = 60;
@@ -1134,13 +1302,16 @@ class IgnoredByTsan {
 Status Storage::write(Engine engine, rocksdb::WriteBatch* batch, WriteMode mode, std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
   if (db(engine) == nullptr) return not_upgraded(what);
+  if (Status r = recover(engine, what); !r.ok()) return r;
   rocksdb::WriteOptions wo;
   wo.sync = mode == WriteMode::Sync;
   wo.disableWAL = mode == WriteMode::NoWal;
+  if (mode != WriteMode::NoWal) anchor(engine);
   Status s;
   {
     [[maybe_unused]] IgnoredByTsan uninstrumented;
-    s = from_rocksdb(db(engine)->Write(wo, batch), what);
+    rocksdb::Status w = db(engine)->Write(wo, batch);
+    if (!w.ok()) s = engine_error(engine, w, what);
   }
   // After the write: a sync that clears the flag before this point finds
   // it set again, one that clears it after it syncs this write too.
@@ -1153,7 +1324,12 @@ Status Storage::sync_users_wal() {
   std::lock_guard<std::mutex> lock(sync_mu_);
   // Cleared before the fsync: a write that returns during it sets it again.
   if (!users_unsynced_.exchange(false, std::memory_order_acq_rel)) return Status::OK();
-  Status s = from_rocksdb(users_.db->SyncWAL(), "fsync of the write-ahead log of '" + path_ + "'");
+  const std::string what = "fsync of the write-ahead log of '" + path_ + "'";
+  Status s = recover(Engine::Users, what);
+  if (s.ok()) {
+    anchor(Engine::Users);
+    if (rocksdb::Status w = users_.db->SyncWAL(); !w.ok()) s = engine_error(Engine::Users, w, what);
+  }
   if (!s.ok()) users_unsynced_.store(true, std::memory_order_release);
   return s;
 }
@@ -1257,7 +1433,9 @@ Status Storage::ingest(const std::vector<std::pair<rocksdb::ColumnFamilyHandle*,
     // the file after it is copied.
     arg.options.write_global_seqno = false;
   }
-  return from_rocksdb(state_.db->IngestExternalFiles(args), what);
+  if (Status r = recover(Engine::State, what); !r.ok()) return r;
+  rocksdb::Status s = state_.db->IngestExternalFiles(args);
+  return s.ok() ? Status::OK() : engine_error(Engine::State, s, what);
 }
 
 void Storage::delete_file(const std::string& file) const { (void)users_.db->GetEnv()->DeleteFile(file); }
@@ -1265,8 +1443,10 @@ void Storage::delete_file(const std::string& file) const { (void)users_.db->GetE
 Status Storage::drop_files_in_range(rocksdb::ColumnFamilyHandle* cf, std::string_view begin, std::string_view end,
                                     std::string_view what) {
   if (read_only_) return Status::InvalidArgument(std::string(what) + ": the Db at '" + path_ + "' is open read-only");
+  if (Status r = recover(Engine::State, what); !r.ok()) return r;
   const rocksdb::Slice b(begin.data(), begin.size()), e(end.data(), end.size());
-  return from_rocksdb(rocksdb::DeleteFilesInRange(state_.db.get(), cf, &b, &e, /*include_end=*/true), what);
+  rocksdb::Status s = rocksdb::DeleteFilesInRange(state_.db.get(), cf, &b, &e, /*include_end=*/true);
+  return s.ok() ? Status::OK() : engine_error(Engine::State, s, what);
 }
 
 Status Storage::flush() {
@@ -1346,6 +1526,13 @@ Status Storage::flush(Engine engine) {
   if (read_only_) return Status::OK();
   const Instance& instance = engine == Engine::Users ? users_ : state_;
   if (instance.db == nullptr) return Status::OK();
+  const std::string what = "flush of '" + (engine == Engine::Users ? path_ : state_path()) + "'";
+  if (Status r = recover(engine, what); !r.ok()) return r;
+  rocksdb::Status s = flush_instance(instance);
+  return s.ok() ? Status::OK() : engine_error(engine, s, what);
+}
+
+rocksdb::Status Storage::flush_instance(const Instance& instance) const {
   rocksdb::FlushOptions fo;
   fo.wait = true;
   // RocksDB's default first waits until the flush would not stall writes,
@@ -1356,8 +1543,72 @@ Status Storage::flush(Engine engine) {
   for (auto* h : instance.handles) {
     if (h != nullptr) handles.push_back(h);
   }
-  return from_rocksdb(instance.db->Flush(fo, handles),
-                      "flush of '" + (engine == Engine::Users ? path_ : state_path()) + "'");
+  return instance.db->Flush(fo, handles);
+}
+
+Status Storage::engine_error(Engine engine, const rocksdb::Status& s, std::string_view what) const {
+  Status out = from_rocksdb(s, what);
+  if (out.code() != StatusCode::IOError) return out;
+  const std::string dir = engine == Engine::Users ? path_ : state_path();
+  EngineHealth& h = health(engine);
+  bool reopen = false;
+  {
+    std::lock_guard<std::mutex> lock(h.mu);
+    reopen = h.needs_reopen;
+  }
+  if (reopen) {
+    return Status::IOError(out.message() + "; RocksDB does not recover from this error: close the Db and open it "
+                                           "again");
+  }
+  return Status::IOError(out.message() +
+                         (is_no_space(s) ? "; the file system of '" + dir +
+                                               "' is full: free space there and call again (the Db recovers in "
+                                               "place at its next call, no reopen needed)"
+                                         : "; call again once the cause is fixed (the Db recovers in place at its "
+                                           "next call, or says to reopen it)"));
+}
+
+void Storage::anchor(Engine engine) {
+  EngineHealth& h = health(engine);
+  const std::uint64_t seals = h.seals.load(std::memory_order_acquire);
+  if (h.anchored.load(std::memory_order_acquire) == seals) return;
+  rocksdb::WriteOptions wo;
+  wo.disableWAL = true;
+  const Instance& instance = engine == Engine::Users ? users_ : state_;
+  // The marker flush_past_wals writes too. A failure leaves the next write
+  // to try again.
+  if (instance.db->Put(wo, instance.handles[0], kCleanCloseKey, "").ok()) {
+    h.anchored.store(seals, std::memory_order_release);
+  }
+}
+
+Status Storage::recover(Engine engine, std::string_view what) {
+  if (read_only_ || db(engine) == nullptr) return Status::OK();
+  EngineHealth& h = health(engine);
+  if (!h.stopped.load(std::memory_order_acquire)) return Status::OK();
+  std::unique_lock<std::mutex> lock(h.mu);
+  const std::uint64_t failures = h.failures;
+  h.changed.wait_for(lock, kRecoveryWait, [&] {
+    return !h.stopped.load(std::memory_order_acquire) || h.needs_reopen || h.failures != failures;
+  });
+  if (!h.stopped.load(std::memory_order_acquire)) return Status::OK();
+  const std::string dir = engine == Engine::Users ? path_ : state_path();
+  std::string out = std::string(what) + ": the writes of '" + dir + "' stopped after an error (" + h.error + ")";
+  if (h.needs_reopen) {
+    out += ", which RocksDB does not recover from: close the Db and open it again";
+  } else if (h.error.find("No space left on device") != std::string::npos) {
+    out += " and do not resume yet: its file system is still full. Free space there and call again (the Db "
+           "recovers in place, no reopen needed)";
+  } else {
+    out += " and have not resumed yet: call again once the cause is fixed (the Db recovers in place), or close "
+           "the Db and open it again";
+  }
+  return Status::IOError(out);
+}
+
+std::uint64_t Storage::recoveries() const {
+  return health(Engine::Users).recoveries.load(std::memory_order_relaxed) +
+         health(Engine::State).recoveries.load(std::memory_order_relaxed);
 }
 
 Storage::CompactionDebt Storage::compaction_debt() const {

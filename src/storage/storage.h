@@ -34,6 +34,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <chrono>
@@ -81,6 +82,22 @@ std::uintmax_t checkpoint_unlinked_bytes(rocksdb::DB* db, const std::string& dir
 // global view: `cache` bounds the blocks read, index and filter blocks
 // included (partitioned), and bloom filters skip files for absent keys.
 void set_table_options(const std::shared_ptr<rocksdb::Cache>& cache, rocksdb::ColumnFamilyOptions* options);
+
+// One engine's state after a failed write, as RocksDB reports it to the
+// listener storage.cc installs (ErrorWatch); what Storage::recover waits on.
+struct EngineHealth {
+  std::atomic<bool> stopped{false};  // RocksDB refuses the engine's writes until it recovers
+  std::mutex mu;
+  std::condition_variable changed;
+  bool needs_reopen = false;   // an error RocksDB does not recover from; under mu
+  std::uint64_t failures = 0;  // errors reported, a failed recovery attempt's included; under mu
+  std::string error;           // the last one; under mu
+  std::atomic<std::uint64_t> recoveries{0};
+  // The anchor (Storage::write): memtable switches of the engine's default
+  // column family, and their count when the anchor record was last written.
+  std::atomic<std::uint64_t> seals{0};
+  std::atomic<std::uint64_t> anchored{std::numeric_limits<std::uint64_t>::max()};
+};
 
 class Storage {
  public:
@@ -365,6 +382,38 @@ class Storage {
   // Flushes (unless read-only) and closes both databases.
   Status close();
 
+  // Recovery in place from a full disk (docs/CONTRACT.md G6). A failed WAL
+  // write or sync, flush or MANIFEST write stops the engine: RocksDB refuses
+  // its writes until it recovers. Two faults of RocksDB 7.8.3 stand in the
+  // way, and tidal works around both without patching it:
+  //   - Its recovery of a NoSpace error (the SstFileManager's, and
+  //     DB::Resume()) clears the error but leaves the engine flagged as
+  //     stopped: Flush(wait) then returns at once, and an ingestion takes
+  //     file number 0 (its second one fails: "File exists"). Its automatic
+  //     resume after a *retryable* I/O error clears both. So the engines'
+  //     file system reports ENOSPC as a retryable I/O error (storage.cc,
+  //     NoSpaceIsRetryable), and RocksDB resumes the engine by itself, one
+  //     attempt every kResumeInterval, until one succeeds (the space is back).
+  //   - A resume moves the engine off the WAL whose write failed only when
+  //     it has a memtable to flush; with every memtable empty the engine
+  //     stayed on that WAL, and its next write failed for good ("Writer has
+  //     previous error"). So a memtable-only record (the anchor) is written
+  //     into the default column family before each WAL write or sync when a
+  //     flush may have taken the last one.
+  // recover(), which each write, sync, flush and ingestion calls first,
+  // returns at once while the engine is not stopped; else it waits until
+  // RocksDB's next attempt to resume it ends (at most kRecoveryWait): OK
+  // once the engine writes again, else an error that says what to do (free
+  // space and call again; a reopen for an error RocksDB does not recover
+  // from). A write that failed is not in the engine once it has resumed (the
+  // resume flushed the memtables and dropped that WAL); until then a crash
+  // may still bring it back from the WAL.
+  Status recover(Engine engine, std::string_view what);
+  static constexpr std::chrono::milliseconds kResumeInterval{100};
+  static constexpr std::chrono::seconds kRecoveryWait{10};
+  // How many times an engine recovered in place since the open.
+  std::uint64_t recoveries() const;
+
   // Checks that the state store's records are in this version's format
   // (16-byte integer sums, state meta "state_format" = "2") and marks a
   // state engine that has none yet. Aggregates written by tidal 0.1 (8-byte
@@ -408,6 +457,15 @@ class Storage {
     std::unique_ptr<rocksdb::DB> db;
     std::vector<rocksdb::ColumnFamilyHandle*> handles;
   };
+  EngineHealth& health(Engine engine) const { return *health_[engine == Engine::Users ? 0 : 1]; }
+  // The error of a failed write, sync, flush or ingestion of `engine`, with
+  // what to do.
+  Status engine_error(Engine engine, const rocksdb::Status& s, std::string_view what) const;
+  // Writes the anchor (recover()) unless the default column family's
+  // memtable holds it already. Before each WAL write or sync of `engine`.
+  void anchor(Engine engine);
+  // Flushes every memtable of `instance`.
+  rocksdb::Status flush_instance(const Instance& instance) const;
   Storage() = default;
   rocksdb::DB* db_of(rocksdb::ColumnFamilyHandle* cf) const;
   // Opens the state engine (creating it when `create`), with the feed's
@@ -455,11 +513,16 @@ class Storage {
   bool read_only_ = false;
   bool state_manifest_per_edit_ = false;  // Config::state_manifest_per_edit
   std::shared_ptr<rocksdb::Cache> block_cache_;
-  // The users engine's Env: the base Env's files, background threads of
-  // its own (storage.cc, UsersEngineEnv). Outlives the engine.
+  // The engines' Env: the base Env, its file system reporting ENOSPC as a
+  // retryable error (recover()). Outlives both engines.
+  std::unique_ptr<rocksdb::Env> env_;
+  // The users engine's Env: env_'s files, background threads of its own
+  // (storage.cc, UsersEngineEnv). Outlives the engine.
   std::unique_ptr<rocksdb::Env> users_env_;
   Instance users_;
   Instance state_;
+  std::array<std::shared_ptr<EngineHealth>, 2> health_{std::make_shared<EngineHealth>(),
+                                                       std::make_shared<EngineHealth>()};
 
   // Set by every Async write of the users engine once it returned; cleared
   // by the sync that makes it durable.
