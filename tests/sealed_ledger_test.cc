@@ -137,7 +137,7 @@ TEST(SealedLedger, KeysAreFreshAndStoredKeysDecodeToTheSamePseudonym) {
   for (int i = 0; i < 1000; ++i) pseudonyms.insert(std::string(new_key().pseudonym()));
   EXPECT_EQ(pseudonyms.size(), 1000u);
   const UserKey key = new_key();
-  const std::string stored = key.encode();
+  const std::string stored(key.encode().view());
   ASSERT_EQ(stored.size(), kKeyStoreValueSize);
   const std::optional<UserKey> back = UserKey::decode(stored);
   ASSERT_TRUE(back.has_value());
@@ -525,11 +525,11 @@ TEST(SealedLedger, AWrappedKeyUnwrapsOnlyWithItsBucketKeyForItsUser) {
   changed[30] = static_cast<char>(changed[30] ^ 1);
   EXPECT_EQ(bucket->rewrap(*next, kMinBucketDepth, {u}, {changed}, &again).code(), StatusCode::Corruption);
   // The stored bucket key decodes to one that unwraps the same.
-  const std::optional<BucketKey> decoded = BucketKey::decode(bucket->encode());
+  const std::optional<BucketKey> decoded = BucketKey::decode(bucket->encode().view());
   ASSERT_TRUE(decoded.has_value());
   EXPECT_EQ(decoded->generation(), 7u);
   EXPECT_TRUE(decoded->unwrap(u, wrapped).has_value());
-  EXPECT_FALSE(BucketKey::decode(bucket->encode().substr(1)).has_value());
+  EXPECT_FALSE(BucketKey::decode(bucket->encode().view().substr(1)).has_value());
   // Every user id maps to one bucket, whose key begins its key-store key.
   EXPECT_EQ(encode_key_store_key(u).substr(0, 2), encode_bucket_key(key_bucket(u)));
   EXPECT_EQ(decode_key_store_key(encode_key_store_key(u)), u);
@@ -564,7 +564,7 @@ TEST(SealedLedger, TheErasureScanReadsAWalsBatchesAcrossItsBlocks) {
   ASSERT_TRUE(batch.Put(std::string(32738, 'x'), "").ok());
   ASSERT_TRUE(batch.Put(encode_key_store_key(u), wrapped).ok());
   ASSERT_TRUE(batch.Put(encode_key_prefix(EntityId(u), Tag::ContributionLedger) + "entry", "1").ok());
-  ASSERT_TRUE(batch.Put(encode_bucket_key(key_bucket(u)), bucket->encode()).ok());
+  ASSERT_TRUE(batch.Put(encode_bucket_key(key_bucket(u)), bucket->encode().view()).ok());
   ASSERT_TRUE(db->Write(rocksdb::WriteOptions(), &batch).ok());
   std::string wal;  // the one WAL
   for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "storage/sealed_ledger.h"
+#include "storage/secret.h"
 
 namespace tidal {
 
@@ -70,8 +71,9 @@ class LedgerKeyTable {
   int shift_ = 64;           // 64 - log2(slots_.size())
   std::size_t size_ = 0;
   // The keys, densely: entry n in chunks_[n / kChunkEntries]; each chunk is
-  // reserved whole, so an insert never moves an entry.
-  std::vector<std::vector<Entry>> chunks_;
+  // reserved whole, so an insert never moves an entry. In pages left out of
+  // core dumps and wiped when freed (storage/secret.h).
+  std::vector<SecretVector<Entry>> chunks_;
 };
 
 }  // namespace tidal

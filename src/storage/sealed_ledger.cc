@@ -22,6 +22,7 @@
 #include <openssl/rand.h>
 
 #include "storage/format.h"
+#include "storage/secret.h"
 #include "storage/storage.h"
 
 namespace tidal {
@@ -72,13 +73,25 @@ const EVP_CIPHER* aes_256_gcm() {
 // system call each) cost more than the sealing. Bytes are wiped from the
 // pool as they are taken. A forked child empties the pool of the thread
 // that forked (the only one it has), so it never draws the parent's bytes.
+// The pool lies in pages of its own (secret_allocate: left out of core
+// dumps, wiped when the thread ends): it holds the bytes of keys to come.
 struct RandomPool {
   std::array<unsigned char, 4096> bytes{};
   std::size_t used = 4096;
 };
+struct RandomPoolPages {
+  void operator()(RandomPool* pool) const {
+    pool->~RandomPool();
+    secret_free(pool, sizeof(RandomPool));
+  }
+};
 RandomPool& random_pool() {
-  thread_local RandomPool pool;
-  return pool;
+  thread_local std::unique_ptr<RandomPool, RandomPoolPages> pool = [] {
+    void* p = secret_allocate(sizeof(RandomPool));
+    if (p == nullptr) throw std::bad_alloc();
+    return std::unique_ptr<RandomPool, RandomPoolPages>(new (p) RandomPool);
+  }();
+  return *pool;
 }
 bool random_bytes(unsigned char* out, std::size_t size) {
   static std::once_flag fork_handler;
@@ -171,9 +184,10 @@ std::string UserKey::erasure_tag() const {
   return {reinterpret_cast<const char*>(tag.data()), tag.size()};
 }
 
-std::string UserKey::encode() const {
-  std::string out(1, static_cast<char>(kKeyVersion));
-  out.append(reinterpret_cast<const char*>(key_.data()), key_.size());
+SecretBytes UserKey::encode() const {
+  SecretBytes out;
+  out.buffer()->assign(1, static_cast<char>(kKeyVersion));
+  out.buffer()->append(reinterpret_cast<const char*>(key_.data()), key_.size());
   return out;
 }
 
@@ -409,10 +423,11 @@ std::optional<BucketKey> BucketKey::decode(std::string_view stored) {
   return BucketKey(get_u32_be(stored.data() + 1), std::move(key));
 }
 
-std::string BucketKey::encode() const {
-  std::string out(1, static_cast<char>(kBucketVersion));
-  put_u32_be(&out, generation_);
-  out.append(key_.bytes_for_testing());
+SecretBytes BucketKey::encode() const {
+  SecretBytes out;
+  out.buffer()->assign(1, static_cast<char>(kBucketVersion));
+  put_u32_be(out.buffer(), generation_);
+  out.buffer()->append(key_.bytes_for_testing());
   return out;
 }
 
@@ -573,6 +588,16 @@ struct KeyStoreReads {
     storage.db(Storage::Engine::Users)
         ->MultiGet(read, cf, slices.size(), slices.data(), values.data(), statuses.data(), sorted);
   }
+  // A value not pinned in RocksDB's memory was copied into the slice's own
+  // buffer: a bucket key in clear, or a wrapped key.
+  ~KeyStoreReads() {
+    for (rocksdb::PinnableSlice& v : values) {
+      if (!v.IsPinned()) wipe(v.GetSelf());
+      v.Reset();
+    }
+  }
+  KeyStoreReads(const KeyStoreReads&) = delete;
+  KeyStoreReads& operator=(const KeyStoreReads&) = delete;
   std::vector<rocksdb::PinnableSlice> values;
   std::vector<rocksdb::Status> statuses;
 };
@@ -668,6 +693,10 @@ Status write_key_batch(Storage& storage, rocksdb::WriteBatch* batch, const KeySh
   std::sort(groups.begin(), groups.end());
   groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
   Status s = storage.write_key_store(batch, groups, /*sync=*/true, what);
+  // The batch held the bucket keys it wrote: its buffer is wiped (the
+  // const view RocksDB gives of it is of the batch's own string).
+  wipe(&const_cast<std::string&>(batch->Data()));
+  batch->Clear();
   if (s.ok()) storage.key_shape_cache() = std::move(encoded);
   else storage.key_shape_cache().reset();
   return s;
@@ -748,7 +777,7 @@ Status split_bucket(Storage& storage, rocksdb::Iterator* it, KeyShape* shape, ro
   }
   for (const auto& [key, value] : puts) batch->Put(storage.keys(), key, value);
   for (auto& [child, key] : halves) {
-    batch->Put(storage.bucket_keys(), child.key(), key.encode());
+    batch->Put(storage.bucket_keys(), child.key(), key.encode().view());
     made->emplace(child, std::move(key));
   }
   batch->Delete(storage.bucket_keys(), bucket.key());
@@ -851,7 +880,7 @@ Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64
     if (bucket_keys[i]) continue;
     Result<BucketKey> k = BucketKey::generate(1);
     if (!k.ok()) return k.status();
-    batch.Put(storage.bucket_keys(), buckets[i].key(), k->encode());
+    batch.Put(storage.bucket_keys(), buckets[i].key(), k->encode().view());
     bucket_keys[i] = std::move(*k);
     groups.push_back(buckets[i].group());
   }
@@ -938,7 +967,7 @@ Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& user
       for (std::size_t i = 0; i < kept.size(); ++i) {
         batch.Put(storage.keys(), encode_key_store_key(kept[i]), rewrapped[i]);
       }
-      batch.Put(storage.bucket_keys(), bucket.key(), next->encode());
+      batch.Put(storage.bucket_keys(), bucket.key(), next->encode().view());
       groups.push_back(g);
     }
   }

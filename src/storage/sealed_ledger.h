@@ -92,6 +92,7 @@
 #include <string_view>
 #include <vector>
 
+#include "storage/secret.h"
 #include "storage/state_format.h"
 #include "tidal/status.h"
 
@@ -146,7 +147,7 @@ class UserKey {
 
   // [version: 1 = 0x01][key: 32]: what a bucket key holds, and what tests
   // hold of a user's key. Never stored for a user (wrap_user_key).
-  std::string encode() const;
+  SecretBytes encode() const;
   // The 16 bytes that name the user's records: the end of each of their
   // sealed ledger keys, the start of each of their index keys.
   std::string_view pseudonym() const {
@@ -196,8 +197,8 @@ class BucketKey {
   static std::optional<BucketKey> decode(std::string_view stored);
 
   std::uint32_t generation() const { return generation_; }
-  // The bucket_keys value.
-  std::string encode() const;
+  // The bucket_keys value (wiped when the result is destroyed).
+  SecretBytes encode() const;
   // `user_key` of `user`, wrapped for the wrapped_keys family by this key
   // of a bucket of depth `depth` (67 bytes, version 3).
   Status wrap(std::uint64_t user, unsigned depth, const UserKey& user_key, std::string* value) const;
