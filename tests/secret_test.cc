@@ -62,7 +62,7 @@ TEST(KeyMemory, TheWritersKeyTableIsLeftOutOfCoreDumps) {
   const UserKey key = new_key();
   for (std::uint64_t u = 0; u < 40'000; ++u) table.insert(u, key);  // three chunks
   for (std::uint64_t u : {0ULL, 20'000ULL, 39'999ULL}) {
-    const UserKey* held = table.find(u);
+    const SealingKey* held = table.find(u);
     ASSERT_NE(held, nullptr);
     EXPECT_TRUE(dont_dump(held)) << "user " << u << ": " << vm_flags_of(held);
   }

@@ -685,7 +685,7 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
       if (!header) {
         problem("key store key " + hex(view(k->key())) + ": user " + std::to_string(*user) + "'s wrapped key (" +
                 std::to_string(k->value().size()) + " bytes) is not one (expected " + std::to_string(kWrappedKeySize) +
-                " bytes of version 3, or " + std::to_string(kWrappedKeySizeV2) + " of version 2)");
+                " bytes of version 3 or 4, or " + std::to_string(kWrappedKeySizeV2) + " of version 2)");
         continue;
       }
       if (group != key_bucket(*user)) {

@@ -17,6 +17,7 @@
 #include <openssl/crypto.h>
 #include <openssl/err.h>
 #include <openssl/evp.h>
+#include <openssl/kdf.h>
 #include <openssl/core_names.h>
 #include <openssl/params.h>
 #include <openssl/rand.h>
@@ -28,14 +29,24 @@
 namespace tidal {
 namespace {
 
-constexpr unsigned char kKeyVersion = 1;
+constexpr unsigned char kKeyVersionHmac = 1;  // UserKey::encode
+constexpr unsigned char kKeyVersionHkdf = 2;
+// A record sealed with a raw key: an Hmac key's records before HKDF, and
+// the user's key inside a wrapped key (sealed with the bucket's raw key).
 constexpr unsigned char kRecordVersion = 1;
+constexpr unsigned char kRecordVersionHkdf = 2;  // sealed with the sealing subkey
 constexpr unsigned char kBucketVersion = 1;
-constexpr unsigned char kWrappedVersion = 3;
-constexpr unsigned char kWrappedVersionV2 = 2;  // read, no longer written
+constexpr unsigned char kWrappedVersionHkdf = 4;  // an Hkdf key
+constexpr unsigned char kWrappedVersion = 3;      // an Hmac key
+constexpr unsigned char kWrappedVersionV2 = 2;  // an Hmac key, depth 16: read, no longer written
 constexpr unsigned char kShapeVersion = 1;
+// The HMAC derivations of an Hmac key.
 constexpr char kPseudonymLabel[] = "tidal ledger pseudonym v1";
 constexpr char kErasureTagLabel[] = "tidal erasure mark v1";
+// The HKDF-SHA256 labels (info; no salt): one subkey each.
+constexpr char kSealInfo[] = "tidal ledger seal v2";
+constexpr char kPseudonymInfo[] = "tidal ledger pseudonym v2";
+constexpr char kErasureTagInfo[] = "tidal erasure mark v2";
 
 // The reason of libcrypto's last error, for a message.
 std::string crypto_error() {
@@ -129,7 +140,39 @@ EVP_MAC_CTX* hmac_sha256_ctx() {
   return ctx.get();
 }
 
+// HKDF-SHA256, fetched once, with one context per thread, reset after each
+// derivation so that it keeps no key. Null when libcrypto has none.
+struct KdfCtxDeleter {
+  void operator()(EVP_KDF_CTX* ctx) const { EVP_KDF_CTX_free(ctx); }
+};
+EVP_KDF_CTX* hkdf_ctx() {
+  static EVP_KDF* const hkdf = EVP_KDF_fetch(nullptr, "HKDF", nullptr);
+  thread_local std::unique_ptr<EVP_KDF_CTX, KdfCtxDeleter> ctx(hkdf == nullptr ? nullptr : EVP_KDF_CTX_new(hkdf));
+  return ctx.get();
+}
+
+// HKDF-SHA256(ikm = key, salt = none, info = label), `size` bytes into
+// `out`; false (out zeroed) when libcrypto fails.
+bool hkdf(const std::array<unsigned char, kUserKeySize>& key, std::string_view label, unsigned char* out,
+          std::size_t size) {
+  EVP_KDF_CTX* ctx = hkdf_ctx();
+  char digest[] = "SHA256";
+  const OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string(OSSL_KDF_PARAM_DIGEST, digest, 0),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_KEY, const_cast<unsigned char*>(key.data()), key.size()),
+      OSSL_PARAM_construct_octet_string(OSSL_KDF_PARAM_INFO, const_cast<char*>(label.data()), label.size()),
+      OSSL_PARAM_construct_end()};
+  const bool ok = ctx != nullptr && EVP_KDF_derive(ctx, out, size, params) == 1;
+  if (ctx != nullptr) EVP_KDF_CTX_reset(ctx);
+  if (!ok) OPENSSL_cleanse(out, size);
+  return ok;
+}
+
+std::atomic<bool> g_hmac_keys{false};
+
 }  // namespace
+
+std::atomic<bool>& hmac_keys_for_testing() { return g_hmac_keys; }
 
 Result<UserKey> UserKey::generate() {
   UserKey key;
@@ -137,29 +180,35 @@ Result<UserKey> UserKey::generate() {
     return Status::IOError("the OS random number generator gave no key for a user's ledger (OpenSSL RAND_bytes: " +
                            crypto_error() + ")");
   }
-  key.derive_pseudonym();
+  if (g_hmac_keys.load(std::memory_order_relaxed)) key.derivation_ = KeyDerivation::Hmac;
+  key.derive();
   return key;
 }
 
 std::optional<UserKey> UserKey::decode(std::string_view stored) {
-  if (stored.size() != kKeyStoreValueSize || static_cast<unsigned char>(stored[0]) != kKeyVersion) return std::nullopt;
+  if (stored.size() != kKeyStoreValueSize) return std::nullopt;
+  const auto version = static_cast<unsigned char>(stored[0]);
+  if (version != kKeyVersionHmac && version != kKeyVersionHkdf) return std::nullopt;
   UserKey key;
+  key.derivation_ = version == kKeyVersionHmac ? KeyDerivation::Hmac : KeyDerivation::Hkdf;
   std::memcpy(key.key_.data(), stored.data() + 1, kUserKeySize);
-  key.derive_pseudonym();
+  key.derive();
   return key;
 }
 
-UserKey::~UserKey() {
-  OPENSSL_cleanse(key_.data(), key_.size());
+SealingKey::~SealingKey() {
+  OPENSSL_cleanse(seal_key_.data(), seal_key_.size());
   OPENSSL_cleanse(pseudonym_.data(), pseudonym_.size());
 }
+
+UserKey::~UserKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
 
 namespace {
 
 // HMAC-SHA256(key, label), its first `out.size()` bytes. HMAC cannot fail
 // with a valid digest and key; a failure leaves `out` zero.
 template <std::size_t N>
-void derive(const std::array<unsigned char, kUserKeySize>& key, std::string_view label,
+void hmac_derive(const std::array<unsigned char, kUserKeySize>& key, std::string_view label,
             std::array<unsigned char, N>* out) {
   unsigned char mac[EVP_MAX_MD_SIZE];
   std::size_t size = 0;
@@ -174,45 +223,62 @@ void derive(const std::array<unsigned char, kUserKeySize>& key, std::string_view
 
 }  // namespace
 
-// (A zero pseudonym, were HMAC to fail, is one every open refuses to
-// authenticate.)
-void UserKey::derive_pseudonym() { derive(key_, kPseudonymLabel, &pseudonym_); }
+// (A zero pseudonym or subkey, were libcrypto to fail, is one every open
+// refuses to authenticate.)
+void UserKey::derive() {
+  if (derivation_ == KeyDerivation::Hmac && g_hmac_keys.load(std::memory_order_relaxed)) {
+    seal_key_ = key_;  // seal() then writes what a key before HKDF wrote
+  } else {
+    hkdf(key_, kSealInfo, seal_key_.data(), seal_key_.size());
+  }
+  if (derivation_ == KeyDerivation::Hkdf) {
+    hkdf(key_, kPseudonymInfo, pseudonym_.data(), pseudonym_.size());
+  } else {
+    hmac_derive(key_, kPseudonymLabel, &pseudonym_);
+  }
+}
 
 std::string UserKey::erasure_tag() const {
   std::array<unsigned char, kErasureTagSize> tag{};
-  derive(key_, kErasureTagLabel, &tag);
+  if (derivation_ == KeyDerivation::Hkdf) hkdf(key_, kErasureTagInfo, tag.data(), tag.size());
+  else hmac_derive(key_, kErasureTagLabel, &tag);
   return {reinterpret_cast<const char*>(tag.data()), tag.size()};
 }
 
 SecretBytes UserKey::encode() const {
   SecretBytes out;
-  out.buffer()->assign(1, static_cast<char>(kKeyVersion));
+  out.buffer()->assign(1, static_cast<char>(derivation_ == KeyDerivation::Hmac ? kKeyVersionHmac : kKeyVersionHkdf));
   out.buffer()->append(reinterpret_cast<const char*>(key_.data()), key_.size());
   return out;
 }
 
-std::array<char, kSealedLedgerKeySize> UserKey::record_name(std::uint64_t epoch) const {
+std::array<char, kSealedLedgerKeySize> SealingKey::record_name(std::uint64_t epoch) const {
   std::array<char, kSealedLedgerKeySize> out;
   for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>(epoch >> (56 - 8 * i));
   std::memcpy(out.data() + 8, pseudonym_.data(), kPseudonymSize);
   return out;
 }
 
-std::string UserKey::record_key(std::uint64_t epoch) const {
+std::string SealingKey::record_key(std::uint64_t epoch) const {
   const std::array<char, kSealedLedgerKeySize> name = record_name(epoch);
   return {name.data(), name.size()};
 }
 
-std::string UserKey::index_key(std::uint64_t epoch) const {
+std::string SealingKey::index_key(std::uint64_t epoch) const {
   std::string out(pseudonym());
   put_u64_be(&out, epoch);
   return out;
 }
 
-Status UserKey::seal(std::string_view record_key, std::string_view plaintext, std::string* value) const {
+namespace {
+
+// AES-256-GCM under `key` of `plaintext`, as a record of version `version`
+// (its byte first, in the AAD after `aad`), appended to *value.
+Status seal_with(const unsigned char* key, unsigned char version, std::string_view aad, std::string_view plaintext,
+                 std::string* value) {
   const std::size_t at = value->size();
   value->resize(at + kSealVersionSize + kSealNonceSize + plaintext.size() + kSealTagSize);
-  (*value)[at] = static_cast<char>(kRecordVersion);
+  (*value)[at] = static_cast<char>(version);
   auto* out = reinterpret_cast<unsigned char*>(value->data()) + at + kSealVersionSize;
   if (!random_bytes(out, kSealNonceSize)) {
     return Status::IOError("the OS random number generator gave no nonce to seal a ledger record (OpenSSL RAND_bytes: " +
@@ -222,9 +288,9 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
   int n = 0;
   int total = 0;
   const bool ok =
-      ctx != nullptr && EVP_EncryptInit_ex(ctx, aes_256_gcm(), nullptr, key_.data(), out) == 1 &&
-      EVP_EncryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
-      EVP_EncryptUpdate(ctx, nullptr, &n, &kRecordVersion, 1) == 1 &&
+      ctx != nullptr && EVP_EncryptInit_ex(ctx, aes_256_gcm(), nullptr, key, out) == 1 &&
+      EVP_EncryptUpdate(ctx, nullptr, &n, bytes(aad), static_cast<int>(aad.size())) == 1 &&
+      EVP_EncryptUpdate(ctx, nullptr, &n, &version, 1) == 1 &&
       EVP_EncryptUpdate(ctx, out + kSealNonceSize, &n, bytes(plaintext), static_cast<int>(plaintext.size())) == 1 &&
       (total = n, EVP_EncryptFinal_ex(ctx, out + kSealNonceSize + total, &n) == 1) &&
       EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, static_cast<int>(kSealTagSize),
@@ -233,12 +299,12 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
   return Status::OK();
 }
 
-bool UserKey::open(std::string_view record_key, std::string_view value, std::string* plaintext) const {
+// Opens what seal_with(key, value's version byte, aad, ...) made; false
+// (nothing in *plaintext) when it does not authenticate.
+bool open_with(const unsigned char* key, std::string_view aad, std::string_view value, std::string* plaintext) {
   plaintext->clear();
-  if (value.size() < kSealVersionSize + kSealNonceSize + kSealTagSize ||
-      static_cast<unsigned char>(value[0]) != kRecordVersion) {
-    return false;
-  }
+  if (value.size() < kSealVersionSize + kSealNonceSize + kSealTagSize) return false;
+  const auto version = static_cast<unsigned char>(value[0]);
   value.remove_prefix(kSealVersionSize);
   const std::size_t size = value.size() - kSealNonceSize - kSealTagSize;
   plaintext->resize(size);
@@ -249,15 +315,42 @@ bool UserKey::open(std::string_view record_key, std::string_view value, std::str
   // as non-const.
   unsigned char tag[kSealTagSize];
   std::memcpy(tag, in + kSealNonceSize + size, kSealTagSize);
-  const bool ok = ctx != nullptr && EVP_DecryptInit_ex(ctx, aes_256_gcm(), nullptr, key_.data(), in) == 1 &&
-         EVP_DecryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
-         EVP_DecryptUpdate(ctx, nullptr, &n, &kRecordVersion, 1) == 1 &&
+  const bool ok = ctx != nullptr && EVP_DecryptInit_ex(ctx, aes_256_gcm(), nullptr, key, in) == 1 &&
+         EVP_DecryptUpdate(ctx, nullptr, &n, bytes(aad), static_cast<int>(aad.size())) == 1 &&
+         EVP_DecryptUpdate(ctx, nullptr, &n, &version, 1) == 1 &&
          EVP_DecryptUpdate(ctx, reinterpret_cast<unsigned char*>(plaintext->data()), &n, in + kSealNonceSize,
                            static_cast<int>(size)) == 1 &&
          EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, static_cast<int>(kSealTagSize), tag) == 1 &&
          EVP_DecryptFinal_ex(ctx, reinterpret_cast<unsigned char*>(plaintext->data()) + n, &n) == 1;
-  if (!ok) plaintext->clear();  // nothing of an unauthenticated record is handed out
+  if (!ok) {  // nothing of an unauthenticated record is handed out
+    OPENSSL_cleanse(plaintext->data(), plaintext->size());
+    plaintext->clear();
+  }
   return ok;
+}
+
+}  // namespace
+
+Status SealingKey::seal(std::string_view record_key, std::string_view plaintext, std::string* value) const {
+  const unsigned char version = g_hmac_keys.load(std::memory_order_relaxed) ? kRecordVersion : kRecordVersionHkdf;
+  return seal_with(seal_key_.data(), version, record_key, plaintext, value);
+}
+
+bool UserKey::open(std::string_view record_key, std::string_view value, std::string* plaintext) const {
+  plaintext->clear();
+  if (value.empty()) return false;
+  const auto version = static_cast<unsigned char>(value[0]);
+  if (version == kRecordVersionHkdf) return open_with(seal_key_.data(), record_key, value, plaintext);
+  if (version == kRecordVersion && derivation_ == KeyDerivation::Hmac) {
+    return open_with(key_.data(), record_key, value, plaintext);
+  }
+  return false;
+}
+
+Status seal_v1_for_testing(std::string_view key, std::string_view record_key, std::string_view plaintext,
+                           std::string* value) {
+  if (key.size() != kUserKeySize) return Status::InvalidArgument("not a 32-byte key");
+  return seal_with(bytes(key), kRecordVersion, record_key, plaintext, value);
 }
 
 namespace {
@@ -398,7 +491,9 @@ std::optional<WrappedHeader> wrapped_key_header(std::string_view value) {
   if (version == kWrappedVersionV2 && value.size() == kWrappedKeySizeV2) {
     return WrappedHeader{version, kMinBucketDepth, get_u32_be(value.data() + 1), 5};
   }
-  if (version != kWrappedVersion || value.size() != kWrappedKeySize) return std::nullopt;
+  if ((version != kWrappedVersion && version != kWrappedVersionHkdf) || value.size() != kWrappedKeySize) {
+    return std::nullopt;
+  }
   const unsigned depth = static_cast<unsigned char>(value[1]);
   if (depth < kMinBucketDepth || depth > kMaxBucketDepth) return std::nullopt;
   return WrappedHeader{version, depth, get_u32_be(value.data() + 2), 6};
@@ -411,41 +506,55 @@ std::optional<std::uint32_t> wrapped_key_generation(std::string_view value) {
 }
 
 Result<BucketKey> BucketKey::generate(std::uint32_t generation) {
-  Result<UserKey> key = UserKey::generate();
-  if (!key.ok()) return key.status();
-  return BucketKey(generation, std::move(*key));
+  BucketKey key(generation);
+  if (!random_bytes(key.key_.data(), key.key_.size())) {
+    return Status::IOError("the OS random number generator gave no key for a bucket of the key store (OpenSSL "
+                           "RAND_bytes: " + crypto_error() + ")");
+  }
+  return key;
 }
 
 std::optional<BucketKey> BucketKey::decode(std::string_view stored) {
   if (stored.size() != kBucketValueSize || static_cast<unsigned char>(stored[0]) != kBucketVersion) return std::nullopt;
-  UserKey key;
+  BucketKey key(get_u32_be(stored.data() + 1));
   std::memcpy(key.key_.data(), stored.data() + 5, kUserKeySize);
-  return BucketKey(get_u32_be(stored.data() + 1), std::move(key));
+  return key;
 }
+
+BucketKey::~BucketKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
 
 SecretBytes BucketKey::encode() const {
   SecretBytes out;
   out.buffer()->assign(1, static_cast<char>(kBucketVersion));
   put_u32_be(out.buffer(), generation_);
-  out.buffer()->append(key_.bytes_for_testing());
+  out.buffer()->append(bytes_for_testing());
   return out;
 }
 
 namespace {
 
-// What a wrapped key is sealed under: its wrapped_keys key, the depth of
-// its bucket (version 3) and the generation of the bucket key.
+// What a wrapped key is sealed under: its wrapped_keys key, the version
+// (4 only), the depth of its bucket (versions 3 and 4) and the generation
+// of the bucket key.
 std::string wrap_aad(std::uint64_t user, const WrappedHeader& h) {
   std::string aad = encode_key_store_key(user);
-  if (h.version == kWrappedVersion) aad.push_back(static_cast<char>(h.depth));
+  if (h.version == kWrappedVersionHkdf) aad.push_back(static_cast<char>(h.version));
+  if (h.version != kWrappedVersionV2) aad.push_back(static_cast<char>(h.depth));
   put_u32_be(&aad, h.generation);
   return aad;
 }
 
+unsigned wrapped_version(KeyDerivation d) { return d == KeyDerivation::Hkdf ? kWrappedVersionHkdf : kWrappedVersion; }
+KeyDerivation derivation_of(const WrappedHeader& h) {
+  return h.version == kWrappedVersionHkdf ? KeyDerivation::Hkdf : KeyDerivation::Hmac;
+}
+
 // The header of a value wrapped now, and its bytes.
-WrappedHeader new_header(unsigned depth, std::uint32_t generation) { return {kWrappedVersion, depth, generation, 6}; }
+WrappedHeader new_header(KeyDerivation d, unsigned depth, std::uint32_t generation) {
+  return {wrapped_version(d), depth, generation, 6};
+}
 void put_header(std::string* value, const WrappedHeader& h) {
-  value->assign(1, static_cast<char>(kWrappedVersion));
+  value->assign(1, static_cast<char>(h.version));
   value->push_back(static_cast<char>(h.depth));
   put_u32_be(value, h.generation);
 }
@@ -453,9 +562,9 @@ void put_header(std::string* value, const WrappedHeader& h) {
 }  // namespace
 
 Status BucketKey::wrap(std::uint64_t user, unsigned depth, const UserKey& user_key, std::string* value) const {
-  const WrappedHeader h = new_header(depth, generation_);
+  const WrappedHeader h = new_header(user_key.derivation(), depth, generation_);
   put_header(value, h);
-  return key_.seal(wrap_aad(user, h), user_key.bytes_for_testing(), value);
+  return seal_with(key_.data(), kRecordVersion, wrap_aad(user, h), user_key.bytes_for_testing(), value);
 }
 
 Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vector<std::uint64_t>& users,
@@ -463,8 +572,8 @@ Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vecto
   out->assign(values.size(), std::string());
   const std::unique_ptr<EVP_CIPHER_CTX, CipherCtxDeleter> open(EVP_CIPHER_CTX_new()), seal(EVP_CIPHER_CTX_new());
   if (open == nullptr || seal == nullptr ||
-      EVP_DecryptInit_ex(open.get(), aes_256_gcm(), nullptr, key_.key_.data(), nullptr) != 1 ||
-      EVP_EncryptInit_ex(seal.get(), aes_256_gcm(), nullptr, next.key_.key_.data(), nullptr) != 1) {
+      EVP_DecryptInit_ex(open.get(), aes_256_gcm(), nullptr, key_.data(), nullptr) != 1 ||
+      EVP_EncryptInit_ex(seal.get(), aes_256_gcm(), nullptr, next.key_.data(), nullptr) != 1) {
     return Status::IOError("wrapping ledger keys again failed (OpenSSL AES-256-GCM: " + crypto_error() + ")");
   }
   // The same bytes as wrap() and unwrap(): the header and what
@@ -494,7 +603,7 @@ Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vecto
                                 std::to_string(generation_) + " of its bucket's key");
     }
     std::string& w = (*out)[i];
-    const WrappedHeader next_header = new_header(depth, next.generation_);
+    const WrappedHeader next_header = new_header(derivation_of(*h), depth, next.generation_);
     put_header(&w, next_header);
     w.push_back(static_cast<char>(kRecordVersion));
     w.resize(kWrappedKeySize);
@@ -516,15 +625,16 @@ Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vecto
 std::optional<UserKey> BucketKey::unwrap(std::uint64_t user, std::string_view value) const {
   const std::optional<WrappedHeader> h = wrapped_key_header(value);
   if (!h || h->generation != generation_) return std::nullopt;
-  std::string plain;
-  if (!key_.open(wrap_aad(user, *h), value.substr(h->size), &plain) || plain.size() != kUserKeySize) {
-    OPENSSL_cleanse(plain.data(), plain.size());
+  SecretBytes plain;
+  const std::string_view sealed = value.substr(h->size);
+  if (sealed.empty() || static_cast<unsigned char>(sealed[0]) != kRecordVersion ||
+      !open_with(key_.data(), wrap_aad(user, *h), sealed, plain.buffer()) || plain.size() != kUserKeySize) {
     return std::nullopt;
   }
   UserKey key;
-  std::memcpy(key.key_.data(), plain.data(), kUserKeySize);
-  OPENSSL_cleanse(plain.data(), plain.size());
-  key.derive_pseudonym();
+  key.derivation_ = derivation_of(*h);
+  std::memcpy(key.key_.data(), plain.view().data(), kUserKeySize);
+  key.derive();
   return key;
 }
 
@@ -566,7 +676,7 @@ Result<std::optional<UserKey>> unwrap_user_key(const Storage& storage, std::uint
         user_key_text(user) + " (key store key " + hex(encode_key_store_key(user)) + ") in '" + storage.path() +
         "' does not unwrap: " +
         (!h ? std::to_string(wrapped.size()) + "-byte value; expected " + std::to_string(kWrappedKeySize) +
-                  " of version 3 (or " + std::to_string(kWrappedKeySizeV2) + " of version 2)"
+                  " of version 3 or 4 (or " + std::to_string(kWrappedKeySizeV2) + " of version 2)"
             : "wrapped with generation " + std::to_string(h->generation) + " of " +
                   bucket_text(KeyBucket::of(user, h->depth)) + ", which " +
                   (bucket == nullptr ? std::string("is not stored")
