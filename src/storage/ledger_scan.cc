@@ -697,7 +697,7 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
       if (b == bucket_keys.end()) {
         std::optional<BucketKey> bucket_key;
         Status g = storage.get(storage.bucket_keys(), bucket.key(), stored.buffer(), hold->keys_snapshot());
-        if (g.ok()) bucket_key = BucketKey::decode(stored.view());
+        if (g.ok()) bucket_key = decode_bucket_value(storage, bucket, stored.view());
         stored.clear();
         if (!g.ok() && g.code() != StatusCode::NotFound) return g;
         b = bucket_keys.emplace(bucket.key(), std::move(bucket_key)).first;

@@ -523,6 +523,89 @@ std::optional<BucketKey> BucketKey::decode(std::string_view stored) {
 
 BucketKey::~BucketKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
 
+namespace {
+
+constexpr unsigned char kBucketVersionWrapped = 2;
+constexpr char kKeyEncryptionCheckLabel[] = "tidal key-encryption check v1";
+
+// What a wrapped bucket key is sealed under: its bucket_keys key, the
+// version and the generation (BE).
+std::string bucket_aad(std::string_view bucket_key, std::uint32_t generation) {
+  std::string aad(bucket_key);
+  aad.push_back(static_cast<char>(kBucketVersionWrapped));
+  put_u32_be(&aad, generation);
+  return aad;
+}
+
+}  // namespace
+
+Result<KeyEncryptionKey> KeyEncryptionKey::from(std::string_view bytes) {
+  if (bytes.size() != kUserKeySize) {
+    return Status::InvalidArgument("a key-encryption key is 32 bytes (AES-256); " + std::to_string(bytes.size()) +
+                                   " given");
+  }
+  KeyEncryptionKey key;
+  std::memcpy(key.key_.data(), bytes.data(), kUserKeySize);
+  return key;
+}
+
+KeyEncryptionKey::~KeyEncryptionKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
+
+Result<std::string> KeyEncryptionKey::check_value() const {
+  std::string value;
+  const std::array<unsigned char, kUserKeySize> zero{};
+  if (Status s = seal_with(key_.data(), kRecordVersion, kKeyEncryptionCheckLabel,
+                           {reinterpret_cast<const char*>(zero.data()), zero.size()}, &value);
+      !s.ok()) {
+    return s;
+  }
+  return value;
+}
+
+bool KeyEncryptionKey::opens_check(std::string_view stored) const {
+  std::string plain;
+  return !stored.empty() && static_cast<unsigned char>(stored[0]) == kRecordVersion &&
+         open_with(key_.data(), kKeyEncryptionCheckLabel, stored, &plain) && plain.size() == kUserKeySize;
+}
+
+Result<std::string> BucketKey::encode(const KeyEncryptionKey& kek, std::string_view bucket_key) const {
+  std::string out(1, static_cast<char>(kBucketVersionWrapped));
+  put_u32_be(&out, generation_);
+  if (Status s = seal_with(kek.key_.data(), kRecordVersion, bucket_aad(bucket_key, generation_), bytes_for_testing(),
+                           &out);
+      !s.ok()) {
+    return s;
+  }
+  return out;
+}
+
+std::optional<BucketKey> BucketKey::decode(std::string_view stored, const KeyEncryptionKey& kek,
+                                           std::string_view bucket_key) {
+  if (stored.size() != kWrappedBucketValueSize || static_cast<unsigned char>(stored[0]) != kBucketVersionWrapped ||
+      static_cast<unsigned char>(stored[5]) != kRecordVersion) {
+    return std::nullopt;
+  }
+  BucketKey key(get_u32_be(stored.data() + 1));
+  SecretBytes plain;
+  if (!open_with(kek.key_.data(), bucket_aad(bucket_key, key.generation_), stored.substr(5), plain.buffer()) ||
+      plain.size() != kUserKeySize) {
+    return std::nullopt;
+  }
+  std::memcpy(key.key_.data(), plain.view().data(), kUserKeySize);
+  return key;
+}
+
+std::optional<BucketKey> decode_bucket_value(const Storage& storage, const KeyBucket& bucket, std::string_view stored) {
+  const Storage::KeyEncryption kek = storage.key_encryption();
+  if (kek.current == nullptr || kek.pending) return BucketKey::decode(stored);
+  const std::string key = bucket.key();
+  for (const auto& k : {kek.current, kek.previous}) {
+    if (k == nullptr) continue;
+    if (std::optional<BucketKey> b = BucketKey::decode(stored, *k, key)) return b;
+  }
+  return std::nullopt;
+}
+
 SecretBytes BucketKey::encode() const {
   SecretBytes out;
   out.buffer()->assign(1, static_cast<char>(kBucketVersion));
@@ -647,13 +730,29 @@ std::string bucket_text(const KeyBucket& bucket) { return "the key of " + bucket
 // The bucket key a bucket_keys value holds; Corruption when it does not
 // decode.
 Result<BucketKey> decode_bucket_key(const Storage& storage, const KeyBucket& bucket, std::string_view stored) {
-  std::optional<BucketKey> k = BucketKey::decode(stored);
+  std::optional<BucketKey> k = decode_bucket_value(storage, bucket, stored);
   if (!k) {
+    const bool wrapped = storage.key_encryption().current != nullptr;
     return Status::Corruption(bucket_text(bucket) + " in '" + storage.path() + "' does not decode (" +
                               std::to_string(stored.size()) + "-byte value; expected " +
-                              std::to_string(kBucketValueSize) + " of version 1)");
+                              (wrapped ? std::to_string(kWrappedBucketValueSize) +
+                                             " of version 2 that the key-encryption key opens"
+                                       : std::to_string(kBucketValueSize) + " of version 1") +
+                              ")");
   }
   return std::move(*k);
+}
+
+// The bucket_keys value of `key` for `bucket`, as the Db stores it: wrapped
+// with its key-encryption key when it has one.
+Result<SecretBytes> bucket_value(const Storage& storage, const KeyBucket& bucket, const BucketKey& key) {
+  const Storage::KeyEncryption kek = storage.key_encryption();
+  if (kek.current == nullptr || kek.pending) return key.encode();
+  Result<std::string> wrapped = key.encode(*kek.current, bucket.key());
+  if (!wrapped.ok()) return wrapped.status();
+  SecretBytes out;
+  out.buffer()->assign(*wrapped);
+  return out;
 }
 
 // The bucket whose key wrapped `wrapped` (a wrapped_keys value of `user`);
@@ -887,7 +986,9 @@ Status split_bucket(Storage& storage, rocksdb::Iterator* it, KeyShape* shape, ro
   }
   for (const auto& [key, value] : puts) batch->Put(storage.keys(), key, value);
   for (auto& [child, key] : halves) {
-    batch->Put(storage.bucket_keys(), child.key(), key.encode().view());
+    Result<SecretBytes> value = bucket_value(storage, child, key);
+    if (!value.ok()) return value.status();
+    batch->Put(storage.bucket_keys(), child.key(), value->view());
     made->emplace(child, std::move(key));
   }
   batch->Delete(storage.bucket_keys(), bucket.key());
@@ -990,7 +1091,9 @@ Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64
     if (bucket_keys[i]) continue;
     Result<BucketKey> k = BucketKey::generate(1);
     if (!k.ok()) return k.status();
-    batch.Put(storage.bucket_keys(), buckets[i].key(), k->encode().view());
+    Result<SecretBytes> value = bucket_value(storage, buckets[i], *k);
+    if (!value.ok()) return value.status();
+    batch.Put(storage.bucket_keys(), buckets[i].key(), value->view());
     bucket_keys[i] = std::move(*k);
     groups.push_back(buckets[i].group());
   }
@@ -1077,7 +1180,9 @@ Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& user
       for (std::size_t i = 0; i < kept.size(); ++i) {
         batch.Put(storage.keys(), encode_key_store_key(kept[i]), rewrapped[i]);
       }
-      batch.Put(storage.bucket_keys(), bucket.key(), next->encode().view());
+      Result<SecretBytes> value = bucket_value(storage, bucket, *next);
+      if (!value.ok()) return value.status();
+      batch.Put(storage.bucket_keys(), bucket.key(), value->view());
       groups.push_back(g);
     }
   }
@@ -1129,5 +1234,107 @@ bool sealed_index_key_of(std::string_view record_key, std::string* out) {
   return true;
 }
 
+
+namespace {
+
+// Every bucket key wrapped with `next`, and its check value, in one synced
+// write of the key store (under key_writes_mu); the Db's keys become
+// `next` (and `previous`, for reads at older snapshots) before the write,
+// so that a reader decodes either value. Then the users engine is flushed
+// past its WALs and the bucket_keys family compacted, so that no WAL or
+// SST of the Db holds a value `next` did not wrap (a bucket key in clear,
+// or wrapped with a replaced key-encryption key).
+Status wrap_bucket_keys(Storage& storage, const KeyEncryptionKey& next, const std::string& what) {
+  std::unique_lock<std::mutex> lock(storage.key_writes_mu());
+  const Storage::KeyEncryption before = storage.key_encryption();
+  rocksdb::WriteBatch batch;
+  auto it = storage.iterator(storage.bucket_keys(), /*bulk=*/true);
+  std::uint64_t n = 0;
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const std::string_view key = it->key().ToStringView();
+    const std::optional<KeyBucket> bucket = KeyBucket::decode(key);
+    if (!bucket) {
+      return Status::Corruption(what + ": bucket_keys key " + hex(key) + " in '" + storage.path() +
+                                "' is no bucket's (expected 2 or 5 bytes)");
+    }
+    Result<BucketKey> k = decode_bucket_key(storage, *bucket, it->value().ToStringView());
+    if (!k.ok()) return Status(k.status().code(), what + ": " + k.status().message());
+    Result<std::string> wrapped = k->encode(next, key);
+    if (!wrapped.ok()) return wrapped.status();
+    batch.Put(storage.bucket_keys(), key, *wrapped);
+    ++n;
+  }
+  if (Status s = from_rocksdb(it->status(), what + ": read of the bucket keys"); !s.ok()) return s;
+  it.reset();
+  Result<std::string> check = next.check_value();
+  if (!check.ok()) return check.status();
+  batch.Put(storage.meta(), kKeyEncryptionCheckKey, *check);
+  storage.set_key_encryption({std::make_shared<const KeyEncryptionKey>(next),
+                              before.pending ? nullptr : before.current, false});
+  Status s = storage.write_key_store(&batch, {}, /*sync=*/true, what);
+  wipe(&const_cast<std::string&>(batch.Data()));
+  batch.Clear();
+  if (!s.ok()) {
+    storage.set_key_encryption(before);
+    return s;
+  }
+  lock.unlock();
+  if (Status f = storage.flush_past_wals(Storage::Engine::Users); !f.ok()) {
+    return Status(f.code(), what + " (" + std::to_string(n) + " bucket keys wrapped and stored): " + f.message());
+  }
+  rocksdb::CompactRangeOptions compact;
+  compact.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  rocksdb::ColumnFamilyHandle* cf = storage.bucket_keys();
+  return from_rocksdb(storage.db(Storage::Engine::Users)->CompactRange(compact, cf, nullptr, nullptr),
+                      what + " (" + std::to_string(n) + " bucket keys wrapped and stored): the compaction of the "
+                      "bucket keys");
+}
+
+}  // namespace
+
+Status open_key_encryption(Storage& storage, const std::optional<std::string>& kek, bool read_only) {
+  const std::string where = "cannot open tidal Db at '" + storage.path() + "'";
+  std::string check;
+  const Status g = storage.get(storage.meta(), kKeyEncryptionCheckKey, &check);
+  if (!g.ok() && g.code() != StatusCode::NotFound) return g;
+  const bool wrapped = g.ok();
+  if (!kek) {
+    if (!wrapped) return Status::OK();
+    return Status::InvalidArgument(where + ": its bucket keys are wrapped with a key-encryption key, and "
+                                   "Options::key_encryption_key is missing (nothing changed)");
+  }
+  Result<KeyEncryptionKey> k = KeyEncryptionKey::from(*kek);
+  if (!k.ok()) return Status::InvalidArgument(where + ": Options::key_encryption_key: " + k.status().message());
+  if (wrapped) {
+    if (!k->opens_check(check)) {
+      return Status::InvalidArgument(where + ": the key-encryption key given (Options::key_encryption_key) is not "
+                                     "the one that wraps its bucket keys (nothing changed)");
+    }
+    storage.set_key_encryption({std::make_shared<const KeyEncryptionKey>(std::move(*k)), nullptr, false});
+    return Status::OK();
+  }
+  if (read_only) {
+    return Status::InvalidArgument(where + " read-only with Options::key_encryption_key: its bucket keys are not "
+                                   "wrapped with a key-encryption key yet; a writable open with the key wraps them");
+  }
+  storage.set_key_encryption({std::make_shared<const KeyEncryptionKey>(std::move(*k)), nullptr, true});
+  return Status::OK();
+}
+
+Status finish_key_encryption(Storage& storage) {
+  const Storage::KeyEncryption kek = storage.key_encryption();
+  if (!kek.pending || storage.bucket_keys() == nullptr) return Status::OK();
+  return wrap_bucket_keys(storage, *kek.current,
+                          "wrapping the bucket keys of '" + storage.path() + "' with the key-encryption key");
+}
+
+Status rotate_key_encryption(Storage& storage, std::string_view next) {
+  Result<KeyEncryptionKey> k = KeyEncryptionKey::from(next);
+  if (!k.ok()) return Status::InvalidArgument("rotate_key_encryption_key: " + k.status().message() + " (nothing changed)");
+  if (storage.bucket_keys() == nullptr) {
+    return Status::InvalidArgument("rotate_key_encryption_key: '" + storage.path() + "' has no key store yet");
+  }
+  return wrap_bucket_keys(storage, *k, "rotate_key_encryption_key of '" + storage.path() + "'");
+}
 
 }  // namespace tidal

@@ -228,6 +228,33 @@ class UserKey : public SealingKey {
 // 3), so that a test writes such a Db and then opens it without the flag.
 std::atomic<bool>& hmac_keys_for_testing();
 
+// The host's key-encryption key (Options::key_encryption_key; docs/FORMAT.md,
+// "The key-encryption key"): an AES-256 key that wraps each bucket key in
+// the bucket_keys family, so that the Db's files alone unwrap no user's key.
+// Wiped when destroyed.
+class KeyEncryptionKey {
+ public:
+  // From the host's 32 bytes; InvalidArgument naming the length otherwise.
+  static Result<KeyEncryptionKey> from(std::string_view bytes);
+  KeyEncryptionKey(const KeyEncryptionKey& other) = default;
+  KeyEncryptionKey& operator=(const KeyEncryptionKey& other) = default;
+  ~KeyEncryptionKey();
+
+  // The value of the users engine's meta key kKeyEncryptionCheckKey that
+  // this key opens (61 bytes), and whether `stored` is one that it opens.
+  Result<std::string> check_value() const;
+  bool opens_check(std::string_view stored) const;
+
+ private:
+  friend class BucketKey;
+  KeyEncryptionKey() = default;
+  std::array<unsigned char, kUserKeySize> key_{};
+};
+// Users-engine meta key: present when the Db's bucket keys are wrapped with
+// a key-encryption key, holding a check value sealed with it.
+inline constexpr char kKeyEncryptionCheckKey[] = "key_encryption_check";
+inline constexpr std::size_t kWrappedBucketValueSize = 1 + 4 + 1 + 12 + kUserKeySize + 16;  // version 2
+
 // One bucket's key and its generation: the key that wraps the keys of the
 // bucket's users in the key store. A purge replaces it with a new one of
 // the next generation and erases the old one. Wiped when destroyed.
@@ -243,8 +270,16 @@ class BucketKey {
   ~BucketKey();
 
   std::uint32_t generation() const { return generation_; }
-  // The bucket_keys value (wiped when the result is destroyed).
+  // The bucket_keys value in clear (version 1; wiped when the result is
+  // destroyed).
   SecretBytes encode() const;
+  // The bucket_keys value of bucket `bucket_key` (its bucket_keys key),
+  // wrapped with `kek` (version 2, 66 bytes).
+  Result<std::string> encode(const KeyEncryptionKey& kek, std::string_view bucket_key) const;
+  // From a version-2 value of bucket `bucket_key`; empty unless 66 bytes
+  // that `kek` opens under that key.
+  static std::optional<BucketKey> decode(std::string_view stored, const KeyEncryptionKey& kek,
+                                         std::string_view bucket_key);
   // `user_key` of `user`, wrapped for the wrapped_keys family by this key
   // of a bucket of depth `depth` (67 bytes: version 4 for an Hkdf key, 3
   // for an Hmac one).
@@ -350,6 +385,33 @@ struct WrappedHeader {
 };
 std::optional<WrappedHeader> wrapped_key_header(std::string_view value);
 std::optional<std::uint32_t> wrapped_key_generation(std::string_view value);
+
+// The bucket key `stored` (the bucket_keys value of `bucket`) holds, read
+// with the Db's key-encryption keys (Storage::key_encryption): a version-1
+// value when the Db has none (or its open is still to wrap them), a
+// version-2 value wrapped with the current or the previous one when it has.
+// Empty when it does not decode.
+std::optional<BucketKey> decode_bucket_value(const Storage& storage, const KeyBucket& bucket, std::string_view stored);
+
+// Checks `kek` (the host's key-encryption key, when given) against the Db
+// before the open changes anything, and keeps it in `storage`:
+// InvalidArgument when the Db's bucket keys are wrapped and no key is given
+// ("Options::key_encryption_key is missing"), when the key given does not
+// open the Db's check value (another key), when it is not 32 bytes, or when
+// a read-only open is given a key for a Db that has none (only a writable
+// open can wrap its bucket keys).
+Status open_key_encryption(Storage& storage, const std::optional<std::string>& kek, bool read_only);
+// A writable open given a key for a Db that had none wraps every bucket key
+// with it and stores its check value, in one synced write, then flushes and
+// compacts the bucket_keys family so that no SST of it holds a bucket key in
+// clear. Nothing to do otherwise.
+Status finish_key_encryption(Storage& storage);
+// Db::rotate_key_encryption_key: every bucket key wrapped again with `next`
+// (32 bytes) and its check value, in one synced write (under key_writes_mu),
+// then the bucket_keys family flushed and compacted, so that no SST of it
+// holds a value the old key wrapped. A Db without a key gets one the same
+// way. InvalidArgument when `next` is not 32 bytes.
+Status rotate_key_encryption(Storage& storage, std::string_view next);
 
 // Stores the new keys `created` (synced), each wrapped with its bucket's
 // current key; a bucket with none gets one (generation 1) in the same
