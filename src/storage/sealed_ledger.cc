@@ -181,7 +181,9 @@ Result<UserKey> UserKey::generate() {
                            crypto_error() + ")");
   }
   if (g_hmac_keys.load(std::memory_order_relaxed)) key.derivation_ = KeyDerivation::Hmac;
-  key.derive();
+  if (!key.derive()) {
+    return Status::IOError("deriving the subkeys of a user's ledger key failed (OpenSSL HKDF: " + crypto_error() + ")");
+  }
   return key;
 }
 
@@ -192,7 +194,7 @@ std::optional<UserKey> UserKey::decode(std::string_view stored) {
   UserKey key;
   key.derivation_ = version == kKeyVersionHmac ? KeyDerivation::Hmac : KeyDerivation::Hkdf;
   std::memcpy(key.key_.data(), stored.data() + 1, kUserKeySize);
-  key.derive();
+  if (!key.derive()) return std::nullopt;
   return key;
 }
 
@@ -223,19 +225,19 @@ void hmac_derive(const std::array<unsigned char, kUserKeySize>& key, std::string
 
 }  // namespace
 
-// (A zero pseudonym or subkey, were libcrypto to fail, is one every open
-// refuses to authenticate.)
-void UserKey::derive() {
+bool UserKey::derive() {
+  bool ok = true;
   if (derivation_ == KeyDerivation::Hmac && g_hmac_keys.load(std::memory_order_relaxed)) {
     seal_key_ = key_;  // seal() then writes what a key before HKDF wrote
   } else {
-    hkdf(key_, kSealInfo, seal_key_.data(), seal_key_.size());
+    ok = hkdf(key_, kSealInfo, seal_key_.data(), seal_key_.size());
   }
   if (derivation_ == KeyDerivation::Hkdf) {
-    hkdf(key_, kPseudonymInfo, pseudonym_.data(), pseudonym_.size());
+    ok = hkdf(key_, kPseudonymInfo, pseudonym_.data(), pseudonym_.size()) && ok;
   } else {
     hmac_derive(key_, kPseudonymLabel, &pseudonym_);
   }
+  return ok;
 }
 
 std::string UserKey::erasure_tag() const {
@@ -717,7 +719,7 @@ std::optional<UserKey> BucketKey::unwrap(std::uint64_t user, std::string_view va
   UserKey key;
   key.derivation_ = derivation_of(*h);
   std::memcpy(key.key_.data(), plain.view().data(), kUserKeySize);
-  key.derive();
+  if (!key.derive()) return std::nullopt;
   return key;
 }
 

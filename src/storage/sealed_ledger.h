@@ -17,6 +17,9 @@
 //                            after the group's: 2 BE]   (depth 17-32, 5 bytes)
 //                     value [version: 1 = 0x01][generation: 4 BE][bucket key: 32]
 //                                                                 (37 bytes)
+//                           or, with a key-encryption key (KeyEncryptionKey),
+//                           [0x02][generation: 4 BE][0x01][nonce: 12]
+//                           [wrapped bucket key: 32][tag: 16]     (66 bytes)
 //   wrapped_keys CF   key   [group: 2 BE][user_id: 8 BE]          (10 bytes)
 //                     value [version: 4 = 0x04][depth: 1][generation: 4 BE]
 //                           [0x01][nonce: 12][wrapped key: 32][tag: 16]
@@ -215,8 +218,9 @@ class UserKey : public SealingKey {
  private:
   friend class BucketKey;
   UserKey() = default;
-  // Fills the subkeys and the pseudonym from key_ and derivation_.
-  void derive();
+  // Fills the subkeys and the pseudonym from key_ and derivation_; false
+  // when libcrypto fails (the key is then not used).
+  bool derive();
 
   std::array<unsigned char, kUserKeySize> key_{};
   KeyDerivation derivation_ = KeyDerivation::Hkdf;
