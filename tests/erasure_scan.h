@@ -269,7 +269,9 @@ inline ErasureScan scan_files_settled(const std::string& path, std::uint64_t use
 
 // A user's key and the bucket key that wrapped it, as ErasureScan::user_keys
 // holds them.
-inline std::string held_key_text(const UserKey& key, const BucketKey& bucket) { return key.encode() + bucket.encode(); }
+inline std::string held_key_text(const UserKey& key, const BucketKey& bucket) {
+  return std::string(key.encode().view()) + std::string(bucket.encode().view());
+}
 
 inline ErasureScan scan_files_once(const std::string& path, std::uint64_t user, std::vector<std::string> keys) {
   ErasureScan out;

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/kdf.h>
 #include <rocksdb/db.h>
 #include <rocksdb/write_batch.h>
 
@@ -137,29 +138,110 @@ TEST(SealedLedger, KeysAreFreshAndStoredKeysDecodeToTheSamePseudonym) {
   for (int i = 0; i < 1000; ++i) pseudonyms.insert(std::string(new_key().pseudonym()));
   EXPECT_EQ(pseudonyms.size(), 1000u);
   const UserKey key = new_key();
-  const std::string stored = key.encode();
+  const std::string stored(key.encode().view());
   ASSERT_EQ(stored.size(), kKeyStoreValueSize);
   const std::optional<UserKey> back = UserKey::decode(stored);
   ASSERT_TRUE(back.has_value());
   EXPECT_EQ(back->pseudonym(), key.pseudonym());
   EXPECT_EQ(back->bytes_for_testing(), key.bytes_for_testing());
   EXPECT_FALSE(UserKey::decode(stored.substr(1)).has_value());
-  std::string v2 = stored;
-  v2[0] = 2;
-  EXPECT_FALSE(UserKey::decode(v2).has_value()) << "an unknown key version decoded";
-  // The derivations are part of format 4 (docs/FORMAT.md): HMAC-SHA256 of
-  // the key and a label, as libcrypto's one-shot HMAC computes it.
-  const auto hmac = [&](std::string_view label, std::size_t size) {
+  EXPECT_EQ(stored[0], '\x02') << "a new key is not an HKDF key";
+  std::string v3 = stored;
+  v3[0] = 3;
+  EXPECT_FALSE(UserKey::decode(v3).has_value()) << "an unknown key version decoded";
+}
+
+// The derivations are part of the format (docs/FORMAT.md, "Key
+// derivation"), computed here with libcrypto's other HKDF and HMAC
+// interfaces. A new key derives its sealing subkey, pseudonym and erasure
+// tag with HKDF-SHA256 under three labels, and its records are AES-256-GCM
+// under the sealing subkey (version 2), never under the raw key; a key
+// stored before HKDF (version 1 of encode(), wrapped_keys 2 and 3) keeps
+// its HMAC pseudonym and tag, opens its version-1 records with the raw key,
+// and seals new records as version 2 under its HKDF sealing subkey.
+TEST(SealedLedger, KeysDeriveSubkeysWithHkdfAndKeysBeforeHkdfKeepTheirPseudonym) {
+  const UserKey key = new_key();
+  ASSERT_EQ(key.derivation(), KeyDerivation::Hkdf);
+  const auto hkdf = [](std::string_view k, std::string_view label, std::size_t size) {
+    EVP_PKEY_CTX* ctx = EVP_PKEY_CTX_new_id(EVP_PKEY_HKDF, nullptr);
+    std::string out(size, '\0');
+    std::size_t n = size;
+    EXPECT_TRUE(ctx != nullptr && EVP_PKEY_derive_init(ctx) == 1 && EVP_PKEY_CTX_set_hkdf_md(ctx, EVP_sha256()) == 1 &&
+                EVP_PKEY_CTX_set1_hkdf_key(ctx, reinterpret_cast<const unsigned char*>(k.data()),
+                                           static_cast<int>(k.size())) == 1 &&
+                EVP_PKEY_CTX_add1_hkdf_info(ctx, reinterpret_cast<const unsigned char*>(label.data()),
+                                            static_cast<int>(label.size())) == 1 &&
+                EVP_PKEY_derive(ctx, reinterpret_cast<unsigned char*>(out.data()), &n) == 1 && n == size);
+    EVP_PKEY_CTX_free(ctx);
+    return out;
+  };
+  const auto hmac = [](std::string_view k, std::string_view label, std::size_t size) {
     unsigned char mac[EVP_MAX_MD_SIZE];
     unsigned int n = 0;
-    const std::string_view k = key.bytes_for_testing();
     EXPECT_NE(HMAC(EVP_sha256(), k.data(), static_cast<int>(k.size()),
                    reinterpret_cast<const unsigned char*>(label.data()), label.size(), mac, &n),
               nullptr);
     return std::string(reinterpret_cast<const char*>(mac), size);
   };
-  EXPECT_EQ(key.pseudonym(), hmac("tidal ledger pseudonym v1", kPseudonymSize));
-  EXPECT_EQ(key.erasure_tag(), hmac("tidal erasure mark v1", kErasureTagSize));
+  const std::string_view raw = key.bytes_for_testing();
+  EXPECT_EQ(key.pseudonym(), hkdf(raw, "tidal ledger pseudonym v2", kPseudonymSize));
+  EXPECT_EQ(key.erasure_tag(), hkdf(raw, "tidal erasure mark v2", kErasureTagSize));
+  EXPECT_NE(key.pseudonym(), hmac(raw, "tidal ledger pseudonym v1", kPseudonymSize));
+  std::string plain;
+  put_sealed_entry(&plain, {AggregateKind::Cohort, 7, 9, 1'500'000'000});
+  const std::string name = key.record_key(42);
+  std::string sealed;
+  ASSERT_OK(key.seal(name, plain, &sealed));
+  EXPECT_EQ(sealed[0], '\x02');
+  const std::string subkey = hkdf(raw, "tidal ledger seal v2", kUserKeySize);
+  std::string out;
+  std::string resealed;  // version 1 under the subkey
+  ASSERT_OK(seal_v1_for_testing(subkey, name, plain, &resealed));
+  EXPECT_FALSE(key.open(name, resealed, &out)) << "an HKDF key opened a version-1 record";
+  std::string under_raw;
+  ASSERT_OK(seal_v1_for_testing(raw, name, plain, &under_raw));
+  EXPECT_FALSE(key.open(name, under_raw, &out)) << "an HKDF key's raw key opened a record";
+  EXPECT_TRUE(key.open(name, sealed, &out));
+  EXPECT_EQ(out, plain);
+  {
+    // The record is AES-256-GCM under the subkey: decrypted here directly.
+    EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+    const auto* in = reinterpret_cast<const unsigned char*>(sealed.data()) + 1;
+    const std::size_t size = sealed.size() - 1 - kSealNonceSize - kSealTagSize;
+    std::string got(size, '\0');
+    unsigned char tag[kSealTagSize];
+    std::memcpy(tag, in + kSealNonceSize + size, kSealTagSize);
+    int n = 0;
+    const unsigned char version = 2;
+    EXPECT_TRUE(EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr,
+                                   reinterpret_cast<const unsigned char*>(subkey.data()), in) == 1 &&
+                EVP_DecryptUpdate(ctx, nullptr, &n, reinterpret_cast<const unsigned char*>(name.data()),
+                                  static_cast<int>(name.size())) == 1 &&
+                EVP_DecryptUpdate(ctx, nullptr, &n, &version, 1) == 1 &&
+                EVP_DecryptUpdate(ctx, reinterpret_cast<unsigned char*>(got.data()), &n, in + kSealNonceSize,
+                                  static_cast<int>(size)) == 1 &&
+                EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, static_cast<int>(kSealTagSize), tag) == 1 &&
+                EVP_DecryptFinal_ex(ctx, reinterpret_cast<unsigned char*>(got.data()) + n, &n) == 1)
+        << "the record is not AES-256-GCM under HKDF(key, \"tidal ledger seal v2\")";
+    EVP_CIPHER_CTX_free(ctx);
+    EXPECT_EQ(got, plain);
+  }
+  // A key stored before HKDF.
+  const std::optional<UserKey> old = UserKey::decode("\x01" + std::string(raw));
+  ASSERT_TRUE(old.has_value());
+  EXPECT_EQ(old->derivation(), KeyDerivation::Hmac);
+  EXPECT_EQ(old->pseudonym(), hmac(raw, "tidal ledger pseudonym v1", kPseudonymSize));
+  EXPECT_EQ(old->erasure_tag(), hmac(raw, "tidal erasure mark v1", kErasureTagSize));
+  EXPECT_TRUE(old->open(name, under_raw, &out)) << "a key before HKDF does not open its own old record";
+  EXPECT_EQ(out, plain);
+  std::string fresh;
+  ASSERT_OK(old->seal(name, plain, &fresh));
+  EXPECT_EQ(fresh[0], '\x02');
+  EXPECT_TRUE(old->open(name, fresh, &out));
+  EXPECT_FALSE(old->open(name, resealed, &out)) << "opened a record sealed under another key";
+  std::string changed = under_raw;
+  changed[0] = '\x02';
+  EXPECT_FALSE(old->open(name, changed, &out)) << "a version-1 record opened as version 2";
 }
 
 // The writer's table of keys holds what a map holds, through inserts,
@@ -167,20 +249,20 @@ TEST(SealedLedger, KeysAreFreshAndStoredKeysDecodeToTheSamePseudonym) {
 // growth, and a key it returned stays where it was while others come in.
 TEST(LedgerKeyTable, HoldsWhatAMapHoldsThroughInsertsErasesAndGrowth) {
   LedgerKeyTable table;
-  std::unordered_map<std::uint64_t, std::string> expected;  // user -> key bytes
+  std::unordered_map<std::uint64_t, std::string> expected;  // user -> pseudonym
   std::mt19937_64 rng(7);
   std::vector<UserKey> pool;
   for (int i = 0; i < 64; ++i) pool.push_back(new_key());
   const UserKey& first = pool[0];
-  const UserKey* held = table.insert(~0ULL, first);  // the largest id, kept throughout
+  const SealingKey* held = table.insert(~0ULL, first);  // the largest id, kept throughout
   const auto check = [&](std::uint64_t u) {
-    const UserKey* k = table.find(u);
+    const SealingKey* k = table.find(u);
     auto it = expected.find(u);
     if (it == expected.end()) {
       EXPECT_EQ(k, nullptr) << "user " << u << " was erased or never inserted";
     } else {
       ASSERT_NE(k, nullptr) << "user " << u << " lost";
-      EXPECT_EQ(k->bytes_for_testing(), it->second) << "user " << u;
+      EXPECT_EQ(k->pseudonym(), it->second) << "user " << u;
     }
   };
   for (int round = 0; round < 200'000; ++round) {
@@ -192,7 +274,7 @@ TEST(LedgerKeyTable, HoldsWhatAMapHoldsThroughInsertsErasesAndGrowth) {
       expected.erase(u);
     } else {
       table.insert(u, k);
-      expected[u] = std::string(k.bytes_for_testing());
+      expected[u] = std::string(k.pseudonym());
     }
     if (round % 97 == 0) check(rng() % 5'000);
   }
@@ -202,10 +284,10 @@ TEST(LedgerKeyTable, HoldsWhatAMapHoldsThroughInsertsErasesAndGrowth) {
   // Growth moved slots, not keys.
   for (std::uint64_t u = 1'000'000; u < 1'200'000; ++u) table.insert(u, pool[u % pool.size()]);
   EXPECT_EQ(table.find(~0ULL), held);
-  EXPECT_EQ(held->bytes_for_testing(), first.bytes_for_testing());
+  EXPECT_EQ(held->pseudonym(), first.pseudonym());
   for (std::uint64_t u = 1'000'000; u < 1'200'000; u += 997) {
     ASSERT_NE(table.find(u), nullptr);
-    EXPECT_EQ(table.find(u)->bytes_for_testing(), pool[u % pool.size()].bytes_for_testing());
+    EXPECT_EQ(table.find(u)->pseudonym(), pool[u % pool.size()].pseudonym());
   }
 }
 
@@ -525,11 +607,11 @@ TEST(SealedLedger, AWrappedKeyUnwrapsOnlyWithItsBucketKeyForItsUser) {
   changed[30] = static_cast<char>(changed[30] ^ 1);
   EXPECT_EQ(bucket->rewrap(*next, kMinBucketDepth, {u}, {changed}, &again).code(), StatusCode::Corruption);
   // The stored bucket key decodes to one that unwraps the same.
-  const std::optional<BucketKey> decoded = BucketKey::decode(bucket->encode());
+  const std::optional<BucketKey> decoded = BucketKey::decode(bucket->encode().view());
   ASSERT_TRUE(decoded.has_value());
   EXPECT_EQ(decoded->generation(), 7u);
   EXPECT_TRUE(decoded->unwrap(u, wrapped).has_value());
-  EXPECT_FALSE(BucketKey::decode(bucket->encode().substr(1)).has_value());
+  EXPECT_FALSE(BucketKey::decode(bucket->encode().view().substr(1)).has_value());
   // Every user id maps to one bucket, whose key begins its key-store key.
   EXPECT_EQ(encode_key_store_key(u).substr(0, 2), encode_bucket_key(key_bucket(u)));
   EXPECT_EQ(decode_key_store_key(encode_key_store_key(u)), u);
@@ -564,7 +646,7 @@ TEST(SealedLedger, TheErasureScanReadsAWalsBatchesAcrossItsBlocks) {
   ASSERT_TRUE(batch.Put(std::string(32738, 'x'), "").ok());
   ASSERT_TRUE(batch.Put(encode_key_store_key(u), wrapped).ok());
   ASSERT_TRUE(batch.Put(encode_key_prefix(EntityId(u), Tag::ContributionLedger) + "entry", "1").ok());
-  ASSERT_TRUE(batch.Put(encode_bucket_key(key_bucket(u)), bucket->encode()).ok());
+  ASSERT_TRUE(batch.Put(encode_bucket_key(key_bucket(u)), bucket->encode().view()).ok());
   ASSERT_TRUE(db->Write(rocksdb::WriteOptions(), &batch).ok());
   std::string wal;  // the one WAL
   for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
@@ -758,9 +840,7 @@ TEST(SealedLedger, AWrappedKeyIsBoundToItsBucketsDepthAndVersion2StillUnwraps) {
   put_u32_be(&v2, 4);
   std::string aad = encode_key_store_key(u);
   put_u32_be(&aad, 4);
-  const std::optional<UserKey> as_key = UserKey::decode("\x01" + std::string(bucket->bytes_for_testing()));
-  ASSERT_TRUE(as_key.has_value());
-  ASSERT_OK(as_key->seal(aad, key.bytes_for_testing(), &v2));
+  ASSERT_OK(seal_v1_for_testing(bucket->bytes_for_testing(), aad, key.bytes_for_testing(), &v2));
   ASSERT_EQ(v2.size(), kWrappedKeySizeV2);
   EXPECT_EQ(wrapped_key_header(v2)->depth, kMinBucketDepth);
   std::optional<UserKey> back = bucket->unwrap(u, v2);
@@ -1047,11 +1127,104 @@ TEST_F(KeyStore, ASplitDuringAnErasureKeepsTheKeysASnapshotTakenBeforeItReads) {
   for (const std::string& f : scan_files(path, u, held.user_keys).found) ADD_FAILURE() << "after the purge: " << f;
 }
 
+// The records' versions in the sealed ledger: [version 1, version 2].
+std::array<int, 2> record_versions(Storage& storage) {
+  std::array<int, 2> n{};
+  auto it = storage.iterator(storage.sealed_ledger());
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const auto v = static_cast<unsigned char>(it->value()[0]);
+    EXPECT_TRUE(v == 1 || v == 2) << "record version " << int(v);
+    if (v == 1 || v == 2) ++n[v - 1];
+  }
+  return n;
+}
+
+// A Db whose keys were stored before HKDF (Hmac keys, wrapped_keys version
+// 3, records of version 1 sealed with the raw key) is upgraded in place: it
+// opens and verifies as it was; each old key keeps its pseudonym (the index
+// still finds the user's old records) and seals its new records as version
+// 2 under its HKDF subkey; a new user's key is an HKDF key (version 4); a
+// purge of an old user subtracts both versions exactly and erases the key;
+// re-materialization reads both.
+TEST_F(KeyStore, KeysStoredBeforeHkdfAreReadAndUpgradedInPlace) {
+  const std::uint64_t u = 0xA1B2C3D4E5F60718ULL, w = 31;
+  hmac_keys_for_testing() = true;
+  signal(u, 2.0);
+  signal(w, 1.0);
+  ASSERT_OK(db->flush());
+  EXPECT_EQ(record_versions(storage), (std::array<int, 2>{2, 0}));
+  {
+    // What the Dbs before HKDF wrote: the pseudonym is HMAC-SHA256(raw key,
+    // "tidal ledger pseudonym v1"), the record AES-256-GCM under the raw key.
+    Result<std::optional<UserKey>> k = read_user_key(storage, u);
+    ASSERT_TRUE(k.ok() && k->has_value());
+    const std::string_view raw = (*k)->bytes_for_testing();
+    unsigned char mac[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    const std::string label = "tidal ledger pseudonym v1";
+    ASSERT_NE(HMAC(EVP_sha256(), raw.data(), static_cast<int>(raw.size()),
+                   reinterpret_cast<const unsigned char*>(label.data()), label.size(), mac, &n),
+              nullptr);
+    const std::string pseudonym(reinterpret_cast<const char*>(mac), kPseudonymSize);
+    EXPECT_EQ((*k)->pseudonym(), pseudonym);
+    int found = 0;
+    auto it = storage.iterator(storage.sealed_ledger());
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (it->key().ToStringView().substr(8) != pseudonym) continue;
+      ++found;
+      std::string plain, resealed;
+      const std::optional<UserKey> as_raw = UserKey::decode("\x01" + std::string(raw));
+      EXPECT_TRUE(as_raw->open(it->key().ToStringView(), it->value().ToStringView(), &plain));
+    }
+    EXPECT_EQ(found, 1);
+  }
+  ASSERT_OK(db->close());
+  hmac_keys_for_testing() = false;
+  db = open_db(path, options);
+  Storage& reopened = Db::Impl::storage_for_testing(*db);
+  std::string wrapped;
+  ASSERT_OK(reopened.get(reopened.keys(), encode_key_store_key(u), &wrapped));
+  EXPECT_EQ(wrapped_key_header(wrapped)->version, 3u);
+  Result<std::optional<UserKey>> old = read_user_key(reopened, u);
+  ASSERT_TRUE(old.ok() && old->has_value());
+  EXPECT_EQ((*old)->derivation(), KeyDerivation::Hmac);
+  Result<VerifyReport> v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  signal(u, 3.0);  // the old key's next record
+  signal(77, 4.0);  // a new user's
+  ASSERT_OK(db->flush());
+  EXPECT_EQ(record_versions(reopened), (std::array<int, 2>{2, 2}));
+  ASSERT_OK(reopened.get(reopened.keys(), encode_key_store_key(77), &wrapped));
+  EXPECT_EQ(wrapped_key_header(wrapped)->version, 4u);
+  Result<std::optional<UserKey>> fresh = read_user_key(reopened, 77);
+  ASSERT_TRUE(fresh.ok() && fresh->has_value());
+  EXPECT_EQ((*fresh)->derivation(), KeyDerivation::Hkdf);
+  v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  Result<RematerializeReport> re = db->rematerialize_shared_aggregates();
+  ASSERT_OK(re);
+  ASSERT_TRUE(reopened.db(Storage::Engine::Users)
+                  ->Flush(rocksdb::FlushOptions(), {reopened.keys(), reopened.bucket_keys()})
+                  .ok());
+  const testing::ErasureScan held = testing::scan_files_settled(path, u);
+  ASSERT_GE(held.user_keys.size(), 1u) << held.summary();
+  purge_erasing(u, held, 5.0);  // both records, the old and the new
+  v = db->verify();
+  ASSERT_OK(v);
+  EXPECT_TRUE(v->ok()) << v->problems.front();
+  old = read_user_key(reopened, u);
+  ASSERT_OK(old);
+  EXPECT_FALSE(old->has_value());
+}
+
 // A key store written before buckets split (each key wrapped as version 2,
 // no shape stored): its keys read as before, the first write of a new key
 // counts them, its buckets split, and a purge erases every key that wrapped
 // the purged user's; the count follows the purge.
 TEST_F(KeyStore, AKeyStoreWrittenBeforeBucketsSplitIsCountedSplitAndErased) {
+  hmac_keys_for_testing() = true;  // its keys were stored before HKDF too
   const std::uint64_t u = user_in_bucket(2, 0xA1B2C3D4E5F60000ULL);
   std::vector<std::uint64_t> all{u};
   for (std::uint64_t from = 1; all.size() < 30; from = all.back() + 1) all.push_back(user_in_bucket(2, from));
@@ -1063,6 +1236,7 @@ TEST_F(KeyStore, AKeyStoreWrittenBeforeBucketsSplitIsCountedSplitAndErased) {
   std::vector<std::optional<UserKey>> before;
   ASSERT_OK(read_user_keys(storage, all, &before));
   ASSERT_OK(db->close());
+  hmac_keys_for_testing() = false;
   {
     // As a build before the splits left it.
     RawDb raw(path);
@@ -1080,8 +1254,7 @@ TEST_F(KeyStore, AKeyStoreWrittenBeforeBucketsSplitIsCountedSplitAndErased) {
       put_u32_be(&v2, bucket->generation());
       std::string aad = encode_key_store_key(all[i]);
       put_u32_be(&aad, bucket->generation());
-      const std::optional<UserKey> as_key = UserKey::decode("\x01" + std::string(bucket->bytes_for_testing()));
-      ASSERT_OK(as_key->seal(aad, before[i]->bytes_for_testing(), &v2));
+      ASSERT_OK(seal_v1_for_testing(bucket->bytes_for_testing(), aad, before[i]->bytes_for_testing(), &v2));
       ASSERT_TRUE(batch.Put(raw.cf(RawDb::kKeys), encode_key_store_key(all[i]), v2).ok());
     }
     ASSERT_TRUE(batch.Delete(raw.cf(RawDb::kMeta), kKeyShapeKey).ok());

@@ -72,6 +72,10 @@ Write commands (need the Db to themselves; fail with exit 1 while it is held):
   rematerialize --repair
                    as rematerialize, and rewrite each mismatching aggregate
                    from the ledger (one synced batch)
+  rotate-key FILE  wrap every bucket key with the key-encryption key in FILE
+                   (as --key-file reads it) in one synced write, leaving no
+                   file with a value the old key (--key-file) wrapped; every
+                   later open needs FILE's key
   backup DIR [--keep N]
                    a consistent copy of the Db (both engines, hard links where
                    the file system allows) into DIR/<UTC time>; with --keep N,
@@ -124,6 +128,11 @@ Options:
   --strict-erasure with purge: Options::strict_erasure (also compact away the
                    purged users' cells' older versions; docs/PURGE.md)
   --keep N         with backup: how many backups to keep in DIR (N >= 1)
+  --key-file PATH  the Db's key-encryption key (Options::key_encryption_key):
+                   a file of exactly 32 bytes, or of 64 hex digits (a final
+                   newline allowed); read at the open. Needed by every
+                   command on a Db whose bucket keys are wrapped; a write
+                   command on a Db without one wraps them with it
   -h, --help       this help
 
 USER is an unsigned 64-bit decimal integer (0..18446744073709551615).
@@ -145,6 +154,7 @@ constexpr Command kCommands[] = {
     {"view", false, false},  // view PATH ...: a GlobalView, not a Db (cmd_view)
     {"changes", false, false},  {"migrate", false, true},    {"reseed", false, true},
     {"backup", false, true},    {"restore", false, false},   {"finish-recovery", false, true},
+    {"rotate-key", false, true},
 };
 
 struct Args {
@@ -156,6 +166,7 @@ struct Args {
   bool repair = false;
   bool strict_erasure = false;          // purge --strict-erasure
   std::optional<std::uint64_t> keep;    // backup --keep N
+  std::optional<std::string> key_file;  // --key-file PATH
   // restore --nats SERVERS [--journal-stream NAME] [--journal-subject-prefix PREFIX]
   std::optional<std::string> nats, journal_stream, journal_subject_prefix;
   std::vector<std::string> positional;  // command, then its operands
@@ -200,6 +211,9 @@ std::optional<std::string> parse_args(int argc, char** argv, Args* args) {
     } else if (is("--from")) {
       args->from = value_of("--from");
       if (!args->from || args->from->empty()) return "--from needs a FILE (or '-' for stdin)";
+    } else if (is("--key-file")) {
+      args->key_file = value_of("--key-file");
+      if (!args->key_file || args->key_file->empty()) return "--key-file needs a PATH";
     } else if (is("--keep")) {
       std::optional<std::string> v = value_of("--keep");
       args->keep = v ? tidal::cli::parse_u64(*v) : std::nullopt;
@@ -404,6 +418,36 @@ int cmd_backup(tidal::Db& db, const std::string& root, std::optional<std::uint64
 // read-only open would refuse a format-2 Db, and the refused open did not
 // upgrade it), then the writable open with them (the feed is checked first,
 // then the journal).
+// A key-encryption key from `file`: exactly 32 bytes, or 64 hex digits
+// (a final newline allowed). InvalidArgument naming the file otherwise.
+tidal::Result<std::string> read_key_file(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return tidal::Status::InvalidArgument("cannot read the key file '" + file + "'");
+  std::string bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (bytes.size() == 32) return bytes;
+  std::string_view hex(bytes);
+  if (hex.ends_with('\n')) hex.remove_suffix(1);
+  if (hex.ends_with('\r')) hex.remove_suffix(1);
+  const auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string key;
+  if (hex.size() == 64) {
+    for (std::size_t i = 0; i < 64; i += 2) {
+      const int hi = digit(hex[i]), lo = digit(hex[i + 1]);
+      if (hi < 0 || lo < 0) break;
+      key.push_back(static_cast<char>(hi << 4 | lo));
+    }
+  }
+  std::fill(bytes.begin(), bytes.end(), '\0');
+  if (key.size() == 32) return key;
+  return tidal::Status::InvalidArgument("the key file '" + file +
+                                        "' holds neither 32 bytes nor 64 hex digits (a key-encryption key is AES-256)");
+}
+
 tidal::Result<std::unique_ptr<tidal::Db>> open_db(const std::string& path, tidal::Options options) {
   tidal::Result<std::unique_ptr<tidal::Db>> opened = tidal::Db::open(path, options);
   for (int attempt = 0; attempt < 2 && !opened.ok() && !options.read_only &&
@@ -436,6 +480,7 @@ int replay_journal(const std::string& backup, const std::string& path, const Arg
   const auto start = std::chrono::steady_clock::now();
   tidal::Options options;
   options.create_if_missing = false;
+  if (args.key_file) options.key_encryption_key = [file = *args.key_file] { return read_key_file(file); };
   tidal::Result<std::unique_ptr<tidal::Db>> opened = open_db(path, options);
   if (!opened.ok()) return db_failure("restore: opening the copy at '" + path + "'", opened.status());
   tidal::Db& db = **opened;
@@ -618,6 +663,18 @@ int cmd_restore(const std::string& backup, const std::string& path, const Args& 
                 path.c_str(), backup.c_str(), static_cast<unsigned long long>(linked),
                 static_cast<unsigned long long>(copied));
   }
+  return kExitOk;
+}
+
+int cmd_rotate_key(tidal::Db& db, const std::string& file, bool json) {
+  tidal::Result<std::string> key = read_key_file(file);
+  if (!key.ok()) return db_failure("rotate-key", key.status());
+  const tidal::Status s = db.rotate_key_encryption_key(*key);
+  std::fill(key->begin(), key->end(), '\0');
+  if (!s.ok()) return db_failure("rotate-key", s);
+  if (json) std::printf("{\"action\":\"rotate-key\",\"done\":true}\n");
+  else std::printf("rotate-key: every bucket key is wrapped with the key in %s; open the Db with --key-file %s\n",
+                   file.c_str(), file.c_str());
   return kExitOk;
 }
 
@@ -1181,9 +1238,10 @@ int run(int argc, char** argv) {
     if (operands.size() != 1) return usage_error(name + " takes exactly one USER (got " + std::to_string(operands.size()) + ")");
     user = tidal::cli::parse_u64(operands[0]);
     if (!user) return usage_error(invalid_user_text(operands[0]));
-  } else if (name == "backup" || name == "restore") {
+  } else if (name == "backup" || name == "restore" || name == "rotate-key") {
     if (operands.size() != 1) {
-      return usage_error(name + " takes exactly one " + (name == "backup" ? "DIR" : "BACKUP") + " (got " +
+      return usage_error(name + " takes exactly one " +
+                         (name == "backup" ? "DIR" : name == "restore" ? "BACKUP" : "FILE") + " (got " +
                          std::to_string(operands.size()) + ")");
     }
   } else if (!operands.empty()) {
@@ -1205,6 +1263,7 @@ int run(int argc, char** argv) {
   options.create_if_missing = false;
   options.read_only = !command->writes && !args.repair;
   options.strict_erasure = args.strict_erasure;
+  if (args.key_file) options.key_encryption_key = [file = *args.key_file] { return read_key_file(file); };
   // verify must run to list what is wrong, so it gates a corrupt leave record
   // instead of failing the open (read-only: nothing is written).
   if (name == "verify") options.corrupt_record_policy = tidal::CorruptRecordPolicy::TreatAsLeft;
@@ -1240,6 +1299,7 @@ int run(int argc, char** argv) {
   else if (name == "reseed") rc = cmd_reseed(db, args.json);
   else if (name == "backup") rc = cmd_backup(db, operands[0], args.keep, args.json);
   else if (name == "finish-recovery") rc = cmd_finish_recovery(db, args.json);
+  else if (name == "rotate-key") rc = cmd_rotate_key(db, operands[0], args.json);
   else if (args.from) rc = cmd_bulk(db, name, *args.from == "-" ? "<stdin>" : *args.from, lines, args.json);
   else if (name == "purge") rc = cmd_purge(db, *user, args.json);
   else rc = cmd_leave_or_rejoin(db, name == "leave", *user, args.json);

@@ -162,6 +162,18 @@ struct Options {
   // InvalidArgument naming the clock and the value, and changes nothing.
   // Default (empty): the system clock.
   std::function<std::uint64_t()> clock;
+  // The host's key-encryption key: 32 bytes (AES-256), e.g. fetched from a
+  // KMS or read from a file the host mounts outside the Db directory; called
+  // once by open. When set, the key store's bucket keys are stored wrapped
+  // with it, so that a copy of the Db directory alone opens no live user's
+  // ledger records (docs/PURGE.md). A Db whose bucket keys are wrapped
+  // refuses an open without it, or with another key, with InvalidArgument
+  // naming what is missing or wrong, and changes nothing; a writable open of
+  // a Db without one wraps its bucket keys with it (a read-only open of such
+  // a Db is InvalidArgument). An error it returns fails the open with it.
+  // Change it with Db::rotate_key_encryption_key. Default (empty): the bucket
+  // keys are stored in clear beside the wrapped user keys.
+  std::function<Result<std::string>()> key_encryption_key;
   // Longest a signal's aggregate updates wait in memory before the background
   // writer starts storing them: the crash window is this plus the time of
   // one write, which Stats::aggregate_write_max_ns reports. Default: 1 s.
@@ -388,6 +400,18 @@ class Db {
   // still bring it back from the WAL, and each call below says what its
   // retry does in either case.
   Status flush();
+
+  // Wraps every bucket key of the key store with `new_key` (32 bytes) in one
+  // synced write, then flushes the users engine past its WALs and compacts
+  // the bucket keys, so that on return no WAL or SST file of the Db holds a
+  // bucket key wrapped with the previous key-encryption key (or in clear, for
+  // a Db that had none: it gets `new_key`). Every record stays readable;
+  // every later open needs `new_key` (Options::key_encryption_key). On an
+  // error before the write nothing changed; after it (the flush or the
+  // compaction failed) the Db uses `new_key` and a later call finishes the
+  // removal. InvalidArgument when `new_key` is not 32 bytes or the Db is
+  // read-only. Thread-safe; other calls go on meanwhile.
+  Status rotate_key_encryption_key(const std::string& new_key);
 
   // Joins/exits a community. Durable before returning; joining twice or
   // exiting a community one is not in returns OK and changes nothing.

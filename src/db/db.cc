@@ -161,6 +161,7 @@ Result<std::unique_ptr<Db>> Db::open(const std::string& path, const Options& opt
 }
 Status Db::close() { return impl_->close(); }
 Status Db::flush() { return impl_->flush(); }
+Status Db::rotate_key_encryption_key(const std::string& new_key) { return impl_->rotate_key_encryption_key(new_key); }
 Status Db::join_community(std::uint64_t user_id, std::uint64_t community_id) {
   return impl_->join_community(user_id, community_id);
 }

@@ -12,6 +12,8 @@
 #include "db/state_rebuild.h"
 #include "storage/format.h"
 #include "storage/index.h"
+#include "storage/sealed_ledger.h"
+#include "storage/secret.h"
 
 namespace tidal {
 namespace {
@@ -159,6 +161,7 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     if (Status s = StateStore::check_format(st); !s.ok()) return s;
     if (Status s = impl->check_feed_options(); !s.ok()) return s;
     if (Status s = impl->check_journal_options(); !s.ok()) return s;
+    if (Status s = impl->check_key_encryption(); !s.ok()) return s;
     if (Status s = ensure_index(st); !s.ok()) return s;
     if (Status s = rebuild_community_memberships(st, &impl->communities_); !s.ok()) return s;
     LeaveRebuildResult leaves;
@@ -172,6 +175,9 @@ Result<std::unique_ptr<Db>> Db::Impl::open(const std::string& path, const Option
     if (!floor.ok()) return floor.status();
     if (Result<std::uint64_t> epoch = StateStore::stored_epoch(st); !epoch.ok()) return epoch.status();
     if (Status s = st.finish_upgrade(); !s.ok()) return s;
+    if (!options.read_only) {
+      if (Status s = finish_key_encryption(st); !s.ok()) return s;
+    }
     if (Status s = impl->open_feed(); !s.ok()) return s;
     if (Status s = impl->open_journal(); !s.ok()) return s;
     if (Status s = impl->load_recovery_state(); !s.ok()) return s;
@@ -293,6 +299,29 @@ Status Db::Impl::flush() {
     Call call(this, "flush", /*write=*/true);
     if (!call.status().ok()) return call.status();
     return state_->flush();
+  });
+}
+
+Status Db::Impl::check_key_encryption() {
+  std::optional<std::string> kek;
+  if (options_.key_encryption_key) {
+    Result<std::string> k = options_.key_encryption_key();
+    if (!k.ok()) {
+      return Status(k.status().code(), "cannot open tidal Db at '" + storage_->path() +
+                                           "': Options::key_encryption_key failed: " + k.status().message());
+    }
+    kek = std::move(*k);
+  }
+  Status s = open_key_encryption(*storage_, kek, options_.read_only);
+  if (kek) wipe(&*kek);
+  return s;
+}
+
+Status Db::Impl::rotate_key_encryption_key(const std::string& new_key) {
+  return guarded("rotate_key_encryption_key", [&]() -> Status {
+    Call call(this, "rotate_key_encryption_key", /*write=*/true);
+    if (!call.status().ok()) return call.status();
+    return rotate_key_encryption(*storage_, new_key);
   });
 }
 

@@ -61,6 +61,10 @@ class Db::Impl {
 
   Status close();
   Status flush();
+  Status rotate_key_encryption_key(const std::string& new_key);
+  // At open, before anything is written: the host's key-encryption key
+  // checked against the Db (storage/sealed_ledger.h, open_key_encryption).
+  Status check_key_encryption();
   Status backup(const std::string& dir) const;
   Status finish_recovery();
   // The bytes a backup into `parent`'s file system writes there: the

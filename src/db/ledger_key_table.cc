@@ -11,13 +11,13 @@ std::size_t LedgerKeyTable::probe(std::uint64_t user) const {
   return i;
 }
 
-const UserKey* LedgerKeyTable::find(std::uint64_t user) const {
+const SealingKey* LedgerKeyTable::find(std::uint64_t user) const {
   if (slots_.empty()) return nullptr;
   const Slot& slot = slots_[probe(user)];
   return slot.entry == kEmpty ? nullptr : &entry(slot.entry).key;
 }
 
-const UserKey* LedgerKeyTable::insert(std::uint64_t user, const UserKey& key) {
+const SealingKey* LedgerKeyTable::insert(std::uint64_t user, const SealingKey& key) {
   // At most half full: a probe then reads about two slots, often in one line.
   if (2 * (size_ + 1) > slots_.size()) rehash(slots_.empty() ? 1024 : 2 * slots_.size());
   Slot& slot = slots_[probe(user)];

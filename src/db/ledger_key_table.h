@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "storage/sealed_ledger.h"
+#include "storage/secret.h"
 
 namespace tidal {
 
@@ -38,9 +39,9 @@ class LedgerKeyTable {
   // The user's key, or null. The keys never move when others are
   // inserted: what find() and insert() return stays valid until the next
   // erase().
-  const UserKey* find(std::uint64_t user) const;
+  const SealingKey* find(std::uint64_t user) const;
   // Stores `key` as the user's, replacing one held; returns where it is.
-  const UserKey* insert(std::uint64_t user, const UserKey& key);
+  const SealingKey* insert(std::uint64_t user, const SealingKey& key);
   // Forgets the user's key, if held (the last key moves into its place).
   void erase(std::uint64_t user);
 
@@ -51,7 +52,7 @@ class LedgerKeyTable {
   };
   struct Entry {
     std::uint64_t user;
-    UserKey key;
+    SealingKey key;
   };
   static constexpr std::uint32_t kEmpty = 0xffffffff;
   static constexpr std::size_t kChunkEntries = std::size_t{1} << 14;  // ~0.9 MiB a chunk
@@ -70,8 +71,9 @@ class LedgerKeyTable {
   int shift_ = 64;           // 64 - log2(slots_.size())
   std::size_t size_ = 0;
   // The keys, densely: entry n in chunks_[n / kChunkEntries]; each chunk is
-  // reserved whole, so an insert never moves an entry.
-  std::vector<std::vector<Entry>> chunks_;
+  // reserved whole, so an insert never moves an entry. In pages left out of
+  // core dumps and wiped when freed (storage/secret.h).
+  std::vector<SecretVector<Entry>> chunks_;
 };
 
 }  // namespace tidal

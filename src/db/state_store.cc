@@ -460,7 +460,7 @@ Status StateStore::write_frozen_locked(int frozen) {
   return Status::OK();
 }
 
-Status StateStore::resolve_ledger_keys(const std::vector<std::uint64_t>& users, std::vector<const UserKey*>* keys,
+Status StateStore::resolve_ledger_keys(const std::vector<std::uint64_t>& users, std::vector<const SealingKey*>* keys,
                                        std::vector<std::pair<std::uint64_t, UserKey>>* created) {
   {
     std::lock_guard<std::mutex> lock(forgotten_mu_);
@@ -477,7 +477,7 @@ Status StateStore::resolve_ledger_keys(const std::vector<std::uint64_t>& users, 
   std::vector<std::size_t> unknown_at, fresh_at;
   for (std::size_t i = 0; i < users.size(); ++i) {
     if (i + kAhead < users.size()) ledger_keys_.prefetch(users[i + kAhead]);
-    if (const UserKey* k = ledger_keys_.find(users[i])) {
+    if (const SealingKey* k = ledger_keys_.find(users[i])) {
       (*keys)[i] = k;
     } else if (revoked_keys_.contains(users[i])) {
       fresh_at.push_back(i);
@@ -571,7 +571,7 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
   std::vector<SealedRecord> sealed;
   std::string sealed_values;
   std::vector<std::pair<std::uint64_t, UserKey>> created;
-  std::vector<const UserKey*> user_keys;  // of each user with ledger cells, in order
+  std::vector<const SealingKey*> user_keys;  // of each user with ledger cells, in order
   {
     std::vector<std::uint64_t> users;
     for (const auto& [cell, units] : *cells) {
@@ -598,7 +598,7 @@ Status StateStore::write_batch_files(std::vector<std::pair<Cell, Units>>* cells,
     } else {
       put_sealed_entry(&record, {static_cast<AggregateKind>(cell.kind - kLedgerKindOffset), cell.b, cell.c, units});
       if (i + 1 == cells->size() || (*cells)[i + 1].first.a != cell.a) {
-        const UserKey* user_key = user_keys[next_user++];
+        const SealingKey* user_key = user_keys[next_user++];
         SealedRecord& r = sealed.emplace_back(SealedRecord{user_key->record_name(epoch), sealed_values.size(), 0});
         if (Status seal = user_key->seal({r.name.data(), r.name.size()}, record, &sealed_values); !seal.ok()) {
           return Status(seal.code(), what + ": " + seal.message());

@@ -318,7 +318,7 @@ class StateStore {
   // one (added to `created`, which the batch stores; the copy is kept only
   // once the batch is ingested). Caller holds drain_mu_; the pointers stay
   // valid until the next forget_ledger_key().
-  Status resolve_ledger_keys(const std::vector<std::uint64_t>& users, std::vector<const UserKey*>* keys,
+  Status resolve_ledger_keys(const std::vector<std::uint64_t>& users, std::vector<const SealingKey*>* keys,
                              std::vector<std::pair<std::uint64_t, UserKey>>* created);
 
   Storage* const storage_;

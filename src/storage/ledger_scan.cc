@@ -92,7 +92,7 @@ struct RecordSet {
 // users) took about 10 dependent cache misses for each sealed record.
 class KeysByPseudonym {
  public:
-  explicit KeysByPseudonym(std::vector<UserKey>* keys) : keys_(std::move(*keys)) {
+  explicit KeysByPseudonym(SecretVector<UserKey>* keys) : keys_(std::move(*keys)) {
     std::sort(keys_.begin(), keys_.end(), [](const UserKey& a, const UserKey& b) { return a.pseudonym() < b.pseudonym(); });
     bits_ = keys_.size() < 8 ? 0 : static_cast<unsigned>(std::bit_width(keys_.size() / 4));
     start_.assign((std::size_t{1} << bits_) + 1, static_cast<std::uint32_t>(keys_.size()));
@@ -115,7 +115,7 @@ class KeysByPseudonym {
     return bits_ == 0 ? 0 : static_cast<std::size_t>(load_be64(pseudonym.data()) >> (64 - bits_));
   }
 
-  std::vector<UserKey> keys_;
+  SecretVector<UserKey> keys_;
   unsigned bits_ = 0;
   // start_[b]: the first key of bucket b; start_[2^bits_]: the end (a
   // shard's users number far fewer than 2^32: 48 bytes of key each).
@@ -653,7 +653,7 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
   it.reset();
   // The sealed records, each opened with the key its pseudonym names.
   if (storage.sealed_ledger() != nullptr) {
-    std::vector<UserKey> keys;
+    SecretVector<UserKey> keys;  // in pages left out of core dumps
     // (No key store: a read-only open of a Db whose users engine lacks it;
     // every sealed record is then a problem.)
     if (storage.keys() != nullptr && storage.bucket_keys() != nullptr) {
@@ -672,7 +672,7 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
     // lasts (a group holds its buckets of every depth).
     std::optional<std::uint16_t> group;
     std::map<std::string, std::optional<BucketKey>> bucket_keys;  // of the group's buckets, by key
-    std::string stored;
+    SecretBytes stored;  // a bucket key's value
     for (k->SeekToFirst(); k->Valid(); k->Next()) {
       if (!hold->step()) return Status::OK();
       const std::optional<std::uint64_t> user = decode_key_store_key(view(k->key()));
@@ -685,7 +685,7 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
       if (!header) {
         problem("key store key " + hex(view(k->key())) + ": user " + std::to_string(*user) + "'s wrapped key (" +
                 std::to_string(k->value().size()) + " bytes) is not one (expected " + std::to_string(kWrappedKeySize) +
-                " bytes of version 3, or " + std::to_string(kWrappedKeySizeV2) + " of version 2)");
+                " bytes of version 3 or 4, or " + std::to_string(kWrappedKeySizeV2) + " of version 2)");
         continue;
       }
       if (group != key_bucket(*user)) {
@@ -696,9 +696,10 @@ Status sum_ledger(const Storage& storage, Hold* hold, CellSums* sums, Runs* runs
       auto b = bucket_keys.find(bucket.key());
       if (b == bucket_keys.end()) {
         std::optional<BucketKey> bucket_key;
-        Status g = storage.get(storage.bucket_keys(), bucket.key(), &stored, hold->keys_snapshot());
-        if (g.ok()) bucket_key = BucketKey::decode(stored);
-        else if (g.code() != StatusCode::NotFound) return g;
+        Status g = storage.get(storage.bucket_keys(), bucket.key(), stored.buffer(), hold->keys_snapshot());
+        if (g.ok()) bucket_key = decode_bucket_value(storage, bucket, stored.view());
+        stored.clear();
+        if (!g.ok() && g.code() != StatusCode::NotFound) return g;
         b = bucket_keys.emplace(bucket.key(), std::move(bucket_key)).first;
       }
       const std::optional<BucketKey>& bucket_key = b->second;

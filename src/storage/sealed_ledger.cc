@@ -22,19 +22,30 @@
 #include <openssl/rand.h>
 
 #include "storage/format.h"
+#include "storage/secret.h"
 #include "storage/storage.h"
 
 namespace tidal {
 namespace {
 
-constexpr unsigned char kKeyVersion = 1;
+constexpr unsigned char kKeyVersionHmac = 1;  // UserKey::encode
+constexpr unsigned char kKeyVersionHkdf = 2;
+// A record sealed with a raw key: an Hmac key's records before HKDF, and
+// the user's key inside a wrapped key (sealed with the bucket's raw key).
 constexpr unsigned char kRecordVersion = 1;
+constexpr unsigned char kRecordVersionHkdf = 2;  // sealed with the sealing subkey
 constexpr unsigned char kBucketVersion = 1;
-constexpr unsigned char kWrappedVersion = 3;
-constexpr unsigned char kWrappedVersionV2 = 2;  // read, no longer written
+constexpr unsigned char kWrappedVersionHkdf = 4;  // an Hkdf key
+constexpr unsigned char kWrappedVersion = 3;      // an Hmac key
+constexpr unsigned char kWrappedVersionV2 = 2;  // an Hmac key, depth 16: read, no longer written
 constexpr unsigned char kShapeVersion = 1;
+// The HMAC derivations of an Hmac key.
 constexpr char kPseudonymLabel[] = "tidal ledger pseudonym v1";
 constexpr char kErasureTagLabel[] = "tidal erasure mark v1";
+// The HKDF-SHA256 labels (info; no salt): one subkey each (hkdf_expand).
+constexpr char kSealInfo[] = "tidal ledger seal v2";
+constexpr char kPseudonymInfo[] = "tidal ledger pseudonym v2";
+constexpr char kErasureTagInfo[] = "tidal erasure mark v2";
 
 // The reason of libcrypto's last error, for a message.
 std::string crypto_error() {
@@ -72,13 +83,25 @@ const EVP_CIPHER* aes_256_gcm() {
 // system call each) cost more than the sealing. Bytes are wiped from the
 // pool as they are taken. A forked child empties the pool of the thread
 // that forked (the only one it has), so it never draws the parent's bytes.
+// The pool lies in pages of its own (secret_allocate: left out of core
+// dumps, wiped when the thread ends): it holds the bytes of keys to come.
 struct RandomPool {
   std::array<unsigned char, 4096> bytes{};
   std::size_t used = 4096;
 };
+struct RandomPoolPages {
+  void operator()(RandomPool* pool) const {
+    pool->~RandomPool();
+    secret_free(pool, sizeof(RandomPool));
+  }
+};
 RandomPool& random_pool() {
-  thread_local RandomPool pool;
-  return pool;
+  thread_local std::unique_ptr<RandomPool, RandomPoolPages> pool = [] {
+    void* p = secret_allocate(sizeof(RandomPool));
+    if (p == nullptr) throw std::bad_alloc();
+    return std::unique_ptr<RandomPool, RandomPoolPages>(new (p) RandomPool);
+  }();
+  return *pool;
 }
 bool random_bytes(unsigned char* out, std::size_t size) {
   static std::once_flag fork_handler;
@@ -116,7 +139,47 @@ EVP_MAC_CTX* hmac_sha256_ctx() {
   return ctx.get();
 }
 
+// HKDF-SHA256 (RFC 5869) without salt, in its two steps, with the thread's
+// HMAC context: PRK = HMAC(32 zero bytes, key), and each output of at most
+// 32 bytes T(1) = HMAC(PRK, label || 0x01), truncated. libcrypto's EVP_KDF
+// "HKDF" took ~5 us a derivation here (its parameters parsed and its
+// contexts set up at each call), ten times the three HMACs a key needs.
+// False (out zeroed) when libcrypto fails.
+bool hkdf_extract(const std::array<unsigned char, kUserKeySize>& key, std::array<unsigned char, kUserKeySize>* prk) {
+  const std::array<unsigned char, kUserKeySize> salt{};
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  std::size_t size = 0;
+  EVP_MAC_CTX* ctx = hmac_sha256_ctx();
+  const bool ok = ctx != nullptr && EVP_MAC_init(ctx, salt.data(), salt.size(), nullptr) == 1 &&
+                  EVP_MAC_update(ctx, key.data(), key.size()) == 1 && EVP_MAC_final(ctx, mac, &size, sizeof mac) == 1 &&
+                  size == prk->size();
+  if (ok) std::memcpy(prk->data(), mac, prk->size());
+  else OPENSSL_cleanse(prk->data(), prk->size());
+  OPENSSL_cleanse(mac, sizeof mac);
+  return ok;
+}
+bool hkdf_expand(const std::array<unsigned char, kUserKeySize>& prk, std::string_view label, unsigned char* out,
+                 std::size_t out_size) {
+  const unsigned char counter = 1;
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  std::size_t size = 0;
+  EVP_MAC_CTX* ctx = hmac_sha256_ctx();
+  const bool ok = ctx != nullptr && out_size <= kUserKeySize &&
+                  EVP_MAC_init(ctx, prk.data(), prk.size(), nullptr) == 1 &&
+                  EVP_MAC_update(ctx, reinterpret_cast<const unsigned char*>(label.data()), label.size()) == 1 &&
+                  EVP_MAC_update(ctx, &counter, 1) == 1 && EVP_MAC_final(ctx, mac, &size, sizeof mac) == 1 &&
+                  size >= out_size;
+  if (ok) std::memcpy(out, mac, out_size);
+  else OPENSSL_cleanse(out, out_size);
+  OPENSSL_cleanse(mac, sizeof mac);
+  return ok;
+}
+
+std::atomic<bool> g_hmac_keys{false};
+
 }  // namespace
+
+std::atomic<bool>& hmac_keys_for_testing() { return g_hmac_keys; }
 
 Result<UserKey> UserKey::generate() {
   UserKey key;
@@ -124,29 +187,37 @@ Result<UserKey> UserKey::generate() {
     return Status::IOError("the OS random number generator gave no key for a user's ledger (OpenSSL RAND_bytes: " +
                            crypto_error() + ")");
   }
-  key.derive_pseudonym();
+  if (g_hmac_keys.load(std::memory_order_relaxed)) key.derivation_ = KeyDerivation::Hmac;
+  if (!key.derive()) {
+    return Status::IOError("deriving the subkeys of a user's ledger key failed (OpenSSL HKDF: " + crypto_error() + ")");
+  }
   return key;
 }
 
 std::optional<UserKey> UserKey::decode(std::string_view stored) {
-  if (stored.size() != kKeyStoreValueSize || static_cast<unsigned char>(stored[0]) != kKeyVersion) return std::nullopt;
+  if (stored.size() != kKeyStoreValueSize) return std::nullopt;
+  const auto version = static_cast<unsigned char>(stored[0]);
+  if (version != kKeyVersionHmac && version != kKeyVersionHkdf) return std::nullopt;
   UserKey key;
+  key.derivation_ = version == kKeyVersionHmac ? KeyDerivation::Hmac : KeyDerivation::Hkdf;
   std::memcpy(key.key_.data(), stored.data() + 1, kUserKeySize);
-  key.derive_pseudonym();
+  if (!key.derive()) return std::nullopt;
   return key;
 }
 
-UserKey::~UserKey() {
-  OPENSSL_cleanse(key_.data(), key_.size());
+SealingKey::~SealingKey() {
+  OPENSSL_cleanse(seal_key_.data(), seal_key_.size());
   OPENSSL_cleanse(pseudonym_.data(), pseudonym_.size());
 }
+
+UserKey::~UserKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
 
 namespace {
 
 // HMAC-SHA256(key, label), its first `out.size()` bytes. HMAC cannot fail
 // with a valid digest and key; a failure leaves `out` zero.
 template <std::size_t N>
-void derive(const std::array<unsigned char, kUserKeySize>& key, std::string_view label,
+void hmac_derive(const std::array<unsigned char, kUserKeySize>& key, std::string_view label,
             std::array<unsigned char, N>* out) {
   unsigned char mac[EVP_MAX_MD_SIZE];
   std::size_t size = 0;
@@ -161,44 +232,69 @@ void derive(const std::array<unsigned char, kUserKeySize>& key, std::string_view
 
 }  // namespace
 
-// (A zero pseudonym, were HMAC to fail, is one every open refuses to
-// authenticate.)
-void UserKey::derive_pseudonym() { derive(key_, kPseudonymLabel, &pseudonym_); }
+bool UserKey::derive() {
+  std::array<unsigned char, kUserKeySize> prk{};
+  bool ok = hkdf_extract(key_, &prk);
+  if (derivation_ == KeyDerivation::Hmac && g_hmac_keys.load(std::memory_order_relaxed)) {
+    seal_key_ = key_;  // seal() then writes what a key before HKDF wrote
+  } else {
+    ok = ok && hkdf_expand(prk, kSealInfo, seal_key_.data(), seal_key_.size());
+  }
+  if (derivation_ == KeyDerivation::Hkdf) {
+    ok = ok && hkdf_expand(prk, kPseudonymInfo, pseudonym_.data(), pseudonym_.size());
+  } else {
+    hmac_derive(key_, kPseudonymLabel, &pseudonym_);
+  }
+  OPENSSL_cleanse(prk.data(), prk.size());
+  return ok;
+}
 
 std::string UserKey::erasure_tag() const {
   std::array<unsigned char, kErasureTagSize> tag{};
-  derive(key_, kErasureTagLabel, &tag);
+  if (derivation_ == KeyDerivation::Hkdf) {
+    std::array<unsigned char, kUserKeySize> prk{};
+    if (hkdf_extract(key_, &prk)) hkdf_expand(prk, kErasureTagInfo, tag.data(), tag.size());
+    OPENSSL_cleanse(prk.data(), prk.size());
+  } else {
+    hmac_derive(key_, kErasureTagLabel, &tag);
+  }
   return {reinterpret_cast<const char*>(tag.data()), tag.size()};
 }
 
-std::string UserKey::encode() const {
-  std::string out(1, static_cast<char>(kKeyVersion));
-  out.append(reinterpret_cast<const char*>(key_.data()), key_.size());
+SecretBytes UserKey::encode() const {
+  SecretBytes out;
+  out.buffer()->assign(1, static_cast<char>(derivation_ == KeyDerivation::Hmac ? kKeyVersionHmac : kKeyVersionHkdf));
+  out.buffer()->append(reinterpret_cast<const char*>(key_.data()), key_.size());
   return out;
 }
 
-std::array<char, kSealedLedgerKeySize> UserKey::record_name(std::uint64_t epoch) const {
+std::array<char, kSealedLedgerKeySize> SealingKey::record_name(std::uint64_t epoch) const {
   std::array<char, kSealedLedgerKeySize> out;
   for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<char>(epoch >> (56 - 8 * i));
   std::memcpy(out.data() + 8, pseudonym_.data(), kPseudonymSize);
   return out;
 }
 
-std::string UserKey::record_key(std::uint64_t epoch) const {
+std::string SealingKey::record_key(std::uint64_t epoch) const {
   const std::array<char, kSealedLedgerKeySize> name = record_name(epoch);
   return {name.data(), name.size()};
 }
 
-std::string UserKey::index_key(std::uint64_t epoch) const {
+std::string SealingKey::index_key(std::uint64_t epoch) const {
   std::string out(pseudonym());
   put_u64_be(&out, epoch);
   return out;
 }
 
-Status UserKey::seal(std::string_view record_key, std::string_view plaintext, std::string* value) const {
+namespace {
+
+// AES-256-GCM under `key` of `plaintext`, as a record of version `version`
+// (its byte first, in the AAD after `aad`), appended to *value.
+Status seal_with(const unsigned char* key, unsigned char version, std::string_view aad, std::string_view plaintext,
+                 std::string* value) {
   const std::size_t at = value->size();
   value->resize(at + kSealVersionSize + kSealNonceSize + plaintext.size() + kSealTagSize);
-  (*value)[at] = static_cast<char>(kRecordVersion);
+  (*value)[at] = static_cast<char>(version);
   auto* out = reinterpret_cast<unsigned char*>(value->data()) + at + kSealVersionSize;
   if (!random_bytes(out, kSealNonceSize)) {
     return Status::IOError("the OS random number generator gave no nonce to seal a ledger record (OpenSSL RAND_bytes: " +
@@ -208,9 +304,9 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
   int n = 0;
   int total = 0;
   const bool ok =
-      ctx != nullptr && EVP_EncryptInit_ex(ctx, aes_256_gcm(), nullptr, key_.data(), out) == 1 &&
-      EVP_EncryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
-      EVP_EncryptUpdate(ctx, nullptr, &n, &kRecordVersion, 1) == 1 &&
+      ctx != nullptr && EVP_EncryptInit_ex(ctx, aes_256_gcm(), nullptr, key, out) == 1 &&
+      EVP_EncryptUpdate(ctx, nullptr, &n, bytes(aad), static_cast<int>(aad.size())) == 1 &&
+      EVP_EncryptUpdate(ctx, nullptr, &n, &version, 1) == 1 &&
       EVP_EncryptUpdate(ctx, out + kSealNonceSize, &n, bytes(plaintext), static_cast<int>(plaintext.size())) == 1 &&
       (total = n, EVP_EncryptFinal_ex(ctx, out + kSealNonceSize + total, &n) == 1) &&
       EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, static_cast<int>(kSealTagSize),
@@ -219,12 +315,12 @@ Status UserKey::seal(std::string_view record_key, std::string_view plaintext, st
   return Status::OK();
 }
 
-bool UserKey::open(std::string_view record_key, std::string_view value, std::string* plaintext) const {
+// Opens what seal_with(key, value's version byte, aad, ...) made; false
+// (nothing in *plaintext) when it does not authenticate.
+bool open_with(const unsigned char* key, std::string_view aad, std::string_view value, std::string* plaintext) {
   plaintext->clear();
-  if (value.size() < kSealVersionSize + kSealNonceSize + kSealTagSize ||
-      static_cast<unsigned char>(value[0]) != kRecordVersion) {
-    return false;
-  }
+  if (value.size() < kSealVersionSize + kSealNonceSize + kSealTagSize) return false;
+  const auto version = static_cast<unsigned char>(value[0]);
   value.remove_prefix(kSealVersionSize);
   const std::size_t size = value.size() - kSealNonceSize - kSealTagSize;
   plaintext->resize(size);
@@ -235,15 +331,42 @@ bool UserKey::open(std::string_view record_key, std::string_view value, std::str
   // as non-const.
   unsigned char tag[kSealTagSize];
   std::memcpy(tag, in + kSealNonceSize + size, kSealTagSize);
-  const bool ok = ctx != nullptr && EVP_DecryptInit_ex(ctx, aes_256_gcm(), nullptr, key_.data(), in) == 1 &&
-         EVP_DecryptUpdate(ctx, nullptr, &n, bytes(record_key), static_cast<int>(record_key.size())) == 1 &&
-         EVP_DecryptUpdate(ctx, nullptr, &n, &kRecordVersion, 1) == 1 &&
+  const bool ok = ctx != nullptr && EVP_DecryptInit_ex(ctx, aes_256_gcm(), nullptr, key, in) == 1 &&
+         EVP_DecryptUpdate(ctx, nullptr, &n, bytes(aad), static_cast<int>(aad.size())) == 1 &&
+         EVP_DecryptUpdate(ctx, nullptr, &n, &version, 1) == 1 &&
          EVP_DecryptUpdate(ctx, reinterpret_cast<unsigned char*>(plaintext->data()), &n, in + kSealNonceSize,
                            static_cast<int>(size)) == 1 &&
          EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, static_cast<int>(kSealTagSize), tag) == 1 &&
          EVP_DecryptFinal_ex(ctx, reinterpret_cast<unsigned char*>(plaintext->data()) + n, &n) == 1;
-  if (!ok) plaintext->clear();  // nothing of an unauthenticated record is handed out
+  if (!ok) {  // nothing of an unauthenticated record is handed out
+    OPENSSL_cleanse(plaintext->data(), plaintext->size());
+    plaintext->clear();
+  }
   return ok;
+}
+
+}  // namespace
+
+Status SealingKey::seal(std::string_view record_key, std::string_view plaintext, std::string* value) const {
+  const unsigned char version = g_hmac_keys.load(std::memory_order_relaxed) ? kRecordVersion : kRecordVersionHkdf;
+  return seal_with(seal_key_.data(), version, record_key, plaintext, value);
+}
+
+bool UserKey::open(std::string_view record_key, std::string_view value, std::string* plaintext) const {
+  plaintext->clear();
+  if (value.empty()) return false;
+  const auto version = static_cast<unsigned char>(value[0]);
+  if (version == kRecordVersionHkdf) return open_with(seal_key_.data(), record_key, value, plaintext);
+  if (version == kRecordVersion && derivation_ == KeyDerivation::Hmac) {
+    return open_with(key_.data(), record_key, value, plaintext);
+  }
+  return false;
+}
+
+Status seal_v1_for_testing(std::string_view key, std::string_view record_key, std::string_view plaintext,
+                           std::string* value) {
+  if (key.size() != kUserKeySize) return Status::InvalidArgument("not a 32-byte key");
+  return seal_with(bytes(key), kRecordVersion, record_key, plaintext, value);
 }
 
 namespace {
@@ -384,7 +507,9 @@ std::optional<WrappedHeader> wrapped_key_header(std::string_view value) {
   if (version == kWrappedVersionV2 && value.size() == kWrappedKeySizeV2) {
     return WrappedHeader{version, kMinBucketDepth, get_u32_be(value.data() + 1), 5};
   }
-  if (version != kWrappedVersion || value.size() != kWrappedKeySize) return std::nullopt;
+  if ((version != kWrappedVersion && version != kWrappedVersionHkdf) || value.size() != kWrappedKeySize) {
+    return std::nullopt;
+  }
   const unsigned depth = static_cast<unsigned char>(value[1]);
   if (depth < kMinBucketDepth || depth > kMaxBucketDepth) return std::nullopt;
   return WrappedHeader{version, depth, get_u32_be(value.data() + 2), 6};
@@ -397,40 +522,138 @@ std::optional<std::uint32_t> wrapped_key_generation(std::string_view value) {
 }
 
 Result<BucketKey> BucketKey::generate(std::uint32_t generation) {
-  Result<UserKey> key = UserKey::generate();
-  if (!key.ok()) return key.status();
-  return BucketKey(generation, std::move(*key));
+  BucketKey key(generation);
+  if (!random_bytes(key.key_.data(), key.key_.size())) {
+    return Status::IOError("the OS random number generator gave no key for a bucket of the key store (OpenSSL "
+                           "RAND_bytes: " + crypto_error() + ")");
+  }
+  return key;
 }
 
 std::optional<BucketKey> BucketKey::decode(std::string_view stored) {
   if (stored.size() != kBucketValueSize || static_cast<unsigned char>(stored[0]) != kBucketVersion) return std::nullopt;
-  UserKey key;
+  BucketKey key(get_u32_be(stored.data() + 1));
   std::memcpy(key.key_.data(), stored.data() + 5, kUserKeySize);
-  return BucketKey(get_u32_be(stored.data() + 1), std::move(key));
+  return key;
 }
 
-std::string BucketKey::encode() const {
-  std::string out(1, static_cast<char>(kBucketVersion));
+BucketKey::~BucketKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
+
+namespace {
+
+constexpr unsigned char kBucketVersionWrapped = 2;
+constexpr char kKeyEncryptionCheckLabel[] = "tidal key-encryption check v1";
+
+// What a wrapped bucket key is sealed under: its bucket_keys key, the
+// version and the generation (BE).
+std::string bucket_aad(std::string_view bucket_key, std::uint32_t generation) {
+  std::string aad(bucket_key);
+  aad.push_back(static_cast<char>(kBucketVersionWrapped));
+  put_u32_be(&aad, generation);
+  return aad;
+}
+
+}  // namespace
+
+Result<KeyEncryptionKey> KeyEncryptionKey::from(std::string_view bytes) {
+  if (bytes.size() != kUserKeySize) {
+    return Status::InvalidArgument("a key-encryption key is 32 bytes (AES-256); " + std::to_string(bytes.size()) +
+                                   " given");
+  }
+  KeyEncryptionKey key;
+  std::memcpy(key.key_.data(), bytes.data(), kUserKeySize);
+  return key;
+}
+
+KeyEncryptionKey::~KeyEncryptionKey() { OPENSSL_cleanse(key_.data(), key_.size()); }
+
+Result<std::string> KeyEncryptionKey::check_value() const {
+  std::string value;
+  const std::array<unsigned char, kUserKeySize> zero{};
+  if (Status s = seal_with(key_.data(), kRecordVersion, kKeyEncryptionCheckLabel,
+                           {reinterpret_cast<const char*>(zero.data()), zero.size()}, &value);
+      !s.ok()) {
+    return s;
+  }
+  return value;
+}
+
+bool KeyEncryptionKey::opens_check(std::string_view stored) const {
+  std::string plain;
+  return !stored.empty() && static_cast<unsigned char>(stored[0]) == kRecordVersion &&
+         open_with(key_.data(), kKeyEncryptionCheckLabel, stored, &plain) && plain.size() == kUserKeySize;
+}
+
+Result<std::string> BucketKey::encode(const KeyEncryptionKey& kek, std::string_view bucket_key) const {
+  std::string out(1, static_cast<char>(kBucketVersionWrapped));
   put_u32_be(&out, generation_);
-  out.append(key_.bytes_for_testing());
+  if (Status s = seal_with(kek.key_.data(), kRecordVersion, bucket_aad(bucket_key, generation_), bytes_for_testing(),
+                           &out);
+      !s.ok()) {
+    return s;
+  }
+  return out;
+}
+
+std::optional<BucketKey> BucketKey::decode(std::string_view stored, const KeyEncryptionKey& kek,
+                                           std::string_view bucket_key) {
+  if (stored.size() != kWrappedBucketValueSize || static_cast<unsigned char>(stored[0]) != kBucketVersionWrapped ||
+      static_cast<unsigned char>(stored[5]) != kRecordVersion) {
+    return std::nullopt;
+  }
+  BucketKey key(get_u32_be(stored.data() + 1));
+  SecretBytes plain;
+  if (!open_with(kek.key_.data(), bucket_aad(bucket_key, key.generation_), stored.substr(5), plain.buffer()) ||
+      plain.size() != kUserKeySize) {
+    return std::nullopt;
+  }
+  std::memcpy(key.key_.data(), plain.view().data(), kUserKeySize);
+  return key;
+}
+
+std::optional<BucketKey> decode_bucket_value(const Storage& storage, const KeyBucket& bucket, std::string_view stored) {
+  const Storage::KeyEncryption kek = storage.key_encryption();
+  if (kek.current == nullptr || kek.pending) return BucketKey::decode(stored);
+  const std::string key = bucket.key();
+  for (const auto& k : {kek.current, kek.previous}) {
+    if (k == nullptr) continue;
+    if (std::optional<BucketKey> b = BucketKey::decode(stored, *k, key)) return b;
+  }
+  return std::nullopt;
+}
+
+SecretBytes BucketKey::encode() const {
+  SecretBytes out;
+  out.buffer()->assign(1, static_cast<char>(kBucketVersion));
+  put_u32_be(out.buffer(), generation_);
+  out.buffer()->append(bytes_for_testing());
   return out;
 }
 
 namespace {
 
-// What a wrapped key is sealed under: its wrapped_keys key, the depth of
-// its bucket (version 3) and the generation of the bucket key.
+// What a wrapped key is sealed under: its wrapped_keys key, the version
+// (4 only), the depth of its bucket (versions 3 and 4) and the generation
+// of the bucket key.
 std::string wrap_aad(std::uint64_t user, const WrappedHeader& h) {
   std::string aad = encode_key_store_key(user);
-  if (h.version == kWrappedVersion) aad.push_back(static_cast<char>(h.depth));
+  if (h.version == kWrappedVersionHkdf) aad.push_back(static_cast<char>(h.version));
+  if (h.version != kWrappedVersionV2) aad.push_back(static_cast<char>(h.depth));
   put_u32_be(&aad, h.generation);
   return aad;
 }
 
+unsigned wrapped_version(KeyDerivation d) { return d == KeyDerivation::Hkdf ? kWrappedVersionHkdf : kWrappedVersion; }
+KeyDerivation derivation_of(const WrappedHeader& h) {
+  return h.version == kWrappedVersionHkdf ? KeyDerivation::Hkdf : KeyDerivation::Hmac;
+}
+
 // The header of a value wrapped now, and its bytes.
-WrappedHeader new_header(unsigned depth, std::uint32_t generation) { return {kWrappedVersion, depth, generation, 6}; }
+WrappedHeader new_header(KeyDerivation d, unsigned depth, std::uint32_t generation) {
+  return {wrapped_version(d), depth, generation, 6};
+}
 void put_header(std::string* value, const WrappedHeader& h) {
-  value->assign(1, static_cast<char>(kWrappedVersion));
+  value->assign(1, static_cast<char>(h.version));
   value->push_back(static_cast<char>(h.depth));
   put_u32_be(value, h.generation);
 }
@@ -438,9 +661,9 @@ void put_header(std::string* value, const WrappedHeader& h) {
 }  // namespace
 
 Status BucketKey::wrap(std::uint64_t user, unsigned depth, const UserKey& user_key, std::string* value) const {
-  const WrappedHeader h = new_header(depth, generation_);
+  const WrappedHeader h = new_header(user_key.derivation(), depth, generation_);
   put_header(value, h);
-  return key_.seal(wrap_aad(user, h), user_key.bytes_for_testing(), value);
+  return seal_with(key_.data(), kRecordVersion, wrap_aad(user, h), user_key.bytes_for_testing(), value);
 }
 
 Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vector<std::uint64_t>& users,
@@ -448,8 +671,8 @@ Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vecto
   out->assign(values.size(), std::string());
   const std::unique_ptr<EVP_CIPHER_CTX, CipherCtxDeleter> open(EVP_CIPHER_CTX_new()), seal(EVP_CIPHER_CTX_new());
   if (open == nullptr || seal == nullptr ||
-      EVP_DecryptInit_ex(open.get(), aes_256_gcm(), nullptr, key_.key_.data(), nullptr) != 1 ||
-      EVP_EncryptInit_ex(seal.get(), aes_256_gcm(), nullptr, next.key_.key_.data(), nullptr) != 1) {
+      EVP_DecryptInit_ex(open.get(), aes_256_gcm(), nullptr, key_.data(), nullptr) != 1 ||
+      EVP_EncryptInit_ex(seal.get(), aes_256_gcm(), nullptr, next.key_.data(), nullptr) != 1) {
     return Status::IOError("wrapping ledger keys again failed (OpenSSL AES-256-GCM: " + crypto_error() + ")");
   }
   // The same bytes as wrap() and unwrap(): the header and what
@@ -479,7 +702,7 @@ Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vecto
                                 std::to_string(generation_) + " of its bucket's key");
     }
     std::string& w = (*out)[i];
-    const WrappedHeader next_header = new_header(depth, next.generation_);
+    const WrappedHeader next_header = new_header(derivation_of(*h), depth, next.generation_);
     put_header(&w, next_header);
     w.push_back(static_cast<char>(kRecordVersion));
     w.resize(kWrappedKeySize);
@@ -501,15 +724,16 @@ Status BucketKey::rewrap(const BucketKey& next, unsigned depth, const std::vecto
 std::optional<UserKey> BucketKey::unwrap(std::uint64_t user, std::string_view value) const {
   const std::optional<WrappedHeader> h = wrapped_key_header(value);
   if (!h || h->generation != generation_) return std::nullopt;
-  std::string plain;
-  if (!key_.open(wrap_aad(user, *h), value.substr(h->size), &plain) || plain.size() != kUserKeySize) {
-    OPENSSL_cleanse(plain.data(), plain.size());
+  SecretBytes plain;
+  const std::string_view sealed = value.substr(h->size);
+  if (sealed.empty() || static_cast<unsigned char>(sealed[0]) != kRecordVersion ||
+      !open_with(key_.data(), wrap_aad(user, *h), sealed, plain.buffer()) || plain.size() != kUserKeySize) {
     return std::nullopt;
   }
   UserKey key;
-  std::memcpy(key.key_.data(), plain.data(), kUserKeySize);
-  OPENSSL_cleanse(plain.data(), plain.size());
-  key.derive_pseudonym();
+  key.derivation_ = derivation_of(*h);
+  std::memcpy(key.key_.data(), plain.view().data(), kUserKeySize);
+  if (!key.derive()) return std::nullopt;
   return key;
 }
 
@@ -522,13 +746,29 @@ std::string bucket_text(const KeyBucket& bucket) { return "the key of " + bucket
 // The bucket key a bucket_keys value holds; Corruption when it does not
 // decode.
 Result<BucketKey> decode_bucket_key(const Storage& storage, const KeyBucket& bucket, std::string_view stored) {
-  std::optional<BucketKey> k = BucketKey::decode(stored);
+  std::optional<BucketKey> k = decode_bucket_value(storage, bucket, stored);
   if (!k) {
+    const bool wrapped = storage.key_encryption().current != nullptr;
     return Status::Corruption(bucket_text(bucket) + " in '" + storage.path() + "' does not decode (" +
                               std::to_string(stored.size()) + "-byte value; expected " +
-                              std::to_string(kBucketValueSize) + " of version 1)");
+                              (wrapped ? std::to_string(kWrappedBucketValueSize) +
+                                             " of version 2 that the key-encryption key opens"
+                                       : std::to_string(kBucketValueSize) + " of version 1") +
+                              ")");
   }
   return std::move(*k);
+}
+
+// The bucket_keys value of `key` for `bucket`, as the Db stores it: wrapped
+// with its key-encryption key when it has one.
+Result<SecretBytes> bucket_value(const Storage& storage, const KeyBucket& bucket, const BucketKey& key) {
+  const Storage::KeyEncryption kek = storage.key_encryption();
+  if (kek.current == nullptr || kek.pending) return key.encode();
+  Result<std::string> wrapped = key.encode(*kek.current, bucket.key());
+  if (!wrapped.ok()) return wrapped.status();
+  SecretBytes out;
+  out.buffer()->assign(*wrapped);
+  return out;
 }
 
 // The bucket whose key wrapped `wrapped` (a wrapped_keys value of `user`);
@@ -551,7 +791,7 @@ Result<std::optional<UserKey>> unwrap_user_key(const Storage& storage, std::uint
         user_key_text(user) + " (key store key " + hex(encode_key_store_key(user)) + ") in '" + storage.path() +
         "' does not unwrap: " +
         (!h ? std::to_string(wrapped.size()) + "-byte value; expected " + std::to_string(kWrappedKeySize) +
-                  " of version 3 (or " + std::to_string(kWrappedKeySizeV2) + " of version 2)"
+                  " of version 3 or 4 (or " + std::to_string(kWrappedKeySizeV2) + " of version 2)"
             : "wrapped with generation " + std::to_string(h->generation) + " of " +
                   bucket_text(KeyBucket::of(user, h->depth)) + ", which " +
                   (bucket == nullptr ? std::string("is not stored")
@@ -573,6 +813,16 @@ struct KeyStoreReads {
     storage.db(Storage::Engine::Users)
         ->MultiGet(read, cf, slices.size(), slices.data(), values.data(), statuses.data(), sorted);
   }
+  // A value not pinned in RocksDB's memory was copied into the slice's own
+  // buffer: a bucket key in clear, or a wrapped key.
+  ~KeyStoreReads() {
+    for (rocksdb::PinnableSlice& v : values) {
+      if (!v.IsPinned()) wipe(v.GetSelf());
+      v.Reset();
+    }
+  }
+  KeyStoreReads(const KeyStoreReads&) = delete;
+  KeyStoreReads& operator=(const KeyStoreReads&) = delete;
   std::vector<rocksdb::PinnableSlice> values;
   std::vector<rocksdb::Status> statuses;
 };
@@ -668,6 +918,10 @@ Status write_key_batch(Storage& storage, rocksdb::WriteBatch* batch, const KeySh
   std::sort(groups.begin(), groups.end());
   groups.erase(std::unique(groups.begin(), groups.end()), groups.end());
   Status s = storage.write_key_store(batch, groups, /*sync=*/true, what);
+  // The batch held the bucket keys it wrote: its buffer is wiped (the
+  // const view RocksDB gives of it is of the batch's own string).
+  wipe(&const_cast<std::string&>(batch->Data()));
+  batch->Clear();
   if (s.ok()) storage.key_shape_cache() = std::move(encoded);
   else storage.key_shape_cache().reset();
   return s;
@@ -748,7 +1002,9 @@ Status split_bucket(Storage& storage, rocksdb::Iterator* it, KeyShape* shape, ro
   }
   for (const auto& [key, value] : puts) batch->Put(storage.keys(), key, value);
   for (auto& [child, key] : halves) {
-    batch->Put(storage.bucket_keys(), child.key(), key.encode());
+    Result<SecretBytes> value = bucket_value(storage, child, key);
+    if (!value.ok()) return value.status();
+    batch->Put(storage.bucket_keys(), child.key(), value->view());
     made->emplace(child, std::move(key));
   }
   batch->Delete(storage.bucket_keys(), bucket.key());
@@ -851,7 +1107,9 @@ Status store_user_keys(Storage& storage, const std::vector<std::pair<std::uint64
     if (bucket_keys[i]) continue;
     Result<BucketKey> k = BucketKey::generate(1);
     if (!k.ok()) return k.status();
-    batch.Put(storage.bucket_keys(), buckets[i].key(), k->encode());
+    Result<SecretBytes> value = bucket_value(storage, buckets[i], *k);
+    if (!value.ok()) return value.status();
+    batch.Put(storage.bucket_keys(), buckets[i].key(), value->view());
     bucket_keys[i] = std::move(*k);
     groups.push_back(buckets[i].group());
   }
@@ -938,7 +1196,9 @@ Status delete_user_keys(Storage& storage, const std::vector<std::uint64_t>& user
       for (std::size_t i = 0; i < kept.size(); ++i) {
         batch.Put(storage.keys(), encode_key_store_key(kept[i]), rewrapped[i]);
       }
-      batch.Put(storage.bucket_keys(), bucket.key(), next->encode());
+      Result<SecretBytes> value = bucket_value(storage, bucket, *next);
+      if (!value.ok()) return value.status();
+      batch.Put(storage.bucket_keys(), bucket.key(), value->view());
       groups.push_back(g);
     }
   }
@@ -990,5 +1250,107 @@ bool sealed_index_key_of(std::string_view record_key, std::string* out) {
   return true;
 }
 
+
+namespace {
+
+// Every bucket key wrapped with `next`, and its check value, in one synced
+// write of the key store (under key_writes_mu); the Db's keys become
+// `next` (and `previous`, for reads at older snapshots) before the write,
+// so that a reader decodes either value. Then the users engine is flushed
+// past its WALs and the bucket_keys family compacted, so that no WAL or
+// SST of the Db holds a value `next` did not wrap (a bucket key in clear,
+// or wrapped with a replaced key-encryption key).
+Status wrap_bucket_keys(Storage& storage, const KeyEncryptionKey& next, const std::string& what) {
+  std::unique_lock<std::mutex> lock(storage.key_writes_mu());
+  const Storage::KeyEncryption before = storage.key_encryption();
+  rocksdb::WriteBatch batch;
+  auto it = storage.iterator(storage.bucket_keys(), /*bulk=*/true);
+  std::uint64_t n = 0;
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const std::string_view key = it->key().ToStringView();
+    const std::optional<KeyBucket> bucket = KeyBucket::decode(key);
+    if (!bucket) {
+      return Status::Corruption(what + ": bucket_keys key " + hex(key) + " in '" + storage.path() +
+                                "' is no bucket's (expected 2 or 5 bytes)");
+    }
+    Result<BucketKey> k = decode_bucket_key(storage, *bucket, it->value().ToStringView());
+    if (!k.ok()) return Status(k.status().code(), what + ": " + k.status().message());
+    Result<std::string> wrapped = k->encode(next, key);
+    if (!wrapped.ok()) return wrapped.status();
+    batch.Put(storage.bucket_keys(), key, *wrapped);
+    ++n;
+  }
+  if (Status s = from_rocksdb(it->status(), what + ": read of the bucket keys"); !s.ok()) return s;
+  it.reset();
+  Result<std::string> check = next.check_value();
+  if (!check.ok()) return check.status();
+  batch.Put(storage.meta(), kKeyEncryptionCheckKey, *check);
+  storage.set_key_encryption({std::make_shared<const KeyEncryptionKey>(next),
+                              before.pending ? nullptr : before.current, false});
+  Status s = storage.write_key_store(&batch, {}, /*sync=*/true, what);
+  wipe(&const_cast<std::string&>(batch.Data()));
+  batch.Clear();
+  if (!s.ok()) {
+    storage.set_key_encryption(before);
+    return s;
+  }
+  lock.unlock();
+  if (Status f = storage.flush_past_wals(Storage::Engine::Users); !f.ok()) {
+    return Status(f.code(), what + " (" + std::to_string(n) + " bucket keys wrapped and stored): " + f.message());
+  }
+  rocksdb::CompactRangeOptions compact;
+  compact.bottommost_level_compaction = rocksdb::BottommostLevelCompaction::kForce;
+  rocksdb::ColumnFamilyHandle* cf = storage.bucket_keys();
+  return from_rocksdb(storage.db(Storage::Engine::Users)->CompactRange(compact, cf, nullptr, nullptr),
+                      what + " (" + std::to_string(n) + " bucket keys wrapped and stored): the compaction of the "
+                      "bucket keys");
+}
+
+}  // namespace
+
+Status open_key_encryption(Storage& storage, const std::optional<std::string>& kek, bool read_only) {
+  const std::string where = "cannot open tidal Db at '" + storage.path() + "'";
+  std::string check;
+  const Status g = storage.get(storage.meta(), kKeyEncryptionCheckKey, &check);
+  if (!g.ok() && g.code() != StatusCode::NotFound) return g;
+  const bool wrapped = g.ok();
+  if (!kek) {
+    if (!wrapped) return Status::OK();
+    return Status::InvalidArgument(where + ": its bucket keys are wrapped with a key-encryption key, and "
+                                   "Options::key_encryption_key is missing (nothing changed)");
+  }
+  Result<KeyEncryptionKey> k = KeyEncryptionKey::from(*kek);
+  if (!k.ok()) return Status::InvalidArgument(where + ": Options::key_encryption_key: " + k.status().message());
+  if (wrapped) {
+    if (!k->opens_check(check)) {
+      return Status::InvalidArgument(where + ": the key-encryption key given (Options::key_encryption_key) is not "
+                                     "the one that wraps its bucket keys (nothing changed)");
+    }
+    storage.set_key_encryption({std::make_shared<const KeyEncryptionKey>(std::move(*k)), nullptr, false});
+    return Status::OK();
+  }
+  if (read_only) {
+    return Status::InvalidArgument(where + " read-only with Options::key_encryption_key: its bucket keys are not "
+                                   "wrapped with a key-encryption key yet; a writable open with the key wraps them");
+  }
+  storage.set_key_encryption({std::make_shared<const KeyEncryptionKey>(std::move(*k)), nullptr, true});
+  return Status::OK();
+}
+
+Status finish_key_encryption(Storage& storage) {
+  const Storage::KeyEncryption kek = storage.key_encryption();
+  if (!kek.pending || storage.bucket_keys() == nullptr) return Status::OK();
+  return wrap_bucket_keys(storage, *kek.current,
+                          "wrapping the bucket keys of '" + storage.path() + "' with the key-encryption key");
+}
+
+Status rotate_key_encryption(Storage& storage, std::string_view next) {
+  Result<KeyEncryptionKey> k = KeyEncryptionKey::from(next);
+  if (!k.ok()) return Status::InvalidArgument("rotate_key_encryption_key: " + k.status().message() + " (nothing changed)");
+  if (storage.bucket_keys() == nullptr) {
+    return Status::InvalidArgument("rotate_key_encryption_key: '" + storage.path() + "' has no key store yet");
+  }
+  return wrap_bucket_keys(storage, *k, "rotate_key_encryption_key of '" + storage.path() + "'");
+}
 
 }  // namespace tidal

@@ -17,24 +17,32 @@
 //                            after the group's: 2 BE]   (depth 17-32, 5 bytes)
 //                     value [version: 1 = 0x01][generation: 4 BE][bucket key: 32]
 //                                                                 (37 bytes)
+//                           or, with a key-encryption key (KeyEncryptionKey),
+//                           [0x02][generation: 4 BE][0x01][nonce: 12]
+//                           [wrapped bucket key: 32][tag: 16]     (66 bytes)
 //   wrapped_keys CF   key   [group: 2 BE][user_id: 8 BE]          (10 bytes)
-//                     value [version: 3 = 0x03][depth: 1][generation: 4 BE]
+//                     value [version: 4 = 0x04][depth: 1][generation: 4 BE]
 //                           [0x01][nonce: 12][wrapped key: 32][tag: 16]
 //                                                                 (67 bytes;
-//                           version 2, 66 bytes, has no depth: 16)
+//                           version 3, the same, holds a key stored before
+//                           HKDF; version 2, 66 bytes, has no depth: 16)
 //   meta (users engine)   "key_store_shape" -> KeyShape::encode
 //   sealed_ledger CF  key   [epoch: 8 BE][pseudonym: 16]          (24 bytes)
-//                     value [version: 1 = 0x01][nonce: 12][ciphertext][tag: 16]
+//                     value [version: 2 = 0x02][nonce: 12][ciphertext][tag: 16]
+//                           (version 1: sealed with the raw key, read only)
 //   sealed_index CF   key   [pseudonym: 16][epoch: 8 BE]          (24 bytes)
 //                     value empty
 //
 //   group        = the top 16 bits of mix64(user_id) (format.h)
 //   bucket       = the top `depth` bits of mix64(user_id) (KeyBucket)
 //   wrapped key  = AES-256-GCM(the bucket key of that generation, nonce,
-//                  the user's key, aad = the wrapped_keys key + the depth
-//                  + the generation (BE) + 0x01)
-//   pseudonym  = HMAC-SHA256(key, "tidal ledger pseudonym v1"), first 16 bytes
-//   ciphertext = AES-256-GCM(key, nonce, plaintext,
+//                  the user's key, aad = the wrapped_keys key + the version
+//                  (4 only) + the depth + the generation (BE) + 0x01)
+//   subkeys    = HKDF-SHA256(key, info = "tidal ledger seal v2", "tidal
+//                ledger pseudonym v2", "tidal erasure mark v2") (KeyDerivation)
+//   pseudonym  = the pseudonym subkey (16 bytes); of a key stored before
+//                HKDF: HMAC-SHA256(key, "tidal ledger pseudonym v1"), first 16
+//   ciphertext = AES-256-GCM(the sealing subkey, nonce, plaintext,
 //                            aad = the record's key + the version byte);
 //                the nonce is random. One record per user per batch of the
 //                writer; its plaintext is the user's entries of the batch
@@ -92,6 +100,7 @@
 #include <string_view>
 #include <vector>
 
+#include "storage/secret.h"
 #include "storage/state_format.h"
 #include "tidal/status.h"
 
@@ -130,45 +139,75 @@ inline constexpr std::size_t kErasureTagSize = 16;
 inline constexpr std::size_t kSealNonceSize = 12;
 inline constexpr std::size_t kSealTagSize = 16;
 
-// One user's ledger key and the pseudonym derived from it. The key's bytes
-// are wiped when the object is destroyed; they are never printed (a
-// message names the user, never the key).
-class UserKey {
+// How a user's key derives what it is used for (docs/FORMAT.md, "Key
+// derivation"). Hkdf: three subkeys by HKDF-SHA256 with distinct labels, one
+// to seal records (version 2), one for the pseudonym, one for the erasure
+// tag; the raw key itself serves nothing but the key store's wrapping. Hmac:
+// the keys stored before HKDF (wrapped_keys versions 2 and 3), whose
+// pseudonym and erasure tag are HMAC-SHA256 of the raw key, so that their
+// index stays valid; they seal new records with their HKDF sealing subkey
+// too, and open their old records (version 1) with the raw key.
+enum class KeyDerivation : unsigned char { Hmac, Hkdf };
+
+// What seals a user's records and names them: the sealing subkey and the
+// pseudonym (48 bytes, what the state store's writer holds of each user).
+// Wiped when destroyed.
+class SealingKey {
  public:
-  // A new key from the OS CSPRNG; IOError when it has none to give.
-  static Result<UserKey> generate();
-  // From encode()'s bytes; empty unless 33 bytes of version 1.
-  static std::optional<UserKey> decode(std::string_view stored);
+  SealingKey(const SealingKey& other) = default;
+  SealingKey& operator=(const SealingKey& other) = default;
+  ~SealingKey();
 
-  UserKey(const UserKey& other) = default;
-  UserKey& operator=(const UserKey& other) = default;
-  ~UserKey();
-
-  // [version: 1 = 0x01][key: 32]: what a bucket key holds, and what tests
-  // hold of a user's key. Never stored for a user (wrap_user_key).
-  std::string encode() const;
   // The 16 bytes that name the user's records: the end of each of their
   // sealed ledger keys, the start of each of their index keys.
   std::string_view pseudonym() const {
     return {reinterpret_cast<const char*>(pseudonym_.data()), pseudonym_.size()};
   }
-  // What a purge's erasure mark holds to name this key (16 bytes, another
-  // derivation of it: HMAC-SHA256(key, "tidal erasure mark v1")), so that
-  // the mark, which names the user, does not name the user's sealed records
-  // too, as the pseudonym would.
-  std::string erasure_tag() const;
   // The sealed ledger key of the user's record of batch `epoch`, and its
   // index key.
   std::string record_key(std::uint64_t epoch) const;
   // The same name, without an allocation (the writer makes one a record).
   std::array<char, kSealedLedgerKeySize> record_name(std::uint64_t epoch) const;
   std::string index_key(std::uint64_t epoch) const;
-  // Seals `plaintext` as the value of the record named `record_key`,
-  // appended to *value. IOError when libcrypto fails (it does not, short of
-  // memory).
+  // Seals `plaintext` as the value of the record named `record_key` (a
+  // version-2 record, under the sealing subkey), appended to *value.
+  // IOError when libcrypto fails (it does not, short of memory).
   Status seal(std::string_view record_key, std::string_view plaintext, std::string* value) const;
+
+ protected:
+  SealingKey() = default;
+
+  std::array<unsigned char, kUserKeySize> seal_key_{};
+  std::array<unsigned char, kPseudonymSize> pseudonym_{};
+};
+
+// One user's ledger key, and what is derived from it. The key's bytes are
+// wiped when the object is destroyed; they are never printed (a message
+// names the user, never the key).
+class UserKey : public SealingKey {
+ public:
+  // A new key from the OS CSPRNG (derived with HKDF); IOError when it has
+  // none to give.
+  static Result<UserKey> generate();
+  // From encode()'s bytes; empty unless 33 bytes of version 1 (Hmac) or 2
+  // (Hkdf).
+  static std::optional<UserKey> decode(std::string_view stored);
+
+  UserKey(const UserKey& other) = default;
+  UserKey& operator=(const UserKey& other) = default;
+  ~UserKey();
+
+  KeyDerivation derivation() const { return derivation_; }
+  // [version: 1 = Hmac, 2 = Hkdf][key: 32]: what tests hold of a user's
+  // key. Never stored (BucketKey::wrap).
+  SecretBytes encode() const;
+  // What a purge's erasure mark holds to name this key (16 bytes, another
+  // derivation of it), so that the mark, which names the user, does not
+  // name the user's sealed records too, as the pseudonym would.
+  std::string erasure_tag() const;
   // Opens a value sealed under `record_key`: false when it is not this
-  // key's (the tag does not authenticate), or the record was changed.
+  // key's (the tag does not authenticate), or the record was changed. A
+  // version-1 record opens with the raw key of an Hmac key only.
   bool open(std::string_view record_key, std::string_view value, std::string* plaintext) const;
 
   // The raw key, for tests that look for it in files (tests/erasure_scan.h).
@@ -179,15 +218,50 @@ class UserKey {
  private:
   friend class BucketKey;
   UserKey() = default;
-  void derive_pseudonym();
+  // Fills the subkeys and the pseudonym from key_ and derivation_; false
+  // when libcrypto fails (the key is then not used).
+  bool derive();
 
   std::array<unsigned char, kUserKeySize> key_{};
-  std::array<unsigned char, kPseudonymSize> pseudonym_{};
+  KeyDerivation derivation_ = KeyDerivation::Hkdf;
 };
+
+// For tests of the keys stored before HKDF: while set, new keys derive as
+// Hmac keys and seal version-1 records with the raw key, as the format-4
+// Dbs written before HKDF did, and are stored as such (wrapped_keys version
+// 3), so that a test writes such a Db and then opens it without the flag.
+std::atomic<bool>& hmac_keys_for_testing();
+
+// The host's key-encryption key (Options::key_encryption_key; docs/FORMAT.md,
+// "The key-encryption key"): an AES-256 key that wraps each bucket key in
+// the bucket_keys family, so that the Db's files alone unwrap no user's key.
+// Wiped when destroyed.
+class KeyEncryptionKey {
+ public:
+  // From the host's 32 bytes; InvalidArgument naming the length otherwise.
+  static Result<KeyEncryptionKey> from(std::string_view bytes);
+  KeyEncryptionKey(const KeyEncryptionKey& other) = default;
+  KeyEncryptionKey& operator=(const KeyEncryptionKey& other) = default;
+  ~KeyEncryptionKey();
+
+  // The value of the users engine's meta key kKeyEncryptionCheckKey that
+  // this key opens (61 bytes), and whether `stored` is one that it opens.
+  Result<std::string> check_value() const;
+  bool opens_check(std::string_view stored) const;
+
+ private:
+  friend class BucketKey;
+  KeyEncryptionKey() = default;
+  std::array<unsigned char, kUserKeySize> key_{};
+};
+// Users-engine meta key: present when the Db's bucket keys are wrapped with
+// a key-encryption key, holding a check value sealed with it.
+inline constexpr char kKeyEncryptionCheckKey[] = "key_encryption_check";
+inline constexpr std::size_t kWrappedBucketValueSize = 1 + 4 + 1 + 12 + kUserKeySize + 16;  // version 2
 
 // One bucket's key and its generation: the key that wraps the keys of the
 // bucket's users in the key store. A purge replaces it with a new one of
-// the next generation and erases the old one.
+// the next generation and erases the old one. Wiped when destroyed.
 class BucketKey {
  public:
   // A new key from the OS CSPRNG, of generation `generation`.
@@ -195,31 +269,52 @@ class BucketKey {
   // From a bucket_keys value; empty unless 37 bytes of version 1.
   static std::optional<BucketKey> decode(std::string_view stored);
 
+  BucketKey(const BucketKey& other) = default;
+  BucketKey& operator=(const BucketKey& other) = default;
+  ~BucketKey();
+
   std::uint32_t generation() const { return generation_; }
-  // The bucket_keys value.
-  std::string encode() const;
+  // The bucket_keys value in clear (version 1; wiped when the result is
+  // destroyed).
+  SecretBytes encode() const;
+  // The bucket_keys value of bucket `bucket_key` (its bucket_keys key),
+  // wrapped with `kek` (version 2, 66 bytes).
+  Result<std::string> encode(const KeyEncryptionKey& kek, std::string_view bucket_key) const;
+  // From a version-2 value of bucket `bucket_key`; empty unless 66 bytes
+  // that `kek` opens under that key.
+  static std::optional<BucketKey> decode(std::string_view stored, const KeyEncryptionKey& kek,
+                                         std::string_view bucket_key);
   // `user_key` of `user`, wrapped for the wrapped_keys family by this key
-  // of a bucket of depth `depth` (67 bytes, version 3).
+  // of a bucket of depth `depth` (67 bytes: version 4 for an Hkdf key, 3
+  // for an Hmac one).
   Status wrap(std::uint64_t user, unsigned depth, const UserKey& user_key, std::string* value) const;
-  // The key a wrapped_keys value (version 2 or 3) holds: empty when it is
-  // not this key's (another generation or bucket, another user's record,
-  // or changed).
+  // The key a wrapped_keys value (version 2, 3 or 4) holds: empty when it
+  // is not this key's (another generation or bucket, another user's
+  // record, or changed).
   std::optional<UserKey> unwrap(std::uint64_t user, std::string_view value) const;
   // Each of `values` (the wrapped_keys values of `users`, wrapped with this
   // key) unwrapped and wrapped again with `next`, the key of a bucket of
-  // depth `depth`, into (*out)[i], with one context keyed once each way:
-  // keying one per key cost as much as the wrapping itself. Corruption
-  // naming the user when one does not unwrap.
+  // depth `depth`, into (*out)[i] (keeping each key's derivation), with one
+  // context keyed once each way: keying one per key cost as much as the
+  // wrapping itself. Corruption naming the user when one does not unwrap.
   Status rewrap(const BucketKey& next, unsigned depth, const std::vector<std::uint64_t>& users,
                 const std::vector<std::string>& values, std::vector<std::string>* out) const;
   // The raw key, for tests that look for it in files (tests/erasure_scan.h).
-  std::string_view bytes_for_testing() const { return key_.bytes_for_testing(); }
+  std::string_view bytes_for_testing() const {
+    return {reinterpret_cast<const char*>(key_.data()), key_.size()};
+  }
 
  private:
-  BucketKey(std::uint32_t generation, UserKey key) : generation_(generation), key_(std::move(key)) {}
+  BucketKey(std::uint32_t generation) : generation_(generation) {}
   std::uint32_t generation_;
-  UserKey key_;  // an AES-256 key as a user's is (its pseudonym unused)
+  std::array<unsigned char, kUserKeySize> key_{};  // AES-256, used as is
 };
+
+// A version-1 record (or wrapped key) sealed with `key` (32 raw bytes) as
+// AES-256-GCM key, as the keys stored before HKDF sealed their records: for
+// tests that write what those wrote.
+Status seal_v1_for_testing(std::string_view key, std::string_view record_key, std::string_view plaintext,
+                           std::string* value);
 
 // The group of `user` (the top 16 bits of mix64(user)): the first two
 // bytes of the user's wrapped_keys key, and of the key of each bucket that
@@ -283,8 +378,9 @@ inline constexpr char kKeyShapeKey[] = "key_store_shape";
 std::atomic<std::uint64_t>& split_to_buckets_for_testing();
 
 // The generation a wrapped_keys value was wrapped with, and the depth of
-// the bucket whose key wrapped it; empty unless 67 bytes of version 3, or
-// 66 of version 2 (depth 16, written before buckets split).
+// the bucket whose key wrapped it; empty unless 67 bytes of version 3 or 4,
+// or 66 of version 2 (depth 16, written before buckets split). Version 4
+// holds an Hkdf key; 2 and 3 an Hmac one.
 struct WrappedHeader {
   unsigned version;
   unsigned depth;
@@ -293,6 +389,33 @@ struct WrappedHeader {
 };
 std::optional<WrappedHeader> wrapped_key_header(std::string_view value);
 std::optional<std::uint32_t> wrapped_key_generation(std::string_view value);
+
+// The bucket key `stored` (the bucket_keys value of `bucket`) holds, read
+// with the Db's key-encryption keys (Storage::key_encryption): a version-1
+// value when the Db has none (or its open is still to wrap them), a
+// version-2 value wrapped with the current or the previous one when it has.
+// Empty when it does not decode.
+std::optional<BucketKey> decode_bucket_value(const Storage& storage, const KeyBucket& bucket, std::string_view stored);
+
+// Checks `kek` (the host's key-encryption key, when given) against the Db
+// before the open changes anything, and keeps it in `storage`:
+// InvalidArgument when the Db's bucket keys are wrapped and no key is given
+// ("Options::key_encryption_key is missing"), when the key given does not
+// open the Db's check value (another key), when it is not 32 bytes, or when
+// a read-only open is given a key for a Db that has none (only a writable
+// open can wrap its bucket keys).
+Status open_key_encryption(Storage& storage, const std::optional<std::string>& kek, bool read_only);
+// A writable open given a key for a Db that had none wraps every bucket key
+// with it and stores its check value, in one synced write, then flushes and
+// compacts the bucket_keys family so that no SST of it holds a bucket key in
+// clear. Nothing to do otherwise.
+Status finish_key_encryption(Storage& storage);
+// Db::rotate_key_encryption_key: every bucket key wrapped again with `next`
+// (32 bytes) and its check value, in one synced write (under key_writes_mu),
+// then the bucket_keys family flushed and compacted, so that no SST of it
+// holds a value the old key wrapped. A Db without a key gets one the same
+// way. InvalidArgument when `next` is not 32 bytes.
+Status rotate_key_encryption(Storage& storage, std::string_view next);
 
 // Stores the new keys `created` (synced), each wrapped with its bucket's
 // current key; a bucket with none gets one (generation 1) in the same

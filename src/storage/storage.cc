@@ -1,6 +1,7 @@
 #include "storage/storage.h"
 
 #include "storage/sealed_ledger.h"
+#include "storage/secret.h"
 #include "storage/state_format.h"
 
 #include <rocksdb/cache.h>
@@ -836,13 +837,15 @@ class KeyStoreErasure : public rocksdb::CompactionFilterFactory {
     explicit KeyFilter(KeyStoreErasure* erasure) : erasure_(erasure) {}
     bool Filter(int /*level*/, const rocksdb::Slice& key, const rocksdb::Slice& value, std::string* /*new_value*/,
                 bool* /*value_changed*/) const override {
-      return erasure_->stale({key.data(), key.size()}, {value.data(), value.size()}, &current_);
+      const bool stale = erasure_->stale({key.data(), key.size()}, {value.data(), value.size()}, current_.buffer());
+      current_.clear();  // a bucket key read back
+      return stale;
     }
     const char* Name() const override { return "tidal.KeyStoreErasure"; }
 
    private:
     KeyStoreErasure* const erasure_;
-    mutable std::string current_;
+    mutable SecretBytes current_;
   };
 
   // Whether `value` of `key` is in a range being erased, and is the key's

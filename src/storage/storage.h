@@ -63,6 +63,7 @@
 
 namespace tidal {
 
+class KeyEncryptionKey;     // storage/sealed_ledger.h
 class SealedRecordReclaim;  // storage.cc
 class KeyStoreErasure;      // storage.cc
 
@@ -180,6 +181,23 @@ class Storage {
   // KeyShape::encode); empty until the first write of the key store reads
   // it. Under key_writes_mu.
   std::optional<std::string>& key_shape_cache() { return key_shape_; }
+  // The key-encryption keys that wrap the bucket keys (storage/sealed_ledger.h,
+  // open_key_encryption): none when the Db has none; the current one, and
+  // the one a rotation replaced since the open (a read at an older snapshot
+  // finds values it wrapped); `pending` while the bucket keys are still in
+  // clear and the open is to wrap them (finish_key_encryption).
+  struct KeyEncryption {
+    std::shared_ptr<const KeyEncryptionKey> current, previous;
+    bool pending = false;
+  };
+  KeyEncryption key_encryption() const {
+    std::lock_guard<std::mutex> lock(kek_mu_);
+    return kek_;
+  }
+  void set_key_encryption(KeyEncryption kek) {
+    std::lock_guard<std::mutex> lock(kek_mu_);
+    kek_ = std::move(kek);
+  }
   // The change feed (docs/FORMAT.md); null until create_feed().
   rocksdb::ColumnFamilyHandle* feed() const {
     if (upgrade_pending_) return legacy("feed");
@@ -507,6 +525,8 @@ class Storage {
   mutable std::shared_mutex key_store_mu_;
   mutable std::mutex key_writes_mu_;
   std::optional<std::string> key_shape_;  // guarded by key_writes_mu_
+  mutable std::mutex kek_mu_;
+  KeyEncryption kek_;  // guarded by kek_mu_
   // The directory's (st_dev, st_ino) in the registry of Dbs open for
   // writing, while this handle holds it.
   std::optional<std::pair<dev_t, ino_t>> registry_id_;

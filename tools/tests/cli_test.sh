@@ -333,5 +333,21 @@ t --db "$WORK/f2/db" --json migrate; rc_is 0; json 'd == {"format": 4, "upgraded
 t --db "$WORK/f2/db" changes; rc_is 0; out_has '^last_seq +9$'
 t --db "$WORK/f2/db" verify; rc_is 0
 
+# --key-file: a write command wraps the bucket keys with the key; every open
+# then needs it; rotate-key moves them to another key.
+KEK=$WORK/kek.hex; KEK2=$WORK/kek2.bin
+python3 -c "print('5a' * 32)" >"$KEK"
+head -c 32 /dev/urandom >"$KEK2"
+t --db "$WORK/f2/db" --key-file "$KEK" leave 1003; rc_is 0
+t --db "$WORK/f2/db" status 1003; rc_is 2; err_has 'key_encryption_key is missing'
+t --db "$WORK/f2/db" --key-file "$KEK2" status 1003; rc_is 2; err_has 'is not the one that wraps its bucket keys'
+t --db "$WORK/f2/db" --key-file "$WORK/afile" status 1003; rc_is 2; err_has 'neither 32 bytes nor 64 hex digits'
+t --db "$WORK/f2/db" --key-file "$KEK" verify; rc_is 0
+t --db "$WORK/f2/db" --key-file "$KEK" rotate-key "$KEK2"; rc_is 0; out_has '^rotate-key: every bucket key is wrapped'
+t --db "$WORK/f2/db" --key-file "$KEK" verify; rc_is 2; err_has 'is not the one'
+t --db "$WORK/f2/db" --key-file "$KEK2" verify; rc_is 0
+t --db "$WORK/f2/db" --key-file "$KEK2" rotate-key; rc_is 2; err_has 'rotate-key takes exactly one FILE'
+t --db "$WORK/f2/db" --key-file; rc_is 2; err_has '--key-file needs a PATH'
+
 echo "$checks checks, $failures failed"
 [ "$failures" -eq 0 ]
