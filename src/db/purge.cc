@@ -1350,11 +1350,15 @@ Status Db::Impl::erase_purge_image() {
     }
     return out;
   };
+  // Every purge batch whose ranges these are is in SST files already:
+  // retire_state_wals flushed the engine after them, so erase_ranges need
+  // not flush it again for each column family.
+  const Storage::KeysWritten flushed{/*in_wals=*/false};
   Status s;
   for (auto [cf, ranges] : {std::pair{storage_->aggregates(), &image.aggregates},
                             std::pair{storage_->receipts(), &image.receipts},
                             std::pair{storage_->sealed_index(), &image.sealed_index}}) {
-    if (s.ok()) s = erase_ranges(cf, merged(*ranges), {}, Storage::KeysWritten{});
+    if (s.ok()) s = erase_ranges(cf, merged(*ranges), {}, flushed);
   }
   // The MANIFESTs so far recorded the files the purge's batch went into,
   // which tie the receipts' keys to the purged pseudonyms by their sequence
